@@ -1,0 +1,158 @@
+"""Reading Hugging Face safetensors into our parameter pytrees through explicit name tables.
+
+Every model part (talker, code predictor, codec) declares a table of `Entry`s: which Hugging Face
+tensor (a name template, with ``{i}`` for a stacked layer index) fills which leaf of our pytree, and
+how its layout changes. One mechanism does the reading, the stacking and the checking, so every part
+reports a missing or mis-shaped tensor the same way: by its Hugging Face name, with both shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Callable, Mapping
+
+import ml_dtypes
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message names the file or tensor."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a Hugging Face tensor is rearranged into ours; `inverse_shape` reports expectations in HF terms."""
+
+    name: str
+    forward: Callable[[np.ndarray], np.ndarray]
+    inverse_shape: Callable[[tuple[int, ...]], tuple[int, ...]]
+
+
+AS_IS = Layout("as_is", lambda a: a, lambda s: s)
+# torch Linear stores (out, in); we multiply x @ w with w as (in, out).
+LINEAR = Layout("linear", lambda a: a.T, lambda s: s[::-1])
+# torch Conv1d stores (out, in, k); lax.conv_general_dilated with "WIO" wants (k, in, out).
+CONV = Layout("conv", lambda a: np.transpose(a, (2, 1, 0)), lambda s: (s[2], s[1], s[0]))
+# torch ConvTranspose1d stores (in, out, k); we keep (k, in, out) and flip in the layer.
+CONV_TRANSPOSE = Layout("conv_transpose", lambda a: np.transpose(a, (2, 0, 1)), lambda s: (s[1], s[2], s[0]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One row of a name table: HF tensor template -> our leaf path ("a/b/c")."""
+
+    hf: str
+    ours: str
+    layout: Layout = AS_IS
+
+
+def read_safetensors(directory: Path, stem: str = "model") -> dict[str, np.ndarray]:
+    """All tensors of ``stem.safetensors`` or of the shards listed in ``stem.safetensors.index.json``."""
+    directory = Path(directory)
+    single = directory / f"{stem}.safetensors"
+    index = directory / f"{stem}.safetensors.index.json"
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"shard {f} listed in {index} is missing")
+    else:
+        raise CheckpointError(f"no weights: neither {single} nor {index} exists")
+    tensors: dict[str, np.ndarray] = {}
+    for f in files:
+        tensors.update(read_safetensors_file(f))
+    return tensors
+
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def read_safetensors_file(path: Path) -> dict[str, np.ndarray]:
+    """Parse one .safetensors file ourselves: numpy has no bfloat16, and the real checkpoints are bf16.
+
+    The format is an 8-byte little-endian header length, a JSON header of dtype/shape/offsets, then data.
+    """
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    try:
+        (n,) = np.frombuffer(data[:8].tobytes(), dtype="<u8")
+        header = json.loads(data[8 : 8 + n].tobytes())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not a safetensors file: {exc}") from exc
+    body = 8 + int(n)
+    out = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        if info["dtype"] not in _DTYPES:
+            raise CheckpointError(f"{path}: tensor '{key}' has unsupported dtype {info['dtype']}")
+        begin, stop = info["data_offsets"]
+        if body + stop > data.size:
+            raise CheckpointError(f"{path} is truncated: tensor '{key}' ends past the end of the file")
+        raw = data[body + begin : body + stop]
+        out[key] = raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+    return out
+
+
+def load_table(
+    tensors: Mapping[str, np.ndarray],
+    table: list[Entry],
+    shapes: Mapping[str, tuple[int, ...]],
+    dtype,
+    what: str,
+) -> dict:
+    """Fill every leaf in ``shapes`` (our path -> our full shape) from ``tensors`` through ``table``.
+
+    A leaf whose table template contains ``{i}`` is stacked over its leading axis. Raises
+    `CheckpointError` naming the HF tensor on a missing tensor or shape mismatch; logs unused tensors.
+    """
+    by_path = {e.ours: e for e in table}
+    used: set[str] = set()
+    flat: dict[str, np.ndarray] = {}
+    for path, shape in shapes.items():
+        entry = by_path[path]
+        if "{i}" in entry.hf:
+            parts = [_take(tensors, entry.hf.format(i=i), entry.layout, shape[1:], what) for i in range(shape[0])]
+            used.update(entry.hf.format(i=i) for i in range(shape[0]))
+            flat[path] = np.stack(parts).astype(dtype)
+        else:
+            flat[path] = _take(tensors, entry.hf, entry.layout, shape, what).astype(dtype)
+            used.add(entry.hf)
+    unused = sorted(set(tensors) - used)
+    if unused:
+        log.debug("%s: %d checkpoint tensors unused: %s", what, len(unused), ", ".join(unused))
+    return unflatten(flat)
+
+
+def _take(tensors, name: str, layout: Layout, shape: tuple[int, ...], what: str) -> np.ndarray:
+    expected_hf = tuple(layout.inverse_shape(tuple(shape)))
+    if name not in tensors:
+        raise CheckpointError(f"{what}: tensor '{name}' is missing (expected shape {expected_hf})")
+    value = tensors[name]
+    if tuple(value.shape) != expected_hf:
+        raise CheckpointError(
+            f"{what}: tensor '{name}' has shape {tuple(value.shape)}, expected {expected_hf}"
+        )
+    return np.asarray(layout.forward(np.asarray(value, dtype=np.float32)))
+
+
+def unflatten(flat: Mapping[str, np.ndarray]) -> dict:
+    """{"a/b": x} -> {"a": {"b": x}}."""
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        *parents, leaf = path.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
