@@ -1,0 +1,76 @@
+"""`qtts-jax` command line: `synth` (text -> WAV) and `info` (what a checkpoint is)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from qtts_jax.checkpoint import CheckpointError
+from qtts_jax.request import Request, RequestError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qtts-jax", description="Qwen3-TTS (12 Hz) in JAX")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("synth", help="synthesize text into a 24 kHz WAV")
+    s.add_argument("--model", required=True, help="checkpoint directory (Hugging Face layout) or tiny-random")
+    s.add_argument("--text", required=True)
+    s.add_argument("--speaker", help="CustomVoice speaker (default: the first one listed by `info`)")
+    s.add_argument("--language", default="auto")
+    s.add_argument("--instruct", help="style instruction (VoiceDesign; CustomVoice 1.7B)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--greedy", action="store_true", help="argmax decoding for talker and code predictor")
+    s.add_argument("--max-frames", type=int, help="cap on complete 80 ms frames")
+    s.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    s.add_argument("--out", required=True, help="output .wav")
+    s.add_argument("--codes-out", help="also save the codes [frames, 16] as .npy")
+    i = sub.add_parser("info", help="print what a checkpoint is (kind, size, speakers, languages)")
+    i.add_argument("--model", required=True)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    import jax.numpy as jnp
+
+    from qtts_jax.audio import write_wav
+    from qtts_jax.model import load_model
+
+    try:
+        model = load_model(args.model, dtype=jnp.dtype(getattr(args, "dtype", "float32")))
+        if args.command == "info":
+            print(json.dumps(model.info(), indent=2))
+            return 0
+        if model.cfg.model_type == "base":
+            raise RequestError("voice", "Base models clone a voice from reference audio, which synth cannot take yet")
+        speaker = args.speaker
+        if speaker is None and model.cfg.model_type == "custom_voice":
+            speaker = sorted(model.cfg.speakers)[0]
+            print(f"speaker: {speaker} (pass --speaker to choose)", file=sys.stderr)
+        req = Request(
+            text=args.text, speaker=speaker, language=args.language, instruct=args.instruct, seed=args.seed,
+            greedy=True if args.greedy else None, subtalker_greedy=True if args.greedy else None,
+            max_frames=args.max_frames,
+        )
+        t0 = time.perf_counter()
+        (result,) = model.generate(req)
+        elapsed = time.perf_counter() - t0
+    except (CheckpointError, RequestError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    write_wav(args.out, result.audio, result.sample_rate)
+    if args.codes_out:
+        np.save(args.codes_out, result.codes)
+    seconds = len(result.audio) / result.sample_rate
+    print(f"wrote {args.out}: {result.frames} frames, {seconds:.2f} s of audio in {elapsed:.2f} s")
+    if model.is_noise:
+        print(f"note: {model.name} has random weights, so this audio is noise", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""Speech-tokenizer (12 Hz codec) configuration, read from ``speech_tokenizer/config.json``.
+
+Only the fields the decoder uses are kept. Every one of them is required in the file: the reference's
+class defaults (hidden 1024, intermediate 3072, ...) do not match the released checkpoints, so a field
+silently taken from a default would build the wrong network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+from qtts_jax.checkpoint import CheckpointError
+
+MODEL_TYPE = "qwen3_tts_tokenizer_12hz"
+# Fixed by the reference's vocoder block (three residual units per block), not read from the config.
+RESIDUAL_DILATIONS = (1, 3, 9)
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecDecoderConfig:
+    """``decoder_config`` of the 12 Hz tokenizer: RVQ dequant, pre-transformer, upsampler, vocoder."""
+
+    codebook_size: int
+    codebook_dim: int  # the two RVQs work at codebook_dim // 2 and project back to codebook_dim
+    num_quantizers: int
+    latent_dim: int
+    decoder_dim: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    sliding_window: int
+    rope_theta: float
+    rms_norm_eps: float
+    upsample_rates: tuple[int, ...]
+    upsampling_ratios: tuple[int, ...]
+
+    @property
+    def rvq_dim(self) -> int:
+        return self.codebook_dim // 2
+
+    @property
+    def samples_per_frame(self) -> int:
+        return math.prod(self.upsampling_ratios) * math.prod(self.upsample_rates)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "CodecDecoderConfig":
+        _require(d, "decoder_config", [f.name for f in dataclasses.fields(cls) if f.name != "head_dim"])
+        # These three change the network in ways this port does not implement; refuse rather than ignore.
+        if d.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"decoder_config.hidden_act={d['hidden_act']!r} is not supported (only 'silu')")
+        if d.get("attention_bias", False):
+            raise CheckpointError("decoder_config.attention_bias=true is not supported")
+        scaling = d.get("rope_scaling") or {}
+        if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+            raise CheckpointError(f"decoder_config.rope_scaling={scaling!r} is not supported")
+        return cls(
+            codebook_size=int(d["codebook_size"]),
+            codebook_dim=int(d["codebook_dim"]),
+            num_quantizers=int(d["num_quantizers"]),
+            latent_dim=int(d["latent_dim"]),
+            decoder_dim=int(d["decoder_dim"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=int(d["num_attention_heads"]),
+            num_key_value_heads=int(d["num_key_value_heads"]),
+            # The reference (like HF RoPE) derives head_dim when the file has none.
+            head_dim=int(d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]),
+            sliding_window=int(d["sliding_window"]),
+            rope_theta=float(d["rope_theta"]),
+            rms_norm_eps=float(d["rms_norm_eps"]),
+            upsample_rates=tuple(int(r) for r in d["upsample_rates"]),
+            upsampling_ratios=tuple(int(r) for r in d["upsampling_ratios"]),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecConfig:
+    """Top level of ``speech_tokenizer/config.json``: rates plus the decoder part."""
+
+    input_sample_rate: int
+    output_sample_rate: int
+    decode_upsample_rate: int
+    decoder: CodecDecoderConfig
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "CodecConfig":
+        if d.get("model_type", MODEL_TYPE) != MODEL_TYPE:
+            raise CheckpointError(f"speech tokenizer model_type is {d['model_type']!r}, expected {MODEL_TYPE!r}")
+        _require(d, "speech tokenizer config", ["input_sample_rate", "output_sample_rate", "decode_upsample_rate", "decoder_config"])
+        cfg = cls(
+            input_sample_rate=int(d["input_sample_rate"]),
+            output_sample_rate=int(d["output_sample_rate"]),
+            decode_upsample_rate=int(d["decode_upsample_rate"]),
+            decoder=CodecDecoderConfig.from_dict(d["decoder_config"]),
+        )
+        if cfg.decode_upsample_rate != cfg.decoder.samples_per_frame:
+            raise CheckpointError(
+                f"decode_upsample_rate {cfg.decode_upsample_rate} != product of the decoder's rates "
+                f"{cfg.decoder.samples_per_frame}"
+            )
+        return cfg
+
+    @classmethod
+    def from_file(cls, path: Path) -> "CodecConfig":
+        """Read ``path`` (a config.json, or a ``speech_tokenizer`` directory holding one)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise CheckpointError(f"speech tokenizer config {path} does not exist")
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def _require(d: Mapping[str, Any], where: str, keys: list[str]) -> None:
+    missing = [k for k in keys if k not in d]
+    if missing:
+        raise CheckpointError(f"{where} lacks required field(s): {', '.join(missing)}")
+
+
+def tiny_config_dict(num_hidden_layers: int = 2) -> dict:
+    """A complete tiny ``speech_tokenizer/config.json``: small widths, but the real codebook layout and rates.
+
+    Keeping 2048 codes x 16 quantizers and rates [8,5,4,3]x[2,2] (1920 samples per frame at 24 kHz) makes
+    tiny runs exercise the same indexing, chunking and output lengths as the released model.
+    The tiny ``encoder_config`` (Mimi) is only there so the reference model can be built.
+    """
+    return {
+        "model_type": MODEL_TYPE,
+        "encoder_valid_num_quantizers": 16,
+        "input_sample_rate": 24000,
+        "output_sample_rate": 24000,
+        "decode_upsample_rate": 1920,
+        "encode_downsample_rate": 1920,
+        "decoder_config": {
+            "codebook_size": 2048,
+            "codebook_dim": 32,
+            "num_quantizers": 16,
+            "num_semantic_quantizers": 1,
+            "latent_dim": 32,
+            "decoder_dim": 64,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": num_hidden_layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "attention_bias": False,
+            "sliding_window": 72,
+            "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-5,
+            "layer_scale_initial_scale": 0.01,
+            "max_position_embeddings": 8000,
+            "hidden_act": "silu",
+            "upsample_rates": [8, 5, 4, 3],
+            "upsampling_ratios": [2, 2],
+        },
+        "encoder_config": {
+            "sampling_rate": 24000,
+            "frame_rate": 12.5,
+            "audio_channels": 1,
+            "hidden_size": 16,
+            "num_filters": 4,
+            "num_residual_layers": 1,
+            "upsampling_ratios": [8, 6, 5, 4],
+            "codebook_size": 2048,
+            "codebook_dim": 16,
+            "vector_quantization_hidden_dimension": 16,
+            "num_quantizers": 16,
+            "num_semantic_quantizers": 1,
+            "upsample_groups": 16,
+            "num_hidden_layers": 1,
+            "intermediate_size": 32,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "sliding_window": 250,
+        },
+    }
+
+
+def released_config_dict() -> dict:
+    """The decoder part of the released ``speech_tokenizer/config.json`` (architecture note §2.3), for
+    random-weight benchmarks at the real shapes. The encoder (Mimi) is not part of the decoder."""
+    return {
+        "model_type": MODEL_TYPE,
+        "encoder_valid_num_quantizers": 16,
+        "input_sample_rate": 24000,
+        "output_sample_rate": 24000,
+        "decode_upsample_rate": 1920,
+        "encode_downsample_rate": 1920,
+        "decoder_config": {
+            "codebook_size": 2048, "codebook_dim": 512, "num_quantizers": 16, "num_semantic_quantizers": 1,
+            "latent_dim": 1024, "decoder_dim": 1536, "hidden_size": 512, "intermediate_size": 1024,
+            "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 64,
+            "attention_bias": False, "sliding_window": 72, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+            "layer_scale_initial_scale": 0.01, "max_position_embeddings": 8000, "hidden_act": "silu",
+            "upsample_rates": [8, 5, 4, 3], "upsampling_ratios": [2, 2],
+        },
+    }

@@ -1,0 +1,194 @@
+"""12 Hz speech-tokenizer decoder: codes [B, T, 16] -> 24 kHz audio [B, T * 1920], as pure functions.
+
+Stages (the reference's ``Qwen3TTSTokenizerV2Decoder``): RVQ dequant -> causal conv -> sliding-window
+transformer at 12.5 Hz -> 2x (transposed conv + ConvNeXt) -> SnakeBeta vocoder -> clamp to [-1, 1].
+Activations are channels-last [B, T, C]. Every layer is causal, so output sample n depends only on
+frames <= n // 1920; `chunked_decode` relies on this to pad chunks on the right.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from qtts_jax.codec.config import RESIDUAL_DILATIONS, CodecConfig, CodecDecoderConfig
+
+_DIMS = ("NWC", "WIO", "NWC")
+SNAKE_EPS = 1e-9
+CONVNEXT_LN_EPS = 1e-6
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def decode(params: dict, cfg: CodecConfig, codes: jax.Array) -> jax.Array:
+    """Full (single-pass) decode: int codes [B, T, Q] in [0, codebook_size) -> float32 audio [B, T * 1920]."""
+    d = cfg.decoder
+    if codes.shape[-1] != d.num_quantizers:
+        raise ValueError(f"expected {d.num_quantizers} codebooks in the last axis, got shape {codes.shape}")
+    x = _dequantize(params["quantizer"], codes)
+    x = _causal_conv(x, params["pre_conv"])
+    x = _transformer(params["transformer"], d, x)
+    for stage, factor in zip(params["upsample"], d.upsampling_ratios):
+        x = _causal_conv_transpose(x, stage["conv"], factor)
+        x = _convnext(x, stage["convnext"])
+    x = _vocoder(params["vocoder"], d, x)
+    return jnp.clip(x[..., 0], -1.0, 1.0).astype(jnp.float32)
+
+
+def chunked_decode(
+    params: dict, cfg: CodecConfig, codes: jax.Array, chunk_size: int = 300, left_context: int = 25
+) -> jax.Array:
+    """The reference's ``decode()``: decode ``chunk_size`` frames at a time, each re-run with
+    ``left_context`` earlier frames (positions restarting at 0) whose audio is then dropped.
+
+    The attention window reaches further back than ``left_context``, so after the first chunk this
+    differs from `decode`; copying it is what matches the reference. Every chunk is decoded as one
+    window of a single static length (the last, and the context-free first, padded on the right:
+    harmless, the decoder is causal), so `decode` compiles once.
+    """
+    codes = jnp.asarray(codes, jnp.int32)
+    n_frames = codes.shape[1]
+    if n_frames == 0:
+        return jnp.zeros((codes.shape[0], 0), jnp.float32)
+    window = min(n_frames, chunk_size + left_context)
+    padded = jnp.pad(codes, ((0, 0), (0, window), (0, 0)))
+    spf = cfg.decoder.samples_per_frame
+    pieces = []
+    for start in range(0, n_frames, chunk_size):
+        context = left_context if start - left_context > 0 else start
+        n_new = min(chunk_size, n_frames - start)
+        audio = decode(params, cfg, padded[:, start - context : start - context + window])
+        pieces.append(audio[:, context * spf : (context + n_new) * spf])
+    return jnp.concatenate(pieces, axis=1)
+
+
+def _dequantize(p: dict, codes: jax.Array) -> jax.Array:
+    """Codebook 0 and codebooks 1.. are two RVQs, each summed and then projected by its own 1x1 conv."""
+    vectors = p["codebooks"][jnp.arange(codes.shape[-1]), codes]  # [B, T, Q, D]
+    return vectors[..., 0, :] @ p["first_proj"] + vectors[..., 1:, :].sum(axis=-2) @ p["rest_proj"]
+
+
+def _causal_conv(x: jax.Array, p: dict, dilation: int = 1, groups: int = 1) -> jax.Array:
+    """Stride-1 Conv1d padded by (k-1)*dilation on the left only, so output t sees inputs <= t."""
+    k = p["w"].shape[0]
+    y = lax.conv_general_dilated(
+        x, p["w"], (1,), [((k - 1) * dilation, 0)],
+        rhs_dilation=(dilation,), dimension_numbers=_DIMS, feature_group_count=groups,
+    )
+    return y + p["b"]
+
+
+def _causal_conv_transpose(x: jax.Array, p: dict, stride: int) -> jax.Array:
+    """ConvTranspose1d(k, stride) minus its last k - stride outputs: T steps in, T * stride out.
+
+    Written as a convolution of the stride-dilated input with the flipped kernel; the full-transpose
+    padding (k-1, k-1) with the right trim folded in is (k-1, stride-1).
+    """
+    k = p["w"].shape[0]
+    y = lax.conv_general_dilated(
+        x, p["w"][::-1], (1,), [(k - 1, stride - 1)], lhs_dilation=(stride,), dimension_numbers=_DIMS
+    )
+    return y + p["b"]
+
+
+def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Normalise in fp32, cast back, then scale (the reference's order, which matters in bf16)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * y.astype(x.dtype)
+
+
+def _layer_norm(x: jax.Array, p: dict, eps: float) -> jax.Array:
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    return (x - mean) * lax.rsqrt(var + eps) * p["scale"] + p["bias"]
+
+
+def _linear(x: jax.Array, p: dict) -> jax.Array:
+    return x @ p["w"] + p["b"]
+
+
+def _rope_tables(d: CodecDecoderConfig, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [n, head_dim] for positions 0..n-1, rotate-half layout, computed in fp32 like the reference."""
+    exponents = np.arange(0, d.head_dim, 2, dtype=np.float32) / np.float32(d.head_dim)
+    inv_freq = np.float32(1.0) / np.power(np.float32(d.rope_theta), exponents)
+    angles = np.arange(n, dtype=np.float32)[:, None] * inv_freq[None, :]
+    angles = np.concatenate([angles, angles], axis=-1)
+    return np.cos(angles), np.sin(angles)
+
+
+def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, heads, head_dim]; rotate-half RoPE."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def _attention(x: jax.Array, p: dict, d: CodecDecoderConfig, cos, sin, mask) -> jax.Array:
+    """Causal sliding-window GQA attention without QK-norm; softmax in fp32."""
+    b, t, _ = x.shape
+    n_kv, group, hd = d.num_key_value_heads, d.num_attention_heads // d.num_key_value_heads, d.head_dim
+    q = _apply_rope((x @ p["q"]).reshape(b, t, d.num_attention_heads, hd), cos, sin)
+    k = _apply_rope((x @ p["k"]).reshape(b, t, n_kv, hd), cos, sin)
+    v = (x @ p["v"]).reshape(b, t, n_kv, hd)
+    q = q.reshape(b, t, n_kv, group, hd)  # attention head h uses kv head h // group
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k) * (hd**-0.5)
+    scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, v).reshape(b, t, -1)
+    return out @ p["o"]
+
+
+def _transformer_layer(x: jax.Array, p: dict, d: CodecDecoderConfig, cos, sin, mask) -> jax.Array:
+    """Pre-norm block; both residual branches are scaled per channel (LayerScale)."""
+    h = _rms_norm(x, p["attn_norm"], d.rms_norm_eps)
+    x = x + p["attn_scale"] * _attention(h, p, d, cos, sin, mask)
+    h = _rms_norm(x, p["mlp_norm"], d.rms_norm_eps)
+    return x + p["mlp_scale"] * ((jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"])
+
+
+def _transformer(p: dict, d: CodecDecoderConfig, x: jax.Array) -> jax.Array:
+    """latent -> hidden, the layer stack as one scan, final RMSNorm, hidden -> latent."""
+    t = x.shape[1]
+    cos, sin = _rope_tables(d, t)
+    distance = np.arange(t)[:, None] - np.arange(t)[None, :]
+    mask = (distance >= 0) & (distance < d.sliding_window)  # window counts the query itself
+
+    def step(h, layer):
+        return _transformer_layer(h, layer, d, cos, sin, mask), None
+
+    x, _ = lax.scan(step, _linear(x, p["input_proj"]), p["layers"])
+    return _linear(_rms_norm(x, p["norm"], d.rms_norm_eps), p["output_proj"])
+
+
+def _convnext(x: jax.Array, p: dict) -> jax.Array:
+    """Causal depthwise k7 conv -> LayerNorm -> MLP with exact (erf) GELU -> gamma-scaled residual."""
+    h = _causal_conv(x, p["dwconv"], groups=x.shape[-1])
+    h = _layer_norm(h, p["norm"], CONVNEXT_LN_EPS)
+    h = _linear(jax.nn.gelu(_linear(h, p["pwconv1"]), approximate=False), p["pwconv2"])
+    return x + p["gamma"] * h
+
+
+def _snake(x: jax.Array, p: dict) -> jax.Array:
+    """SnakeBeta x + sin^2(alpha x) / beta, with alpha and beta stored as logs."""
+    alpha, beta = jnp.exp(p["alpha"]), jnp.exp(p["beta"])
+    return x + (1.0 / (beta + SNAKE_EPS)) * jnp.square(jnp.sin(x * alpha))
+
+
+def _residual_unit(x: jax.Array, p: dict, dilation: int) -> jax.Array:
+    h = _causal_conv(_snake(x, p["snake1"]), p["conv1"], dilation=dilation)
+    return x + _causal_conv(_snake(h, p["snake2"]), p["conv2"])
+
+
+def _vocoder(p: dict, d: CodecDecoderConfig, x: jax.Array) -> jax.Array:
+    """Conv in, then per rate r: Snake -> transposed conv (k=2r, stride r, channels halved) -> 3 dilated
+    residual units; then Snake -> conv to one channel. Blocks differ in width, so the loop is unrolled."""
+    x = _causal_conv(x, p["conv_in"])
+    for block, rate in zip(p["blocks"], d.upsample_rates):
+        x = _causal_conv_transpose(_snake(x, block["snake"]), block["conv"], rate)
+        for unit, dilation in zip(block["units"], RESIDUAL_DILATIONS):
+            x = _residual_unit(x, unit, dilation)
+    return _causal_conv(_snake(x, p["snake_out"]), p["conv_out"])

@@ -1,0 +1,157 @@
+"""Batch generation of codec frames with the reference's semantics (HF `generate` on the talker).
+
+Each row: prefill its prompt; then per frame k, choose code0 from the current logits (repetition
+penalty over generated code0 only, EOS barred for k < 2, special ids suppressed), run the code
+predictor for codes 1..15, and feed the summed frame embedding plus the k-th trailing text vector
+through one talker step. N chosen code0 tokens give N-1 frames; a row stops at EOS, which is not a
+frame. Rows are independent (`vmap` of the single-sequence step): a row's codes do not depend on
+what else is in the batch, and its random draws come from its own seed folded with the frame index.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qtts_jax import code_predictor, sampling, talker
+from qtts_jax.config import ModelConfig
+from qtts_jax.prompt import Prompt, embed_prompt
+from qtts_jax.request import Request
+from qtts_jax.transformer import KVCache
+
+
+class RowState(NamedTuple):
+    """Everything one row carries from frame to frame."""
+
+    cache: KVCache
+    key_valid: jax.Array  # [S] cache rows that hold real tokens
+    logits: jax.Array  # [V] float32, for the next code0
+    hidden: jax.Array  # [H] final-normed talker state that produced `logits`
+    seen: jax.Array  # [V] bool, code0 tokens generated so far
+    done: jax.Array  # bool
+
+
+class RowSettings(NamedTuple):
+    """Per-row constants for the whole generation."""
+
+    key: jax.Array
+    talker: sampling.SamplingParams
+    predictor: sampling.SamplingParams
+    penalty: jax.Array
+    max_frames: jax.Array
+    position0: jax.Array  # RoPE position of the first generated frame = real prompt length
+    trailing: jax.Array  # [N+1, H] trailing text vectors; rows past a request's own text are P(tts_pad)
+
+
+def row_settings(req: Request, prompt_len: int, trailing: jax.Array) -> RowSettings:
+    return RowSettings(
+        key=jax.random.PRNGKey(req.seed),
+        talker=sampling.SamplingParams.make(req.greedy, req.temperature, req.top_k, req.top_p),
+        predictor=sampling.SamplingParams.make(
+            req.subtalker_greedy, req.subtalker_temperature, req.subtalker_top_k, req.subtalker_top_p
+        ),
+        penalty=jnp.float32(req.repetition_penalty),
+        max_frames=jnp.int32(req.max_frames),
+        position0=jnp.int32(prompt_len),
+        trailing=trailing,
+    )
+
+
+def frame_step(params: dict, cfg: ModelConfig, state: RowState, s: RowSettings, k: jax.Array, row: jax.Array):
+    """Advance one row by frame k (written at cache row `row`). Returns (state, frame codes [16])."""
+    logits = sampling.repetition_penalty(state.logits, state.seen, s.penalty)
+    logits = sampling.talker_mask(logits, k, cfg.codec.eos)
+    key_talker, key_predictor = jax.random.split(jax.random.fold_in(s.key, k))
+    token = sampling.choose(logits, key_talker, s.talker)
+    done = state.done | (k >= s.max_frames)
+    token = jnp.where(done, cfg.codec.eos, token)
+    done = done | (token == cfg.codec.eos)
+    rest, _ = code_predictor.predict(params, cfg, state.hidden, token, key_predictor, s.predictor)
+    frame = jnp.concatenate([token[None], rest])
+    x = talker.embed_codes(params, frame) + s.trailing[jnp.minimum(k, s.trailing.shape[0] - 1)]
+    key_valid = state.key_valid.at[row].set(True)
+    logits, hidden, cache = talker.decode_step(params, cfg, x, state.cache, row, s.position0 + k, key_valid)
+    new = RowState(cache, key_valid, logits, hidden, state.seen.at[token].set(True), done)
+    return new, frame
+
+
+def _bucket(n: int, smallest: int = 16) -> int:
+    """Power-of-two padding so a handful of compiled shapes serve every prompt length."""
+    return max(smallest, 1 << (n - 1).bit_length())
+
+
+class Generator:
+    """Compiled prefill and frame step for one model; `run` generates a padded batch."""
+
+    def __init__(self, params: dict, cfg: ModelConfig):
+        self.params = params
+        self.cfg = cfg
+        self._prefill = jax.jit(partial(self._prefill_batch, cfg=cfg), static_argnames="capacity")
+        self._step = jax.jit(partial(self._step_batch, cfg=cfg), donate_argnums=(1,))
+
+    @staticmethod
+    def _prefill_batch(params, text, codec, frames, speaker_row, speaker, valid, trailing_ids, *, cfg, capacity):
+        x = jax.vmap(partial(embed_prompt, params))(text, codec, frames, speaker_row, speaker)
+        logits, hidden, cache = jax.vmap(lambda x, v: talker.prefill(params, cfg, x, v, capacity))(x, valid)
+        key_valid = jnp.zeros((x.shape[0], capacity), bool).at[:, : x.shape[1]].set(valid)
+        seen = jnp.zeros(logits.shape, bool)
+        state = RowState(cache, key_valid, logits, hidden, seen, jnp.zeros(x.shape[0], bool))
+        return state, talker.embed_text(params, trailing_ids)
+
+    @staticmethod
+    def _step_batch(params, state, settings, k, row, *, cfg):
+        step = partial(frame_step, params, cfg)
+        return jax.vmap(step, in_axes=(0, 0, None, None))(state, settings, k, row)
+
+    def run(self, prompts: list[Prompt], requests: list[Request]) -> list[np.ndarray]:
+        """Codes [frames, 16] per request (EOS and everything after it cut)."""
+        cfg = self.cfg
+        length = _bucket(max(len(p) for p in prompts))
+        horizon = max(r.max_frames for r in requests)
+        capacity = _bucket(length + horizon)
+        batch = _pad_prompts(prompts, length, cfg)
+        trailing_len = _bucket(max(len(p.trailing) for p in prompts) + 1, 8)
+        trailing_ids = np.full((len(prompts), trailing_len), cfg.text.tts_pad, np.int32)
+        for i, p in enumerate(prompts):
+            trailing_ids[i, : len(p.trailing)] = p.trailing
+        state, trailing = self._prefill(self.params, *batch, trailing_ids, capacity=capacity)
+        settings = jax.tree.map(
+            lambda *xs: jnp.stack(xs),
+            *[row_settings(r, len(p), t) for r, p, t in zip(requests, prompts, trailing)],
+        )
+        frames = []
+        for k in range(horizon):
+            state, frame = self._step(self.params, state, settings, jnp.int32(k), jnp.int32(length + k))
+            frames.append(frame)
+            if bool(state.done.all()):
+                break
+        codes = np.stack(jax.device_get(frames), axis=1)  # [B, K, 16]
+        out = []
+        for i, r in enumerate(requests):
+            first0 = codes[i, :, 0]
+            eos = np.flatnonzero(first0 == cfg.codec.eos)
+            n = min(int(eos[0]) if len(eos) else len(first0), r.max_frames)
+            out.append(codes[i, :n])
+        return out
+
+
+def _pad_prompts(prompts: list[Prompt], length: int, cfg: ModelConfig):
+    """Left-pad every prompt to `length` (pads have no parts, so they embed to zero, and are masked)."""
+    b, groups, h = len(prompts), cfg.num_code_groups, cfg.talker.hidden_size
+    text = np.full((b, length), -1, np.int32)
+    codec = np.full((b, length), -1, np.int32)
+    frames = np.full((b, length, groups), -1, np.int32)
+    speaker_row = np.full(b, -1, np.int32)
+    speaker = np.zeros((b, h), np.float32)
+    valid = np.zeros((b, length), bool)
+    for i, p in enumerate(prompts):
+        off = length - len(p)
+        text[i, off:], codec[i, off:], frames[i, off:] = p.text, p.codec, p.frames
+        valid[i, off:] = True
+        if p.speaker is not None:
+            speaker_row[i], speaker[i] = p.speaker_row + off, p.speaker
+    return text, codec, frames, speaker_row, speaker, valid

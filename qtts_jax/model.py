@@ -1,0 +1,139 @@
+"""`load_model` and `Model.generate`: text in, codes and 24 kHz audio out, for one or many requests."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from qtts_jax import presets
+from qtts_jax.codec import decoder as codec_decoder
+from qtts_jax.codec.config import CodecConfig, released_config_dict, tiny_config_dict
+from qtts_jax.codec.weights import load_codec_params, random_codec_params
+from qtts_jax.config import ModelConfig, SamplingDefaults, load_config
+from qtts_jax.generate import Generator
+from qtts_jax.prompt import build_prompt
+from qtts_jax.request import Request
+from qtts_jax.text import TextTokenizer
+from qtts_jax.weights import load_params, random_params
+
+log = logging.getLogger(__name__)
+
+SAMPLE_RATE = 24000
+PRESETS = ("tiny-random", "0.6b", "1.7b")
+
+
+@dataclasses.dataclass
+class Result:
+    codes: np.ndarray  # [frames, 16] int
+    audio: np.ndarray  # [samples] float32 in [-1, 1] at 24 kHz
+    frames: int
+    sample_rate: int = SAMPLE_RATE
+
+
+class Model:
+    """A loaded checkpoint (or preset): config, talker/predictor params, codec params, text tokenizer."""
+
+    def __init__(self, name, cfg, defaults, params, codec_cfg, codec_params, tokenizer, is_noise=False):
+        self.name = name
+        self.cfg: ModelConfig = cfg
+        self.defaults: SamplingDefaults = defaults
+        self.params = params
+        self.codec_cfg: CodecConfig = codec_cfg
+        self.codec_params = codec_params
+        self.tokenizer: TextTokenizer = tokenizer
+        self.is_noise = is_noise
+        self._generator = Generator(params, cfg)
+
+    def generate(self, requests: Request | list[Request]) -> list[Result]:
+        """Synthesize one request or a padded batch; each result is what the request alone would give."""
+        batch = [requests] if isinstance(requests, Request) else list(requests)
+        resolved = [r.resolved(self.cfg, self.defaults) for r in batch]
+        prompts = [build_prompt(self.cfg, self.tokenizer, r) for r in resolved]
+        codes = self._generator.run(prompts, resolved)
+        return [self._result(r, c) for r, c in zip(resolved, codes)]
+
+    def decode(self, codes: np.ndarray) -> np.ndarray:
+        """Codes [T, 16] -> float32 audio [T * 1920], chunked exactly as the reference decodes."""
+        if len(codes) == 0:
+            return np.zeros(0, np.float32)
+        audio = codec_decoder.chunked_decode(self.codec_params, self.codec_cfg, jnp.asarray(codes)[None])
+        return np.asarray(audio[0], np.float32)
+
+    def _result(self, req: Request, codes: np.ndarray) -> Result:
+        ref = req.voice.ref_codes if req.voice is not None else None
+        if ref is None:
+            return Result(codes=codes, audio=self.decode(codes), frames=len(codes))
+        # ICL: decode with the reference frames in front for continuity, then cut the reference's share.
+        full = np.concatenate([np.asarray(ref), codes])
+        audio = self.decode(full)
+        cut = int(len(ref) / max(len(full), 1) * len(audio))
+        return Result(codes=codes, audio=audio[cut:], frames=len(codes))
+
+    def info(self) -> dict:
+        c = self.cfg
+        return {
+            "model": self.name,
+            "kind": c.model_type,
+            "size": c.model_size,
+            "speakers": sorted(c.speakers),
+            "languages": c.supported_languages,
+            "accepts_instruct": c.accepts_instruct,
+            "sample_rate": SAMPLE_RATE,
+            "frame_rate_hz": SAMPLE_RATE / self.codec_cfg.decoder.samples_per_frame,
+            "talker_hidden": c.talker.hidden_size,
+            "talker_layers": c.talker.num_layers,
+            "noise": self.is_noise,
+        }
+
+
+def load_model(path_or_preset: str | Path, dtype=jnp.float32, seed: int = 0) -> Model:
+    """A Hugging Face-layout checkpoint directory, or a preset name ("tiny-random", "0.6b", "1.7b").
+
+    Never touches the network: a directory is read as it is, and a missing file is an error naming it.
+    """
+    name = str(path_or_preset)
+    if name in PRESETS:
+        return _preset(name, dtype, seed)
+    directory = Path(path_or_preset)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory} is not a checkpoint directory nor a preset ({', '.join(PRESETS)})")
+    cfg, defaults = load_config(directory)
+    codec_dir = directory / "speech_tokenizer"
+    codec_cfg = CodecConfig.from_file(codec_dir / "config.json")
+    return Model(
+        name=directory.name,
+        cfg=cfg,
+        defaults=defaults,
+        params=load_params(directory, cfg, dtype),
+        codec_cfg=codec_cfg,
+        codec_params=load_codec_params(codec_dir, codec_cfg),
+        tokenizer=TextTokenizer.from_directory(directory),
+        is_noise=False,
+    )
+
+
+def _preset(name: str, dtype, seed: int) -> Model:
+    """Random weights at preset shapes; the codec stays fp32 (it is small and sets output quality)."""
+    if name == "tiny-random":
+        cfg = ModelConfig.from_dict(presets.tiny_config())
+        codec_cfg = CodecConfig.from_dict(tiny_config_dict())
+        tokenizer = TextTokenizer(presets.tiny_tokenizer())
+    else:
+        cfg = ModelConfig.from_dict(presets.real_config({"0.6b": "0b6", "1.7b": "1b7"}[name]))
+        codec_cfg = CodecConfig.from_dict(released_config_dict())
+        tokenizer = TextTokenizer(presets.tiny_tokenizer())
+    log.warning("model %s has random weights: its audio is noise", name)
+    return Model(
+        name=name,
+        cfg=cfg,
+        defaults=SamplingDefaults(),
+        params=random_params(cfg, seed, dtype),
+        codec_cfg=codec_cfg,
+        codec_params=random_codec_params(codec_cfg, seed),
+        tokenizer=tokenizer,
+        is_noise=True,
+    )

@@ -1,0 +1,122 @@
+"""Named models that need no checkpoint: `tiny-random` (runs anywhere, says noise) and the real shapes.
+
+Each preset is written as the `config.json` dict a checkpoint would carry, so it goes through exactly
+the same parsing as a real directory. `0.6b` / `1.7b` carry the released shapes and special ids
+(architecture note §2) with random weights: for benchmarks, not for listening.
+"""
+
+from __future__ import annotations
+
+from tokenizers import pre_tokenizers
+
+from qtts_jax.text import byte_level_bpe
+
+LANGUAGES = {
+    "chinese": 2055, "english": 2050, "german": 2053, "italian": 2070, "portuguese": 2071,
+    "spanish": 2054, "japanese": 2058, "korean": 2064, "french": 2061, "russian": 2069,
+}
+DIALECTS = {"beijing_dialect": 2074, "sichuan_dialect": 2062}
+SPEAKERS = {
+    "serena": 3066, "vivian": 3065, "uncle_fu": 3010, "ryan": 3061, "aiden": 2861,
+    "ono_anna": 2873, "sohee": 2864, "eric": 2875, "dylan": 2878,
+}
+SPEAKER_DIALECT = {name: False for name in SPEAKERS} | {"eric": "sichuan_dialect", "dylan": "beijing_dialect"}
+
+_CODEC_IDS = dict(
+    codec_pad_id=2148, codec_bos_id=2149, codec_eos_token_id=2150, codec_think_id=2154,
+    codec_nothink_id=2155, codec_think_bos_id=2156, codec_think_eos_id=2157,
+)
+
+
+def _decoder(hidden, inter, layers, heads, kv, head_dim, vocab, **extra):
+    return dict(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, head_dim=head_dim, vocab_size=vocab, rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False, **extra,
+    )
+
+
+def model_config(
+    *, size: str, kind: str, talker: dict, predictor: dict, text_vocab: int, text_hidden: int, text_ids: dict
+) -> dict:
+    """A config.json dict for a CustomVoice/Base/VoiceDesign model with the released special ids."""
+    custom = kind == "custom_voice"
+    return dict(
+        tokenizer_type="qwen3_tts_tokenizer_12hz",
+        tts_model_size=size,
+        tts_model_type=kind,
+        **text_ids,
+        speaker_encoder_config={"enc_dim": talker["hidden_size"], "sample_rate": 24000},
+        talker_config=dict(
+            talker,
+            code_predictor_config=predictor,
+            text_vocab_size=text_vocab,
+            text_hidden_size=text_hidden,
+            num_code_groups=16,
+            rope_scaling={"interleaved": True, "mrope_section": _mrope_section(talker["head_dim"]), "rope_type": "default"},
+            codec_language_id=LANGUAGES | (DIALECTS if custom else {}),
+            spk_id=SPEAKERS if custom else {},
+            spk_is_dialect=SPEAKER_DIALECT if custom else {},
+            **_CODEC_IDS,
+        ),
+    )
+
+
+def _mrope_section(head_dim: int) -> list[int]:
+    """[24, 20, 20] at head_dim 128 (released); a split summing to head_dim / 2 for tiny models."""
+    half = head_dim // 2
+    return [24, 20, 20] if head_dim == 128 else [half - 2 * (half // 4), half // 4, half // 4]
+
+
+_REAL_TEXT_IDS = dict(
+    im_start_token_id=151644, im_end_token_id=151645, tts_pad_token_id=151671,
+    tts_bos_token_id=151672, tts_eos_token_id=151673,
+)
+
+
+def real_config(size: str, kind: str = "custom_voice") -> dict:
+    """Released shapes: "0b6" (talker 1024) or "1b7" (talker 2048, predictor 1024)."""
+    hidden, inter = {"0b6": (1024, 3072), "1b7": (2048, 6144)}[size]
+    return model_config(
+        size=size, kind=kind,
+        talker=_decoder(hidden, inter, 28, 16, 8, 128, 3072, max_position_embeddings=32768),
+        predictor=_decoder(1024, 3072, 5, 16, 8, 128, 2048, max_position_embeddings=65536),
+        text_vocab=151936, text_hidden=2048, text_ids=_REAL_TEXT_IDS,
+    )
+
+
+# tiny-random's tokenizer: the 256 byte symbols, merges that make "assistant" one token (the prompt
+# layout relies on <|im_start|> assistant \n being three tokens), and the special tokens after them.
+_TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>"]
+
+
+def tiny_tokenizer_parts() -> tuple[dict[str, int], list[tuple[str, str]], dict[int, dict]]:
+    """(vocab, merges, added tokens) of the tiny byte-level BPE; also written into test checkpoints."""
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    merges = []
+    word = "assistant"
+    for i in range(1, len(word)):
+        merges.append((word[:i], word[i]))
+        vocab.setdefault(word[: i + 1], len(vocab))
+    added = {len(vocab) + i: {"content": s, "special": True} for i, s in enumerate(_TINY_SPECIALS)}
+    return vocab, merges, added
+
+
+def tiny_config(kind: str = "custom_voice", size: str = "1b7") -> dict:
+    """Small dims, real codec vocabulary (3072 / 2048, 16 groups) and special ids; predictor narrower."""
+    vocab, _, added = tiny_tokenizer_parts()
+    ids = {v["content"]: k for k, v in added.items()}
+    text_ids = dict(
+        im_start_token_id=ids["<|im_start|>"], im_end_token_id=ids["<|im_end|>"], tts_pad_token_id=ids["<tts_pad>"],
+        tts_bos_token_id=ids["<tts_text_bos>"], tts_eos_token_id=ids["<tts_text_eod>"],
+    )
+    return model_config(
+        size=size, kind=kind,
+        talker=_decoder(64, 128, 2, 4, 2, 16, 3072),
+        predictor=_decoder(32, 64, 2, 4, 1, 16, 2048),
+        text_vocab=len(vocab) + len(added), text_hidden=48, text_ids=text_ids,
+    )
+
+
+def tiny_tokenizer():
+    return byte_level_bpe(*tiny_tokenizer_parts())

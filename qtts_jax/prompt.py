@@ -1,0 +1,134 @@
+"""Prompt layouts of every mode, built host-side exactly as the reference builds them.
+
+Each prompt position is the sum of up to four parts: a projected text token P(t), a codec token
+embedding E(c), a reference frame's summed codebook embeddings S(frame) (ICL), and the raw x-vector
+(Base). A `Prompt` records those parts as id arrays, so embedding it is one jittable gather-and-add
+for every mode. `trailing` holds the text ids fed one per generated frame (then tts_pad forever).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qtts_jax import talker
+from qtts_jax.config import ModelConfig
+from qtts_jax.request import Request
+from qtts_jax.text import TextTokenizer
+
+NONE = -1
+
+
+@dataclasses.dataclass
+class Prompt:
+    text: np.ndarray  # [T] int32 text ids, NONE where a position has no text part
+    codec: np.ndarray  # [T] int32 codec ids, NONE where none
+    frames: np.ndarray  # [T, groups] int32 reference frames, NONE rows where none
+    speaker_row: int  # position holding the x-vector, or NONE
+    speaker: np.ndarray | None  # x-vector [H] (Base), else None
+    trailing: np.ndarray  # [N] int32 text ids fed after the prompt, one per frame
+
+    def __len__(self) -> int:
+        return len(self.text)
+
+
+class _Builder:
+    def __init__(self, groups: int):
+        self.text: list[int] = []
+        self.codec: list[int] = []
+        self.frames: list[np.ndarray] = []
+        self.groups = groups
+
+    def add(self, text: int = NONE, codec: int = NONE, frame: np.ndarray | None = None) -> None:
+        self.text.append(text)
+        self.codec.append(codec)
+        self.frames.append(np.full(self.groups, NONE, np.int32) if frame is None else frame.astype(np.int32))
+
+
+def build_prompt(cfg: ModelConfig, tok: TextTokenizer, req: Request) -> Prompt:
+    """The reference's `Qwen3TTSForConditionalGeneration.generate` layout for one validated request."""
+    ids = tok.encode(f"<|im_start|>assistant\n{req.text}<|im_end|>\n<|im_start|>assistant\n")
+    role, text_ids = ids[:3], ids[3:-5]
+    t = cfg.text
+    b = _Builder(cfg.num_code_groups)
+    if req.instruct:
+        for i in tok.encode(f"<|im_start|>user\n{req.instruct}<|im_end|>\n"):
+            b.add(text=i)
+    for i in role:
+        b.add(text=i)
+
+    language_id = _language_id(cfg, req)
+    if language_id is None:
+        prefix = [cfg.codec.nothink, cfg.codec.think_bos, cfg.codec.think_eos]
+    else:
+        prefix = [cfg.codec.think, cfg.codec.think_bos, language_id, cfg.codec.think_eos]
+    for c in prefix:
+        b.add(text=t.tts_pad, codec=c)
+    speaker_row, xvec = NONE, None
+    if req.speaker is not None:
+        b.add(text=t.tts_pad, codec=cfg.speakers[req.speaker.lower()])
+    elif req.voice is not None:
+        speaker_row, xvec = len(b.text), np.asarray(req.voice.xvector, np.float32)
+        b.add(text=t.tts_pad)
+    b.add(text=t.tts_bos, codec=cfg.codec.pad)
+
+    voice = req.voice
+    if voice is not None and voice.ref_codes is not None:
+        ref_ids = tok.encode(f"<|im_start|>assistant\n{voice.ref_text}<|im_end|>\n")[3:-2]
+        trailing = _icl(b, cfg, list(ref_ids) + list(text_ids) + [t.tts_eos], voice.ref_codes, req.non_streaming)
+    elif req.non_streaming:
+        for i in text_ids:
+            b.add(text=i, codec=cfg.codec.pad)
+        b.add(text=t.tts_eos, codec=cfg.codec.pad)
+        b.add(text=t.tts_pad, codec=cfg.codec.bos)
+        trailing = []
+    else:
+        b.add(text=text_ids[0], codec=cfg.codec.bos)
+        trailing = list(text_ids[1:]) + [t.tts_eos]
+    return Prompt(
+        text=np.asarray(b.text, np.int32),
+        codec=np.asarray(b.codec, np.int32),
+        frames=np.stack(b.frames),
+        speaker_row=speaker_row,
+        speaker=xvec,
+        trailing=np.asarray(trailing, np.int32),
+    )
+
+
+def _language_id(cfg: ModelConfig, req: Request) -> int | None:
+    """Language codec id; a dialect speaker turns chinese/auto into its dialect (the reference's rule)."""
+    lang = req.language.lower()
+    language_id = None if lang == "auto" else cfg.languages[lang]
+    if req.speaker is not None and lang in ("chinese", "auto"):
+        dialect = cfg.speaker_dialect.get(req.speaker.lower())
+        if dialect:
+            language_id = cfg.languages[dialect]
+    return language_id
+
+
+def _icl(b: _Builder, cfg: ModelConfig, text: list[int], ref_codes: np.ndarray, non_streaming: bool) -> list[int]:
+    """ICL voice clone: reference text + target text + tts_eos beside codec_bos + the reference frames."""
+    t = cfg.text
+    codec_rows = [(cfg.codec.bos, None)] + [(NONE, f) for f in np.asarray(ref_codes)]
+    if non_streaming:
+        for i in text:
+            b.add(text=i, codec=cfg.codec.pad)
+        for c, f in codec_rows:
+            b.add(text=t.tts_pad, codec=c, frame=f)
+        return []
+    for j, (c, f) in enumerate(codec_rows):
+        b.add(text=text[j] if j < len(text) else t.tts_pad, codec=c, frame=f)
+    return text[len(codec_rows):]
+
+
+def embed_prompt(params: dict, text, codec, frames, speaker_row, speaker) -> jax.Array:
+    """x [T, H] for one (padded) prompt: sum of the parts present at each position; pads give zeros."""
+    x = jnp.where((text >= 0)[:, None], talker.embed_text(params, jnp.maximum(text, 0)), 0)
+    x = x + jnp.where((codec >= 0)[:, None], params["codec_embedding"][jnp.maximum(codec, 0)], 0)
+    has_frame = frames[:, 0] >= 0
+    x = x + jnp.where(has_frame[:, None], talker.embed_codes(params, jnp.maximum(frames, 0)), 0)
+    at_speaker = (jnp.arange(text.shape[0]) == speaker_row)[:, None]
+    return jnp.where(at_speaker, x + speaker.astype(x.dtype), x)

@@ -1,0 +1,107 @@
+"""The Qwen3 decoder stack shared by the talker and the code predictor, for ONE sequence.
+
+Both are the same block (RMSNorm → GQA attention with per-head q/k RMSNorm and RoPE → RMSNorm →
+SwiGLU), so one function serves both. It works on a single sequence with its own KV cache; batching
+is `jax.vmap` over it, which lets every sequence keep its own position and cache (the engine relies
+on this). Layers are stacked on a leading axis and run in one `lax.scan`.
+
+The talker's config declares interleaved multimodal RoPE, but its three position streams are always
+equal for speech, which makes it exactly ordinary 1-D RoPE (rotate-half layout).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from qtts_jax.config import DecoderConfig
+
+
+class KVCache(NamedTuple):
+    """Keys and values of one sequence: [layers, capacity, kv_heads, head_dim] each."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def zeros(cls, cfg: DecoderConfig, capacity: int, dtype) -> "KVCache":
+        shape = (cfg.num_layers, capacity, cfg.num_kv_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Normalise in fp32, cast back, then scale (the reference's order, which matters in bf16)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * y.astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [T, head_dim] computed in fp32 and cast to the activation dtype, as the reference does."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [T, heads, D]; rotate-half RoPE."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def _attention(q, k, v, mask, scale):
+    """q [T,H,D], k/v [S,KVH,D], mask [T,S] bool -> [T,H*D]. Softmax in fp32 with HF's finite mask value."""
+    t, h, d = q.shape
+    kvh = k.shape[1]
+    qg = q.reshape(t, kvh, h // kvh, d)
+    scores = jnp.einsum("tkgd,skd->kgts", qg, k).astype(jnp.float32) * scale
+    scores = jnp.where(mask[None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("kgts,skd->tkgd", probs, v)
+    return out.reshape(t, h * d)
+
+
+def forward(
+    params: dict,
+    cfg: DecoderConfig,
+    x: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    start: jax.Array,
+    key_valid: jax.Array,
+) -> tuple[jax.Array, KVCache]:
+    """Run T new tokens of one sequence through the stack.
+
+    x [T, hidden]; positions [T] RoPE positions; the new keys/values are written to cache rows
+    [start, start+T); token t attends cache row j iff key_valid[j] and j <= start+t.
+    Returns the final-normed hidden states [T, hidden] and the updated cache.
+    """
+    t = x.shape[0]
+    capacity = cache.k.shape[1]
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+    rows = start + jnp.arange(t)
+    mask = key_valid[None, :] & (jnp.arange(capacity)[None, :] <= rows[:, None])
+    scale = cfg.head_dim**-0.5
+    eps = cfg.rms_norm_eps
+
+    def layer(h, xs):
+        p, k_cache, v_cache = xs
+        a = rms_norm(h, p["ln1"], eps)
+        q = (a @ p["wq"]).reshape(t, cfg.num_heads, cfg.head_dim)
+        k = (a @ p["wk"]).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = (a @ p["wv"]).reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        q = apply_rope(rms_norm(q, p["q_norm"], eps), cos, sin)
+        k = apply_rope(rms_norm(k, p["k_norm"], eps), cos, sin)
+        k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, axis=0)
+        v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, axis=0)
+        h = h + _attention(q, k_cache, v_cache, mask, scale) @ p["wo"]
+        m = rms_norm(h, p["ln2"], eps)
+        h = h + (jax.nn.silu(m @ p["gate"]) * (m @ p["up"])) @ p["down"]
+        return h, (k_cache, v_cache)
+
+    h, (k_new, v_new) = jax.lax.scan(layer, x, (params["layers"], cache.k, cache.v))
+    return rms_norm(h, params["norm"], eps), KVCache(k_new, v_new)

@@ -1,0 +1,94 @@
+"""Our logits processing equals Hugging Face 4.57's processors and warpers, as the reference uses them."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from qtts_jax import sampling
+
+V, EOS = 3072, 2150
+
+
+def hf_talker(logits: np.ndarray, generated: list[int], penalty: float) -> np.ndarray:
+    procs = LogitsProcessorList(
+        [
+            RepetitionPenaltyLogitsProcessor(penalty),
+            MinNewTokensLengthLogitsProcessor(0, 2, EOS),
+            SuppressTokensLogitsProcessor([i for i in range(V - 1024, V) if i != EOS]),
+        ]
+    )
+    ids = torch.tensor([generated], dtype=torch.long).reshape(1, -1)
+    return procs(ids, torch.tensor(logits)[None].clone())[0].numpy()
+
+
+def hf_warp(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    warpers = [TemperatureLogitsWarper(temperature)]
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    ids = torch.zeros((1, 0), dtype=torch.long)
+    return LogitsProcessorList(warpers)(ids, torch.tensor(logits)[None].clone())[0].numpy()
+
+
+@pytest.mark.parametrize("generated", [[], [5], [5, 5, 77, 2049, 3000], list(range(0, 400, 3))])
+@pytest.mark.parametrize("penalty", [1.05, 1.3])
+def test_talker_processors_equal_hf(generated, penalty):
+    logits = np.random.default_rng(len(generated)).standard_normal(V).astype(np.float32) * 3
+    seen = np.zeros(V, bool)
+    seen[generated] = True
+    process = jax.jit(lambda x, s, p, n: sampling.talker_mask(sampling.repetition_penalty(x, s, p), n, EOS))
+    ours = process(jnp.asarray(logits), jnp.asarray(seen), jnp.float32(penalty), jnp.int32(len(generated)))
+    np.testing.assert_array_equal(np.asarray(ours), hf_talker(logits, generated, penalty))
+
+
+def test_eos_barred_for_two_steps_then_allowed():
+    logits = np.zeros(V, np.float32)
+    logits[EOS] = 100.0
+    for step, allowed in [(0, False), (1, False), (2, True)]:
+        out = sampling.talker_mask(jnp.asarray(logits), jnp.int32(step), EOS)
+        assert (int(jnp.argmax(out)) == EOS) == allowed
+        assert bool(jnp.all(jnp.isinf(out[2048:EOS]))) and bool(jnp.all(jnp.isinf(out[EOS + 1 :])))
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [(0.9, 50, 1.0), (1.0, 0, 1.0), (0.7, 0, 0.8), (1.3, 20, 0.5), (0.9, 1, 1.0), (0.9, 5000, 0.95)],
+)
+def test_warpers_equal_hf(temperature, top_k, top_p):
+    logits = np.random.default_rng(top_k).standard_normal(2048).astype(np.float32) * 2
+    logits[:10] = logits[0]  # ties at the top are kept by top-k, as in HF
+    p = sampling.SamplingParams.make(False, temperature, top_k, top_p)
+    ours = np.asarray(jax.jit(sampling.warp)(jnp.asarray(logits), p))
+    np.testing.assert_array_equal(ours, hf_warp(logits, temperature, top_k, top_p))
+
+
+def test_greedy_takes_argmax_before_warping():
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal(2048).astype(np.float32))
+    p = sampling.SamplingParams.make(True, 0.5, 1, 0.1)
+    assert int(sampling.choose(logits, jax.random.PRNGKey(0), p)) == int(jnp.argmax(logits))
+
+
+def test_draws_follow_the_warped_distribution():
+    """Sampled tokens stay inside top-k and their frequencies match softmax(logits / T)."""
+    logits = jnp.asarray([3.0, 2.0, 1.0, 0.5, -1.0, -2.0])
+    p = sampling.SamplingParams.make(False, 0.9, 3, 1.0)
+    keys = jax.random.split(jax.random.PRNGKey(1), 20000)
+    draws = np.asarray(jax.vmap(lambda k: sampling.choose(logits, k, p))(keys))
+    assert set(np.unique(draws)) <= {0, 1, 2}
+    expected = np.asarray(jax.nn.softmax(logits[:3] / 0.9))
+    freq = np.bincount(draws, minlength=3)[:3] / len(draws)
+    np.testing.assert_allclose(freq, expected, atol=0.015)
