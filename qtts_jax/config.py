@@ -20,6 +20,18 @@ def _need(d: Mapping[str, Any], key: str, where: str):
     return d[key]
 
 
+class FrozenDict(dict):
+    """A read-only dict that hashes, so configs holding name tables can be static jit arguments."""
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self.items())))
+
+    def _readonly(self, *args, **kwargs):
+        raise TypeError("config tables are read-only")
+
+    __setitem__ = __delitem__ = update = pop = clear = setdefault = _readonly
+
+
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
     """One Qwen3-style decoder stack (talker or code predictor): qk-norm GQA attention + SwiGLU MLP."""
@@ -116,8 +128,8 @@ class ModelConfig:
                 f"config.json: tokenizer_type '{tokenizer_type}' is not supported (only qwen3_tts_tokenizer_12hz)"
             )
         where = "config.json talker_config"
-        spk = {k.lower(): _single_id(v) for k, v in (t.get("spk_id") or {}).items()}
-        dialect = {k.lower(): (v or None) for k, v in (t.get("spk_is_dialect") or {}).items()}
+        spk = FrozenDict({k.lower(): _single_id(v) for k, v in (t.get("spk_id") or {}).items()})
+        dialect = FrozenDict({k.lower(): (v or None) for k, v in (t.get("spk_is_dialect") or {}).items()})
         model_type = _need(d, "tts_model_type", "config.json")
         spk_cfg = d.get("speaker_encoder_config") or {}
         return cls(
@@ -140,7 +152,7 @@ class ModelConfig:
                 tts_bos=_need(d, "tts_bos_token_id", "config.json"),
                 tts_eos=_need(d, "tts_eos_token_id", "config.json"),
             ),
-            languages={k.lower(): v for k, v in (_need(t, "codec_language_id", where) or {}).items()},
+            languages=FrozenDict({k.lower(): v for k, v in (_need(t, "codec_language_id", where) or {}).items()}),
             speakers=spk,
             speaker_dialect=dialect,
             model_type=model_type,
