@@ -99,7 +99,11 @@ def write_checkpoint(directory: Path, model, codec_model=None, seed: int = 0) ->
     """A complete Hugging Face-layout checkpoint directory, as the released repos lay it out."""
     directory = Path(directory)
     model.save_pretrained(directory)
-    model.config.to_json_file(directory / "config.json", use_diff=False)
+    # Spell out every field as the released file does, except the speaker-encoder block: the released
+    # one has only enc_dim and sample_rate, and the reference cannot read back its own full dump.
+    config = model.config.to_dict()
+    config["speaker_encoder_config"] = {k: config["speaker_encoder_config"][k] for k in ("enc_dim", "sample_rate")}
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
     (directory / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
     write_tokenizer(directory)
     codec = codec_model if codec_model is not None else build_reference_codec(seed=seed)

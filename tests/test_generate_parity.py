@@ -159,3 +159,24 @@ def test_long_generation_with_eos_cut(models):
     req = Request("Keep going for a while.", speaker="ryan", language="english")
     a = ours(model, [req], True, frames=40)
     assert_same(a, reference_codes(ref, tok, [req], True, frames=40))
+
+
+def test_eos_stops_rows_early_in_a_batch(models, tmp_path):
+    """Make EOS win at frame 3 of one request (its head row = 1.5 x the row of the code chosen there):
+    that row stops early while the others run on, exactly as in the reference."""
+    import torch
+    from ref_model import build_reference_model, config_dict, write_checkpoint
+
+    ref, tok, model = models("custom_voice")
+    reqs = [Request("This one ends early.", speaker="ryan", language="english"),
+            Request("This one has a different text and goes on.", speaker="vivian", language="english")]
+    chosen = reference_codes(ref, tok, reqs[:1], True, frames=FRAMES)[0][3, 0]
+    eos_ref = build_reference_model(config_dict("custom_voice"))
+    eos_ref.load_state_dict(ref.state_dict())
+    with torch.no_grad():
+        head = eos_ref.talker.codec_head.weight
+        head[model.cfg.codec.eos] = 1.5 * head[int(chosen)]
+    directory = write_checkpoint(tmp_path / "eos", eos_ref)
+    expected = reference_codes(eos_ref, tok, reqs, True, frames=FRAMES)
+    assert min(len(c) for c in expected) < FRAMES
+    assert_same(ours(load_model(directory), reqs, True, frames=FRAMES), expected)

@@ -1,0 +1,147 @@
+"""Checkpoint loading: exact tensors, sharded files, bf16 files, the tokenizer, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from qtts_jax.checkpoint import CheckpointError, read_safetensors
+from qtts_jax.config import load_config
+from qtts_jax.text import TextTokenizer
+from qtts_jax.weights import load_params
+
+
+@pytest.fixture()
+def checkpoint_copy(reference_checkpoint, tmp_path):
+    _, directory = reference_checkpoint("custom_voice")
+    copy = tmp_path / "ckpt"
+    shutil.copytree(directory, copy)
+    return copy
+
+
+def test_params_are_the_reference_tensors(reference_checkpoint):
+    ref, directory = reference_checkpoint("custom_voice")
+    cfg, _ = load_config(directory)
+    params = load_params(directory, cfg, np.float32)
+    sd = {k: v.numpy() for k, v in ref.state_dict().items()}
+    np.testing.assert_array_equal(params["talker"]["layers"]["wq"][1], sd["talker.model.layers.1.self_attn.q_proj.weight"].T)
+    np.testing.assert_array_equal(params["cp_embedding"][14], sd["talker.code_predictor.model.codec_embedding.14.weight"])
+    np.testing.assert_array_equal(params["cp_heads"][3], sd["talker.code_predictor.lm_head.3.weight"].T)
+    np.testing.assert_array_equal(params["cp_proj"]["b"], sd["talker.code_predictor.small_to_mtp_projection.bias"])
+
+
+def test_sharded_and_bf16_checkpoints(checkpoint_copy):
+    """Shards listed by model.safetensors.index.json load like one file; bf16 tensors are read as bf16."""
+    cfg, _ = load_config(checkpoint_copy)
+    whole = read_safetensors(checkpoint_copy)
+    names = sorted(whole)
+    (checkpoint_copy / "model.safetensors").unlink()
+    weight_map = {}
+    for part, chunk in enumerate([names[::2], names[1::2]]):
+        fname = f"model-0000{part + 1}-of-00002.safetensors"
+        tensors = {n: whole[n].astype(ml_dtypes.bfloat16) if "codec_head" in n else np.ascontiguousarray(whole[n])
+                   for n in chunk}
+        safetensors.numpy.save_file(tensors, str(checkpoint_copy / fname))
+        weight_map.update({n: fname for n in chunk})
+    (checkpoint_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    params = load_params(checkpoint_copy, cfg, np.float32)
+    expected = whole["talker.codec_head.weight"].astype(ml_dtypes.bfloat16).astype(np.float32).T
+    np.testing.assert_array_equal(params["codec_head"], expected)
+    np.testing.assert_array_equal(params["text_embedding"], whole["talker.model.text_embedding.weight"])
+
+
+def _rewrite(directory, edit):
+    path = directory / "model.safetensors"
+    tensors = {k: np.array(v) for k, v in read_safetensors(directory).items()}
+    edit(tensors)
+    path.unlink()
+    safetensors.numpy.save_file(tensors, str(path))
+
+
+def test_missing_tensor_is_named(checkpoint_copy):
+    _rewrite(checkpoint_copy, lambda t: t.pop("talker.model.layers.1.mlp.up_proj.weight"))
+    cfg, _ = load_config(checkpoint_copy)
+    with pytest.raises(CheckpointError, match=r"talker\.model\.layers\.1\.mlp\.up_proj\.weight.*missing"):
+        load_params(checkpoint_copy, cfg, np.float32)
+
+
+def test_misshaped_tensor_names_both_shapes(checkpoint_copy):
+    def shrink(t):
+        t["talker.codec_head.weight"] = t["talker.codec_head.weight"][:100]
+
+    _rewrite(checkpoint_copy, shrink)
+    cfg, _ = load_config(checkpoint_copy)
+    with pytest.raises(CheckpointError, match=r"talker\.codec_head\.weight.*\(100, 64\).*\(3072, 64\)"):
+        load_params(checkpoint_copy, cfg, np.float32)
+
+
+def test_truncated_weights_file(checkpoint_copy):
+    path = checkpoint_copy / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match="truncated"):
+        read_safetensors(checkpoint_copy)
+
+
+@pytest.mark.parametrize(
+    "remove,message",
+    [
+        ("config.json", "config.json"),
+        ("model.safetensors", "model.safetensors"),
+        ("speech_tokenizer/config.json", "speech_tokenizer"),
+        ("speech_tokenizer/model.safetensors", "speech_tokenizer"),
+        ("merges.txt", "merges.txt"),
+    ],
+)
+def test_missing_file_is_named(checkpoint_copy, remove, message):
+    from qtts_jax.model import load_model
+
+    (checkpoint_copy / remove).unlink()
+    with pytest.raises(CheckpointError, match=message):
+        load_model(checkpoint_copy)
+
+
+def test_config_without_a_required_key(checkpoint_copy):
+    path = checkpoint_copy / "config.json"
+    cfg = json.loads(path.read_text())
+    del cfg["talker_config"]["codec_eos_token_id"]
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="codec_eos_token_id"):
+        load_config(checkpoint_copy)
+
+
+TEXTS = [
+    "Hello there, it's 2026!",
+    "  leading spaces and\nnew lines\r\n",
+    "Ünïcödé, 中文字符, emoji 🎉 and numbers 12345.",
+    "<|im_start|>assistant\nspecial tokens inside<|im_end|>\n",
+    "assistant assistants assistant's",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokenizer_matches_reference_processor(reference_checkpoint, tmp_path, text):
+    """vocab.json/merges.txt path and the tokenizer.json path both equal Qwen2TokenizerFast."""
+    from transformers import AutoTokenizer
+
+    _, directory = reference_checkpoint("custom_voice")
+    hf = AutoTokenizer.from_pretrained(directory)
+    expected = hf(text)["input_ids"]
+    assert TextTokenizer.from_directory(directory).encode(text) == expected
+    hf.save_pretrained(tmp_path)
+    assert (tmp_path / "tokenizer.json").is_file()
+    assert TextTokenizer.from_directory(tmp_path).encode(text) == expected
+
+
+def test_added_token_with_unexpected_id(checkpoint_copy):
+    path = checkpoint_copy / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    first = min(cfg["added_tokens_decoder"], key=int)
+    cfg["added_tokens_decoder"][str(int(first) + 1000)] = cfg["added_tokens_decoder"].pop(first)
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="should have id"):
+        TextTokenizer.from_directory(checkpoint_copy)
