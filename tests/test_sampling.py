@@ -22,6 +22,15 @@ from qtts_jax import sampling
 V, EOS = 3072, 2150
 
 
+def assert_same_scores(ours, hf) -> None:
+    """The same tokens masked, and the survivors within 1 ulp: XLA's CPU float32 division is not
+    always correctly rounded (torch's is), so x / 0.9 may differ in the last bit."""
+    ours = np.asarray(ours)
+    np.testing.assert_array_equal(np.isneginf(ours), np.isneginf(hf))
+    finite = ~np.isneginf(hf)
+    np.testing.assert_allclose(ours[finite], hf[finite], rtol=2.5e-7, atol=0)
+
+
 def hf_talker(logits: np.ndarray, generated: list[int], penalty: float) -> np.ndarray:
     procs = LogitsProcessorList(
         [
@@ -52,7 +61,7 @@ def test_talker_processors_equal_hf(generated, penalty):
     seen[generated] = True
     process = jax.jit(lambda x, s, p, n: sampling.talker_mask(sampling.repetition_penalty(x, s, p), n, EOS))
     ours = process(jnp.asarray(logits), jnp.asarray(seen), jnp.float32(penalty), jnp.int32(len(generated)))
-    np.testing.assert_array_equal(np.asarray(ours), hf_talker(logits, generated, penalty))
+    assert_same_scores(ours, hf_talker(logits, generated, penalty))
 
 
 def test_eos_barred_for_two_steps_then_allowed():
@@ -73,7 +82,7 @@ def test_warpers_equal_hf(temperature, top_k, top_p):
     logits[:10] = logits[0]  # ties at the top are kept by top-k, as in HF
     p = sampling.SamplingParams.make(False, temperature, top_k, top_p)
     ours = np.asarray(jax.jit(sampling.warp)(jnp.asarray(logits), p))
-    np.testing.assert_array_equal(ours, hf_warp(logits, temperature, top_k, top_p))
+    assert_same_scores(ours, hf_warp(logits, temperature, top_k, top_p))
 
 
 def test_greedy_takes_argmax_before_warping():
