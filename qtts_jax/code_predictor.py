@@ -33,7 +33,7 @@ def predict(
     c = cfg.predictor
     groups = cfg.num_code_groups - 1
     capacity = groups + 1
-    keys = jax.random.split(key, groups)
+    gumbel = jax.vmap(lambda k: sampling.noise(k, c.vocab_size))(jax.random.split(key, groups))
     stack = params["predictor"]
     key_valid = jnp.ones(capacity, bool)
     x = _project(params, jnp.stack([past_hidden, params["codec_embedding"][code0]]))
@@ -41,14 +41,14 @@ def predict(
         stack, c, x, jnp.arange(2), KVCache.zeros(c, capacity, x.dtype), jnp.int32(0), key_valid
     )
     logits0 = (h[-1] @ params["cp_heads"][0]).astype(jnp.float32)
-    first = sampling.choose(logits0, keys[0], p)
+    first = sampling.choose(logits0, gumbel[0], p)
 
     def step(carry, j):
         code, cache = carry
         x = _project(params, params["cp_embedding"][j - 1, code])
         h, cache = transformer.forward(stack, c, x[None], (j + 1)[None], cache, j + 1, key_valid)
         logits = (h[0] @ params["cp_heads"][j]).astype(jnp.float32)
-        nxt = sampling.choose(logits, keys[j], p)
+        nxt = sampling.choose(logits, gumbel[j], p)
         return (nxt, cache), (nxt, logits)
 
     _, (rest, rest_logits) = jax.lax.scan(step, (first, cache), jnp.arange(1, groups))

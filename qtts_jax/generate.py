@@ -66,7 +66,7 @@ def frame_step(params: dict, cfg: ModelConfig, state: RowState, s: RowSettings, 
     logits = sampling.repetition_penalty(state.logits, state.seen, s.penalty)
     logits = sampling.talker_mask(logits, k, cfg.codec.eos)
     key_talker, key_predictor = jax.random.split(jax.random.fold_in(s.key, k))
-    token = sampling.choose(logits, key_talker, s.talker)
+    token = sampling.choose(logits, sampling.noise(key_talker, logits.shape[-1]), s.talker)
     done = state.done | (k >= s.max_frames)
     token = jnp.where(done, cfg.codec.eos, token)
     done = done | (token == cfg.codec.eos)

@@ -60,8 +60,17 @@ def warp(logits: jax.Array, p: SamplingParams) -> jax.Array:
     return jnp.where((p.top_p < 1.0) & drop, NEG_INF, scores)
 
 
-def choose(logits: jax.Array, key: jax.Array, p: SamplingParams) -> jax.Array:
-    """Argmax for greedy rows; otherwise a categorical draw from the warped distribution."""
+def choose(logits: jax.Array, gumbel: jax.Array, p: SamplingParams) -> jax.Array:
+    """Argmax for greedy rows; otherwise a draw from the warped distribution by the Gumbel-max trick.
+
+    The noise is an input (`noise(key, vocab)`), so two implementations given the same noise must
+    make the same draw, and a row's draws depend only on its own key.
+    """
     logits = logits.astype(jnp.float32)
-    drawn = jax.random.categorical(key, warp(logits, p))
+    drawn = jnp.argmax(warp(logits, p) + gumbel)
     return jnp.where(p.greedy, jnp.argmax(logits), drawn).astype(jnp.int32)
+
+
+def noise(key: jax.Array, vocab: int) -> jax.Array:
+    """Standard Gumbel noise for one draw over `vocab` ids."""
+    return jax.random.gumbel(key, (vocab,), jnp.float32)

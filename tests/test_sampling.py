@@ -88,7 +88,7 @@ def test_warpers_equal_hf(temperature, top_k, top_p):
 def test_greedy_takes_argmax_before_warping():
     logits = jnp.asarray(np.random.default_rng(0).standard_normal(2048).astype(np.float32))
     p = sampling.SamplingParams.make(True, 0.5, 1, 0.1)
-    assert int(sampling.choose(logits, jax.random.PRNGKey(0), p)) == int(jnp.argmax(logits))
+    assert int(sampling.choose(logits, sampling.noise(jax.random.PRNGKey(0), 2048), p)) == int(jnp.argmax(logits))
 
 
 def test_draws_follow_the_warped_distribution():
@@ -96,7 +96,7 @@ def test_draws_follow_the_warped_distribution():
     logits = jnp.asarray([3.0, 2.0, 1.0, 0.5, -1.0, -2.0])
     p = sampling.SamplingParams.make(False, 0.9, 3, 1.0)
     keys = jax.random.split(jax.random.PRNGKey(1), 20000)
-    draws = np.asarray(jax.vmap(lambda k: sampling.choose(logits, k, p))(keys))
+    draws = np.asarray(jax.vmap(lambda k: sampling.choose(logits, sampling.noise(k, 6), p))(keys))
     assert set(np.unique(draws)) <= {0, 1, 2}
     expected = np.asarray(jax.nn.softmax(logits[:3] / 0.9))
     freq = np.bincount(draws, minlength=3)[:3] / len(draws)
