@@ -88,20 +88,26 @@ def forward(
     scale = cfg.head_dim**-0.5
     eps = cfg.rms_norm_eps
 
-    def layer(h, xs):
-        p, k_cache, v_cache = xs
+    def layer(carry, xs):
+        h, cache = carry
+        p, i = xs
         a = rms_norm(h, p["ln1"], eps)
         q = (a @ p["wq"]).reshape(t, cfg.num_heads, cfg.head_dim)
         k = (a @ p["wk"]).reshape(t, cfg.num_kv_heads, cfg.head_dim)
         v = (a @ p["wv"]).reshape(t, cfg.num_kv_heads, cfg.head_dim)
         q = apply_rope(rms_norm(q, p["q_norm"], eps), cos, sin)
         k = apply_rope(rms_norm(k, p["k_norm"], eps), cos, sin)
-        k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, axis=0)
-        v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, axis=0)
-        h = h + _attention(q, k_cache, v_cache, mask, scale) @ p["wo"]
+        # The whole cache rides in the carry and is updated in place at (layer i, row start), so a
+        # step never copies it (threading per-layer slices through xs/ys would).
+        at = (i, start, 0, 0)
+        cache = KVCache(
+            jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), at),
+            jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), at),
+        )
+        h = h + _attention(q, cache.k[i], cache.v[i], mask, scale) @ p["wo"]
         m = rms_norm(h, p["ln2"], eps)
         h = h + (jax.nn.silu(m @ p["gate"]) * (m @ p["up"])) @ p["down"]
-        return h, (k_cache, v_cache)
+        return (h, cache), None
 
-    h, (k_new, v_new) = jax.lax.scan(layer, x, (params["layers"], cache.k, cache.v))
-    return rms_norm(h, params["norm"], eps), KVCache(k_new, v_new)
+    (h, cache), _ = jax.lax.scan(layer, (x, cache), (params["layers"], jnp.arange(cfg.num_layers)))
+    return rms_norm(h, params["norm"], eps), cache
