@@ -107,6 +107,8 @@ class Request:
                 raise RequestError(name, "must be >= 0 (0 disables)")
         if not self.repetition_penalty > 0:
             raise RequestError("repetition_penalty", "must be > 0")
+        if not 0 <= self.seed < 2**32:
+            raise RequestError("seed", "must be in [0, 2**32)")
         if self.max_frames < 1:
             raise RequestError("max_frames", "must be >= 1")
 

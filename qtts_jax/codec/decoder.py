@@ -71,25 +71,31 @@ def _dequantize(p: dict, codes: jax.Array) -> jax.Array:
     return vectors[..., 0, :] @ p["first_proj"] + vectors[..., 1:, :].sum(axis=-2) @ p["rest_proj"]
 
 
-def _causal_conv(x: jax.Array, p: dict, dilation: int = 1, groups: int = 1) -> jax.Array:
-    """Stride-1 Conv1d padded by (k-1)*dilation on the left only, so output t sees inputs <= t."""
+def _causal_conv(x: jax.Array, p: dict, dilation: int = 1, groups: int = 1, history: int = 0) -> jax.Array:
+    """Stride-1 Conv1d padded by (k-1)*dilation on the left only, so output t sees inputs <= t.
+
+    The first ``history`` frames of x are earlier inputs (streaming): they stand in for that much of the
+    zero padding and get no outputs of their own.
+    """
     k = p["w"].shape[0]
     y = lax.conv_general_dilated(
-        x, p["w"], (1,), [((k - 1) * dilation, 0)],
+        x, p["w"], (1,), [((k - 1) * dilation - history, 0)],
         rhs_dilation=(dilation,), dimension_numbers=_DIMS, feature_group_count=groups,
     )
     return y + p["b"]
 
 
-def _causal_conv_transpose(x: jax.Array, p: dict, stride: int) -> jax.Array:
+def _causal_conv_transpose(x: jax.Array, p: dict, stride: int, history: int = 0) -> jax.Array:
     """ConvTranspose1d(k, stride) minus its last k - stride outputs: T steps in, T * stride out.
 
     Written as a convolution of the stride-dilated input with the flipped kernel; the full-transpose
-    padding (k-1, k-1) with the right trim folded in is (k-1, stride-1).
+    padding (k-1, k-1) with the right trim folded in is (k-1, stride-1). The first ``history`` frames of
+    x are earlier inputs (streaming): they replace history * stride of the left padding, no outputs.
     """
     k = p["w"].shape[0]
     y = lax.conv_general_dilated(
-        x, p["w"][::-1], (1,), [(k - 1, stride - 1)], lhs_dilation=(stride,), dimension_numbers=_DIMS
+        x, p["w"][::-1], (1,), [(k - 1 - history * stride, stride - 1)],
+        lhs_dilation=(stride,), dimension_numbers=_DIMS,
     )
     return y + p["b"]
 
@@ -111,65 +117,77 @@ def _linear(x: jax.Array, p: dict) -> jax.Array:
     return x @ p["w"] + p["b"]
 
 
-def _rope_tables(d: CodecDecoderConfig, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin [n, head_dim] for positions 0..n-1, rotate-half layout, computed in fp32 like the reference."""
+def _rope_tables(d: CodecDecoderConfig, positions, xp=np) -> tuple:
+    """cos/sin [..., head_dim] for integer positions, rotate-half layout, computed in fp32 like the reference.
+
+    numpy (constants) for a full decode; ``xp=jnp`` for streaming, where positions are per-slot arrays.
+    """
     exponents = np.arange(0, d.head_dim, 2, dtype=np.float32) / np.float32(d.head_dim)
     inv_freq = np.float32(1.0) / np.power(np.float32(d.rope_theta), exponents)
-    angles = np.arange(n, dtype=np.float32)[:, None] * inv_freq[None, :]
-    angles = np.concatenate([angles, angles], axis=-1)
-    return np.cos(angles), np.sin(angles)
+    angles = xp.asarray(positions).astype(np.float32)[..., None] * inv_freq
+    angles = xp.concatenate([angles, angles], axis=-1)
+    return xp.cos(angles), xp.sin(angles)
 
 
 def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [B, T, heads, head_dim]; rotate-half RoPE."""
+    """x [B, T, heads, head_dim], cos/sin [T, head_dim] or per row [B, T, head_dim]; rotate-half RoPE."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    return x * cos[..., None, :] + rotated * sin[..., None, :]
 
 
-def _attention(x: jax.Array, p: dict, d: CodecDecoderConfig, cos, sin, mask) -> jax.Array:
-    """Causal sliding-window GQA attention without QK-norm; softmax in fp32."""
+def _attention(x: jax.Array, p: dict, d: CodecDecoderConfig, cos, sin, mask, past=None):
+    """Causal sliding-window GQA attention without QK-norm; softmax in fp32.
+
+    ``past`` (keys, values) [B, S, kv_heads, head_dim] of earlier frames, keys already rotated, go before
+    this chunk's (streaming; ``mask`` then spans S + T keys). Returns the output and the keys/values used.
+    """
     b, t, _ = x.shape
     n_kv, group, hd = d.num_key_value_heads, d.num_attention_heads // d.num_key_value_heads, d.head_dim
     q = _apply_rope((x @ p["q"]).reshape(b, t, d.num_attention_heads, hd), cos, sin)
     k = _apply_rope((x @ p["k"]).reshape(b, t, n_kv, hd), cos, sin)
     v = (x @ p["v"]).reshape(b, t, n_kv, hd)
+    if past is not None:
+        k, v = jnp.concatenate([past[0], k], axis=1), jnp.concatenate([past[1], v], axis=1)
     q = q.reshape(b, t, n_kv, group, hd)  # attention head h uses kv head h // group
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k) * (hd**-0.5)
     scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", weights, v).reshape(b, t, -1)
-    return out @ p["o"]
+    return out @ p["o"], (k, v)
 
 
-def _transformer_layer(x: jax.Array, p: dict, d: CodecDecoderConfig, cos, sin, mask) -> jax.Array:
-    """Pre-norm block; both residual branches are scaled per channel (LayerScale)."""
+def _transformer_layer(x: jax.Array, p: dict, d: CodecDecoderConfig, cos, sin, mask, past=None):
+    """Pre-norm block; both residual branches are scaled per channel (LayerScale). Returns the new
+    hidden state and the attention's keys/values (see `_attention`)."""
     h = _rms_norm(x, p["attn_norm"], d.rms_norm_eps)
-    x = x + p["attn_scale"] * _attention(h, p, d, cos, sin, mask)
+    attended, kv = _attention(h, p, d, cos, sin, mask, past)
+    x = x + p["attn_scale"] * attended
     h = _rms_norm(x, p["mlp_norm"], d.rms_norm_eps)
-    return x + p["mlp_scale"] * ((jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"])
+    return x + p["mlp_scale"] * ((jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"]), kv
 
 
 def _transformer(p: dict, d: CodecDecoderConfig, x: jax.Array) -> jax.Array:
     """latent -> hidden, the layer stack as one scan, final RMSNorm, hidden -> latent."""
     t = x.shape[1]
-    cos, sin = _rope_tables(d, t)
+    cos, sin = _rope_tables(d, np.arange(t))
     distance = np.arange(t)[:, None] - np.arange(t)[None, :]
     mask = (distance >= 0) & (distance < d.sliding_window)  # window counts the query itself
 
     def step(h, layer):
-        return _transformer_layer(h, layer, d, cos, sin, mask), None
+        return _transformer_layer(h, layer, d, cos, sin, mask)[0], None
 
     x, _ = lax.scan(step, _linear(x, p["input_proj"]), p["layers"])
     return _linear(_rms_norm(x, p["norm"], d.rms_norm_eps), p["output_proj"])
 
 
-def _convnext(x: jax.Array, p: dict) -> jax.Array:
-    """Causal depthwise k7 conv -> LayerNorm -> MLP with exact (erf) GELU -> gamma-scaled residual."""
-    h = _causal_conv(x, p["dwconv"], groups=x.shape[-1])
+def _convnext(x: jax.Array, p: dict, history: int = 0) -> jax.Array:
+    """Causal depthwise k7 conv -> LayerNorm -> MLP with exact (erf) GELU -> gamma-scaled residual.
+    The first ``history`` frames of x are earlier inputs, for the conv only (streaming)."""
+    h = _causal_conv(x, p["dwconv"], groups=x.shape[-1], history=history)
     h = _layer_norm(h, p["norm"], CONVNEXT_LN_EPS)
     h = _linear(jax.nn.gelu(_linear(h, p["pwconv1"]), approximate=False), p["pwconv2"])
-    return x + p["gamma"] * h
+    return x[:, history:] + p["gamma"] * h
 
 
 def _snake(x: jax.Array, p: dict) -> jax.Array:
@@ -178,9 +196,10 @@ def _snake(x: jax.Array, p: dict) -> jax.Array:
     return x + (1.0 / (beta + SNAKE_EPS)) * jnp.square(jnp.sin(x * alpha))
 
 
-def _residual_unit(x: jax.Array, p: dict, dilation: int) -> jax.Array:
-    h = _causal_conv(_snake(x, p["snake1"]), p["conv1"], dilation=dilation)
-    return x + _causal_conv(_snake(h, p["snake2"]), p["conv2"])
+def _residual_unit(x: jax.Array, p: dict, dilation: int, history: int = 0) -> jax.Array:
+    """The first ``history`` frames of x are earlier inputs, for the dilated conv only (streaming)."""
+    h = _causal_conv(_snake(x, p["snake1"]), p["conv1"], dilation=dilation, history=history)
+    return x[:, history:] + _causal_conv(_snake(h, p["snake2"]), p["conv2"])
 
 
 def _vocoder(p: dict, d: CodecDecoderConfig, x: jax.Array) -> jax.Array:

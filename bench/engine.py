@@ -1,0 +1,173 @@
+"""GPU benchmark of the streaming engine at the real 0.6B / 1.7B shapes (random weights, bf16).
+
+For each live-slot count: per-frame LM step time (every slot advancing), codec time per chunk,
+audio seconds produced per wall second, memory at rest and per slot, and first-PCM latency of a new
+request on an idle engine and beside N live streams (queue / prefill / first frame / first chunk).
+EOS is made unreachable (its id moved outside the vocabulary) so every stream runs its forced frame
+count. Writes JSON.
+
+    python bench/engine.py --model 0.6b --slots 1,8,32,64 --out runs/engine-0.6b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from qtts_jax.engine import Engine, EngineConfig  # noqa: E402
+from qtts_jax.model import load_model  # noqa: E402
+from qtts_jax.request import Request  # noqa: E402
+
+SECONDS_PER_FRAME = 1920 / 24000
+# Weight bytes read per frame at batch 1 in bf16 (architecture note §5): the bandwidth floor.
+WEIGHT_GB_PER_FRAME = {"0.6b": 3.31, "1.7b": 5.32}
+HBM_TB_S = 4.8
+
+
+def device_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_in_use")
+
+
+def without_eos(model):
+    """Move EOS outside the vocabulary: nothing can stop a stream before its frame cap."""
+    cfg = model.cfg
+    model.cfg = dataclasses.replace(cfg, codec=dataclasses.replace(cfg.codec, eos=cfg.talker.vocab_size + 7))
+    return model
+
+
+def timed(fn, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def long_request(i: int, frames: int) -> Request:
+    return Request(f"Benchmark stream number {i}.", speaker="ryan", seed=i, max_frames=frames)
+
+
+def bench_slots(model, slots: int, args) -> dict:
+    config = EngineConfig(
+        slots=slots, context=args.context, prompt_buckets=(64,), max_trailing=32,
+        frames_per_step=args.frames_per_step, frames_cap_base=args.context,
+    )
+    before = device_bytes()
+    engine = Engine(model, config)
+    jax.block_until_ready(engine.state)
+    at_rest = device_bytes()
+    t0 = time.perf_counter()
+    engine.warmup()
+    compile_s = time.perf_counter() - t0
+    frames = args.context - 64 - 8
+
+    # first PCM of a request on an idle engine
+    ttfa_idle = first_pcm(engine, long_request(0, 8))
+
+    # fill every slot but one with long streams, let them reach steady state, then time a newcomer
+    sink = lambda chunk: None  # noqa: E731
+    for i in range(slots - 1):
+        engine.submit(long_request(i + 1, frames), sink)
+    for _ in range(3):
+        engine.run_once()
+    ttfa_loaded = first_pcm(engine, long_request(slots, frames)) if slots > 1 else ttfa_idle
+
+    # device time of the LM step with every slot live, and of a codec chunk for every slot
+    live = np.ones(slots, bool)
+    n = args.frames_per_step
+
+    def lm_step():
+        engine.state, out = engine._step(model.params, engine.state, live, n=n)
+        return out
+
+    step_s = statistics.median(timed(lm_step, args.repeats)) / n
+    codes = np.zeros((slots, n, model.cfg.num_code_groups), np.int32)
+
+    def codec():
+        audio, engine.codec_state = engine._codec(model.codec_params, engine.codec_state, codes, live)
+        return audio
+
+    codec_s = statistics.median(timed(codec, args.repeats))
+    loop_s = statistics.median(timed(lambda: engine.run_once(), args.repeats))
+    per_frame_total = step_s + codec_s / n
+    floor_ms = WEIGHT_GB_PER_FRAME[args.model] / HBM_TB_S
+    row = {
+        "slots": slots,
+        "compile_s": round(compile_s, 1),
+        "lm_ms_per_frame": round(step_s * 1e3, 3),
+        "codec_ms_per_chunk": round(codec_s * 1e3, 3),
+        "codec_chunk_frames": n,
+        "lm_plus_codec_ms_per_frame": round(per_frame_total * 1e3, 3),
+        "engine_loop_ms_per_call": round(loop_s * 1e3, 3),
+        "audio_s_per_wall_s": round(slots * SECONDS_PER_FRAME / per_frame_total, 1),
+        "realtime_factor_per_stream": round(SECONDS_PER_FRAME / per_frame_total, 2),
+        "weight_bandwidth_floor_ms_per_frame": round(floor_ms, 3),
+        "ttfa_idle_ms": ttfa_idle,
+        "ttfa_beside_live_ms": ttfa_loaded,
+        "memory_state_bytes": None if before is None else at_rest - before,
+        "memory_bytes_per_slot": None if before is None else (at_rest - before) / slots,
+    }
+    for s in engine.slots:
+        if s is not None:
+            s.cancel()
+    engine.run_once()
+    del engine
+    return row
+
+
+def first_pcm(engine: Engine, request: Request) -> dict:
+    got = []
+    stream = engine.submit(request, got.append)
+    while not any(len(c.pcm) for c in got):
+        engine.run_once()
+    return stream.timings.as_dict()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", choices=["0.6b", "1.7b"], default="0.6b")
+    p.add_argument("--slots", default="1,8,32,64,128,256,512")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--frames-per-step", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    t0 = time.perf_counter()
+    model = without_eos(load_model(args.model, dtype=jnp.bfloat16))
+    result = {
+        "device": str(jax.devices()[0]),
+        "jax": jax.__version__,
+        "model": args.model,
+        "dtype": "bfloat16",
+        "context": args.context,
+        "frames_per_step": args.frames_per_step,
+        "load_s": round(time.perf_counter() - t0, 1),
+        "rows": [],
+    }
+    for slots in [int(s) for s in args.slots.split(",")]:
+        try:
+            result["rows"].append(bench_slots(model, slots, args))
+        except Exception as exc:  # out of memory ends the sweep, with the reason recorded
+            result["rows"].append({"slots": slots, "error": f"{type(exc).__name__}: {str(exc)[:500]}"})
+            break
+        finally:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=2))
+        print(json.dumps(result["rows"][-1]), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Stateful streaming 12 Hz codec decoder, batched across stream slots.
+
+Every layer of the decoder is causal, so a stream can be decoded a chunk of frames at a time and the
+concatenated chunks equal `decoder.decode` of the whole sequence (up to float rounding), provided each
+layer gets the history it would have seen in a full decode:
+
+- each causal conv (and each vocoder transposed conv) gets the last inputs of its layer, at that layer's
+  rate: a fixed-length *tail* per layer, zeros at the start of a stream (exactly the full decode's zero
+  padding);
+- each transformer layer gets the rotated keys and the values of the last ``sliding_window - 1`` frames,
+  and RoPE positions continue from the slot's own frame counter.
+
+The state is one pytree with a leading slot axis, of a size fixed by the config (independent of stream
+length), so one compiled `decode_step` per chunk size serves every mix of slots at different positions.
+The upsampling stages' transposed convs have kernel == stride and so need no state.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from qtts_jax.codec.config import RESIDUAL_DILATIONS, CodecConfig, CodecDecoderConfig
+from qtts_jax.codec.decoder import (
+    _causal_conv,
+    _causal_conv_transpose,
+    _convnext,
+    _dequantize,
+    _linear,
+    _residual_unit,
+    _rms_norm,
+    _rope_tables,
+    _snake,
+    _transformer_layer,
+)
+from qtts_jax.codec.weights import codec_decoder_table
+
+
+class StreamState(NamedTuple):
+    """Decoder state of every slot; each leaf has the slot axis first."""
+
+    position: jax.Array  # [B] int32: frames already decoded in the slot's current stream
+    keys: jax.Array  # [B, layers, window-1, kv_heads, head_dim]: rotated keys of the last frames, oldest first
+    values: jax.Array  # [B, layers, window-1, kv_heads, head_dim]
+    tails: dict  # layer param path -> [B, frames, channels]: that layer's last inputs (see `tail_shapes`)
+
+
+def tail_shapes(cfg: CodecConfig) -> dict[str, tuple[int, int]]:
+    """(frames, channels) of the input history each stateful conv layer needs, keyed by its param path.
+
+    A causal conv needs its last (k-1)*dilation inputs; a transposed conv with kernel k and stride s needs
+    (k-1)//s (1 in the vocoder, where k = 2s). Vocoder tails hold the input *before* the SnakeBeta that
+    precedes each conv (pointwise, so it is simply recomputed on the tail). Kernel sizes come from the
+    weight table, so this cannot drift from the parameters.
+    """
+    d = cfg.decoder
+    shapes = codec_decoder_table(cfg)[1]
+
+    def kernel(path: str) -> int:
+        return shapes[f"{path}/w"][0]
+
+    tails = {"pre_conv": (kernel("pre_conv") - 1, d.codebook_dim)}
+    for s in range(len(d.upsampling_ratios)):
+        tails[f"upsample/{s}/convnext"] = (kernel(f"upsample/{s}/convnext/dwconv") - 1, d.latent_dim)
+    tails["vocoder/conv_in"] = (kernel("vocoder/conv_in") - 1, d.latent_dim)
+    for b, rate in enumerate(d.upsample_rates):
+        block = f"vocoder/blocks/{b}"
+        tails[f"{block}/conv"] = ((kernel(f"{block}/conv") - 1) // rate, d.decoder_dim >> b)
+        for u, dilation in enumerate(RESIDUAL_DILATIONS):
+            frames = (kernel(f"{block}/units/{u}/conv1") - 1) * dilation
+            tails[f"{block}/units/{u}"] = (frames, d.decoder_dim >> (b + 1))
+    tails["vocoder/conv_out"] = (kernel("vocoder/conv_out") - 1, d.decoder_dim >> len(d.upsample_rates))
+    return tails
+
+
+def init_state(cfg: CodecConfig, num_slots: int, dtype=jnp.float32) -> StreamState:
+    """All slots at the start of a stream (position 0, empty history)."""
+    d = cfg.decoder
+    kv_shape = (num_slots, d.num_hidden_layers, d.sliding_window - 1, d.num_key_value_heads, d.head_dim)
+    return StreamState(
+        position=jnp.zeros((num_slots,), jnp.int32),
+        keys=jnp.zeros(kv_shape, dtype),
+        values=jnp.zeros(kv_shape, dtype),
+        tails={name: jnp.zeros((num_slots, *shape), dtype) for name, shape in tail_shapes(cfg).items()},
+    )
+
+
+@jax.jit
+def reset_slots(state: StreamState, mask: jax.Array) -> StreamState:
+    """Start a new stream in the slots where ``mask`` [B] is true: zero history, position 0."""
+    return jax.tree.map(lambda leaf: jnp.where(_rows(mask, leaf), jnp.zeros_like(leaf), leaf), state)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def decode_step(
+    params: dict, cfg: CodecConfig, state: StreamState, codes: jax.Array, active: jax.Array
+) -> tuple[jax.Array, StreamState]:
+    """Decode the next n frames of every slot: codes [B, n, Q] int -> (audio [B, n * 1920] in [-1, 1], state).
+
+    Slots where ``active`` [B] is false keep their state unchanged (their audio is meaningless). One
+    compilation per chunk size n. The engine may wrap this with ``donate_argnums=2``.
+    """
+    d = cfg.decoder
+    tails = {}
+
+    def with_history(name: str, x: jax.Array) -> tuple[jax.Array, int]:
+        """x prefixed by the layer's stored inputs; records the last ones (the next tail) as a side effect."""
+        extended = jnp.concatenate([state.tails[name], x], axis=1)
+        tails[name] = extended[:, x.shape[1] :]
+        return extended, state.tails[name].shape[1]
+
+    x, history = with_history("pre_conv", _dequantize(params["quantizer"], codes))
+    x = _causal_conv(x, params["pre_conv"], history=history)
+    x, keys, values = _transformer_step(params["transformer"], d, x, state)
+    for s, (stage, factor) in enumerate(zip(params["upsample"], d.upsampling_ratios)):
+        x = _causal_conv_transpose(x, stage["conv"], factor)  # kernel == stride (weights.py): no history
+        x, history = with_history(f"upsample/{s}/convnext", x)
+        x = _convnext(x, stage["convnext"], history=history)
+
+    voc = params["vocoder"]
+    x, history = with_history("vocoder/conv_in", x)
+    x = _causal_conv(x, voc["conv_in"], history=history)
+    for b, (block, rate) in enumerate(zip(voc["blocks"], d.upsample_rates)):
+        x, history = with_history(f"vocoder/blocks/{b}/conv", x)
+        x = _causal_conv_transpose(_snake(x, block["snake"]), block["conv"], rate, history=history)
+        for u, (unit, dilation) in enumerate(zip(block["units"], RESIDUAL_DILATIONS)):
+            x, history = with_history(f"vocoder/blocks/{b}/units/{u}", x)
+            x = _residual_unit(x, unit, dilation, history=history)
+    x, history = with_history("vocoder/conv_out", x)
+    x = _causal_conv(_snake(x, voc["snake_out"]), voc["conv_out"], history=history)
+    audio = jnp.clip(x[..., 0], -1.0, 1.0).astype(jnp.float32)
+
+    new = StreamState(state.position + codes.shape[1], keys, values, tails)
+    new = jax.tree.map(lambda n, old: jnp.where(_rows(active, old), n.astype(old.dtype), old), new, state)
+    return audio, new
+
+
+def _transformer_step(p: dict, d: CodecDecoderConfig, x: jax.Array, state: StreamState):
+    """The pre-transformer on one chunk, attending over each slot's cached window; returns the output and
+    the updated caches. Key j of the concatenated [cache, chunk] sits at position ``position - (W-1) + j``;
+    the mask is the full decode's sliding window (0 <= query - key < W) plus "key position >= 0", which
+    hides the cache's empty entries at the start of a stream."""
+    n, past = x.shape[1], d.sliding_window - 1
+    query_pos = state.position[:, None] + jnp.arange(n)  # [B, n]
+    key_pos = state.position[:, None] + jnp.arange(-past, n)  # [B, past + n]
+    distance = query_pos[:, :, None] - key_pos[:, None, :]
+    mask = (distance >= 0) & (distance < d.sliding_window) & (key_pos[:, None, :] >= 0)
+    mask = mask[:, None, None]  # broadcast over [kv heads, group] of the scores
+    cos, sin = _rope_tables(d, query_pos, jnp)
+
+    def layer_step(h, xs):
+        layer, past_k, past_v = xs
+        past_kv = (past_k.astype(h.dtype), past_v.astype(h.dtype))
+        h, (k, v) = _transformer_layer(h, layer, d, cos, sin, mask, past_kv)
+        return h, (k[:, n:], v[:, n:])
+
+    caches = (jnp.moveaxis(state.keys, 1, 0), jnp.moveaxis(state.values, 1, 0))  # scan over layers
+    x, (keys, values) = lax.scan(layer_step, _linear(x, p["input_proj"]), (p["layers"], *caches))
+    x = _linear(_rms_norm(x, p["norm"], d.rms_norm_eps), p["output_proj"])
+    return x, jnp.moveaxis(keys, 0, 1), jnp.moveaxis(values, 0, 1)
+
+
+def _rows(mask: jax.Array, leaf: jax.Array) -> jax.Array:
+    """A [B] mask shaped to broadcast over ``leaf``'s trailing axes."""
+    return mask.reshape(mask.shape + (1,) * (leaf.ndim - 1))

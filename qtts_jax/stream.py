@@ -1,0 +1,101 @@
+"""One request's life in the engine: its handle, timestamps, and the chunk schedule of its audio.
+
+The engine thread writes into a `Stream`; whoever submitted it reads chunks through `on_chunk` (the
+asyncio bridge forwards them into an event loop). Timestamps use `time.perf_counter()` so the server
+and the studies can break first-audio latency into queue / prefill / first frame / codec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from qtts_jax.request import Request
+
+_ids = itertools.count(1)
+
+# Frames per audio chunk, in order; the last size repeats. One frame first, so audio leaves early.
+DEFAULT_SCHEDULE = (1, 2, 4, 8)
+
+
+@dataclasses.dataclass
+class Chunk:
+    """PCM of one decoded chunk; `final` marks the last one of the stream (it may be empty)."""
+
+    pcm: np.ndarray  # float32 [samples] at 24 kHz
+    first_frame: int
+    frames: int
+    sent_at: float
+    final: bool = False
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class Timings:
+    submitted: float = 0.0
+    admitted: float | None = None  # given a slot (prefill dispatched)
+    prefilled: float | None = None  # prefill finished on the device
+    first_frame: float | None = None  # first complete frame read back
+    first_chunk: float | None = None  # first PCM handed out
+    finished: float | None = None
+    chunk_times: list[float] = dataclasses.field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        def ms(t):
+            return None if t is None else round((t - self.submitted) * 1000, 3)
+
+        return {
+            "queue_ms": ms(self.admitted),
+            "prefill_ms": ms(self.prefilled),
+            "first_frame_ms": ms(self.first_frame),
+            "first_chunk_ms": ms(self.first_chunk),
+            "total_ms": ms(self.finished),
+        }
+
+
+class Stream:
+    """Handle of one submitted request. `cancel()` is safe from any thread."""
+
+    def __init__(self, request: Request, on_chunk: Callable[[Chunk], None], schedule=DEFAULT_SCHEDULE):
+        self.id = next(_ids)
+        self.request = request
+        self.on_chunk = on_chunk
+        self.schedule = tuple(schedule)
+        self.timings = Timings(submitted=time.perf_counter())
+        self.prepared: dict | None = None  # resolved request, prompt, bucket, frame cap (set by the engine)
+        self.frames_cap = 0  # set at admission
+        self.slot: int | None = None
+        self.codes: list[np.ndarray] = []  # every frame, for callers that want the codes
+        self.pending = 0  # frames generated but not yet decoded to audio
+        self.decoded = 0
+        self.chunks_sent = 0
+        self.lm_done = False
+        self.finished = False
+        self._cancel = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def next_chunk_frames(self) -> int:
+        """Frames the next chunk should hold, per the schedule."""
+        return self.schedule[min(self.chunks_sent, len(self.schedule) - 1)]
+
+    def emit(self, chunk: Chunk) -> None:
+        now = chunk.sent_at
+        if self.timings.first_chunk is None and len(chunk.pcm):
+            self.timings.first_chunk = now
+        self.timings.chunk_times.append(now)
+        self.chunks_sent += 1
+        if chunk.final:
+            self.finished = True
+            self.timings.finished = now
+        self.on_chunk(chunk)

@@ -1,0 +1,159 @@
+"""The streaming engine on `tiny-random`: equal to `Model.generate`, isolated, guarded, compile-free."""
+
+from __future__ import annotations
+
+import asyncio
+import jax
+import numpy as np
+import pytest
+
+from qtts_jax.bridge import AsyncEngine
+from qtts_jax.engine import Engine, EngineConfig, PromptTooLong
+from qtts_jax.model import load_model
+from qtts_jax.request import Request
+
+CONFIG = EngineConfig(slots=4, context=256, prompt_buckets=(32, 64, 128), max_trailing=64, frames_per_step=3)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny-random")
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    e = Engine(model, CONFIG)
+    e.warmup()
+    return e
+
+
+class Collector:
+    def __init__(self):
+        self.chunks = []
+
+    def __call__(self, chunk):
+        self.chunks.append(chunk)
+
+    @property
+    def audio(self):
+        return np.concatenate([c.pcm for c in self.chunks]) if self.chunks else np.zeros(0)
+
+    @property
+    def final(self):
+        return self.chunks[-1] if self.chunks and self.chunks[-1].final else None
+
+
+def run(engine, plan, max_iters=500):
+    """plan: list of (iteration to submit at, Request). Returns [(stream, collector)] in plan order."""
+    out = [None] * len(plan)
+    for it in range(max_iters):
+        for i, (at, req) in enumerate(plan):
+            if at == it:
+                col = Collector()
+                out[i] = (engine.submit(req, col), col)
+        busy = engine.run_once()
+        if not busy and all(o is not None and o[1].final for o in out):
+            return out
+    raise AssertionError("engine did not finish")
+
+
+GREEDY = dict(greedy=True, subtalker_greedy=True)
+TEXTS = ["Hello.", "A somewhat longer sentence for the engine to say.", "Third!", "Four four four.", "Five."]
+
+
+def test_greedy_engine_equals_model_generate(engine, model):
+    reqs = [Request(t, speaker="ryan", max_frames=9 + i, non_streaming=i % 2 == 0, **GREEDY) for i, t in enumerate(TEXTS)]
+    # five requests on four slots, joining at different iterations: one waits for a free slot
+    got = run(engine, [(i, r) for i, r in enumerate(reqs)])
+    for req, (stream, col), expected in zip(reqs, got, model.generate(reqs)):
+        np.testing.assert_array_equal(np.stack(stream.codes), expected.codes)
+        assert col.final.error is None
+        assert len(col.audio) == len(expected.codes) * 1920
+        np.testing.assert_allclose(col.audio, expected.audio, atol=1e-5, rtol=0)
+
+
+def test_first_chunk_is_one_frame_then_schedule(engine):
+    (stream, col), = run(engine, [(0, Request("Schedule.", speaker="aiden", max_frames=20, **GREEDY))])
+    sizes = [c.frames for c in col.chunks if not c.final]
+    assert sizes[:4] == [1, 2, 4, 8] and sum(sizes) == len(stream.codes)
+    t = stream.timings
+    assert t.submitted <= t.admitted <= t.prefilled <= t.first_frame <= t.first_chunk <= t.finished
+
+
+def test_seeded_request_same_alone_in_any_slot_and_beside_others(engine):
+    target = Request("Seeded and sampled.", speaker="vivian", seed=1234, max_frames=14)
+    (alone, _), = run(engine, [(0, target)])
+    others = [Request(t, speaker="eric", seed=i, max_frames=5 + 3 * i) for i, t in enumerate(TEXTS[:3])]
+    # the target joins third, while others start and finish around it, in a different slot
+    got = run(engine, [(0, others[0]), (1, others[1]), (2, target), (6, others[2])])
+    np.testing.assert_array_equal(np.stack(got[2][0].codes), np.stack(alone.codes))
+    got2 = run(engine, [(0, others[1]), (0, others[0]), (0, others[2]), (0, target)])
+    np.testing.assert_array_equal(np.stack(got2[3][0].codes), np.stack(alone.codes))
+    assert len({alone.slot, got[2][0].slot, got2[3][0].slot}) >= 2, "the target should have run in different slots"
+
+
+def test_cancel_frees_slot_at_next_step(engine):
+    col = Collector()
+    stream = engine.submit(Request("Cancel me please.", speaker="ryan", max_frames=100, **GREEDY), col)
+    for _ in range(3):
+        engine.run_once()
+    assert stream.slot is not None and engine.slots[stream.slot] is stream
+    stream.cancel()
+    engine.run_once()
+    assert engine.slots[stream.slot] is not stream
+    assert col.final is not None and col.final.error == "cancelled"
+    assert len(stream.codes) < 100
+
+
+def test_guards(engine, model):
+    with pytest.raises(PromptTooLong) as err:
+        engine.submit(Request("x" * 400, speaker="ryan"), Collector())
+    assert err.value.field == "text"
+    # runaway guard: no explicit max_frames, the cap comes from the text length
+    (stream, col), = run(engine, [(0, Request("Hi.", speaker="ryan", **GREEDY))])
+    prepared = stream.prepared
+    assert stream.frames_cap == prepared["cap"] < CONFIG.context
+    assert len(stream.codes) <= stream.frames_cap
+
+
+def test_no_compilation_in_steady_state(engine):
+    compiles = []
+
+    def listener(event, *args, **kwargs):
+        if "compile" in event:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        run(engine, [(0, Request("No compiles.", speaker="ryan", max_frames=17)),
+                     (2, Request("Another one here.", speaker="sohee", seed=3, max_frames=11, non_streaming=False))])
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert compiles == []
+
+
+def test_asyncio_bridge_streams_chunks_with_timings(engine):
+    async def main():
+        bridge = AsyncEngine(engine)
+        await bridge.start(warmup=False)  # the module's engine is compiled already
+        try:
+            streams = [bridge.submit(Request(t, speaker="ryan", max_frames=6, **GREEDY)) for t in TEXTS[:3]]
+            results = []
+            for s in streams:
+                chunks = [c async for c in s]
+                results.append((s, chunks))
+            cancelled = bridge.submit(Request("Gone.", speaker="ryan", max_frames=200, **GREEDY))
+            first = await cancelled.__anext__()
+            cancelled.cancel()
+            rest = [c async for c in cancelled]
+            return results, first, rest
+        finally:
+            await bridge.stop()
+
+    results, first, rest = asyncio.run(main())
+    for s, chunks in results:
+        assert chunks[-1].final and chunks[-1].error is None
+        assert sum(c.frames for c in chunks) == len(s.stream.codes) <= 6
+        assert all(v is not None for v in s.timings.as_dict().values())
+    assert len(first.pcm) == 1920
+    assert rest[-1].final and rest[-1].error == "cancelled"
