@@ -28,6 +28,7 @@ def predict(
     code0: jax.Array,
     key: jax.Array,
     p: sampling.SamplingParams,
+    choose=sampling.choose,
 ) -> tuple[jax.Array, jax.Array]:
     """Codes 1..15 (int32 [groups]) of one sequence's frame, and the float32 logits [groups, vocab] they came from."""
     c = cfg.predictor
@@ -41,14 +42,14 @@ def predict(
         stack, c, x, jnp.arange(2), KVCache.zeros(c, capacity, x.dtype), jnp.int32(0), key_valid
     )
     logits0 = (h[-1] @ params["cp_heads"][0]).astype(jnp.float32)
-    first = sampling.choose(logits0, gumbel[0], p)
+    first = choose(logits0, gumbel[0], p)
 
     def step(carry, j):
         code, cache = carry
         x = _project(params, params["cp_embedding"][j - 1, code])
         h, cache = transformer.forward(stack, c, x[None], (j + 1)[None], cache, j + 1, key_valid)
         logits = (h[0] @ params["cp_heads"][j]).astype(jnp.float32)
-        nxt = sampling.choose(logits, gumbel[j], p)
+        nxt = choose(logits, gumbel[j], p)
         return (nxt, cache), (nxt, logits)
 
     _, (rest, rest_logits) = jax.lax.scan(step, (first, cache), jnp.arange(1, groups))

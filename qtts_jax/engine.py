@@ -48,6 +48,7 @@ class EngineConfig:
     schedule: tuple[int, ...] = DEFAULT_SCHEDULE  # frames per audio chunk: 1, 2, 4, 8, 8, ...
     frames_per_text_token: int = 8  # runaway guard: cap = base + this x text tokens
     frames_cap_base: int = 24
+    sampler: str = "jnp"  # "jnp" (reference) or "pallas" (kernel; interpreted on CPU); bench/sampling.py decides
 
     @property
     def codec_sizes(self) -> tuple[int, ...]:
@@ -82,7 +83,7 @@ class Engine:
         if max(c.prompt_buckets) >= c.context:
             raise ValueError("the largest prompt bucket must leave room for frames in the context")
         self._insert = jax.jit(partial(_insert, cfg=cfg), donate_argnums=(1,))
-        self._step = jax.jit(partial(_step, cfg=cfg), donate_argnums=(1,), static_argnames="n")
+        self._step = jax.jit(partial(_step, cfg=cfg, choose=_chooser(c.sampler)), donate_argnums=(1,), static_argnames="n")
         codec_cfg = model.codec_cfg
         self._codec = jax.jit(
             lambda p, st, codes, active: codec_streaming.decode_step(p, codec_cfg, st, codes, active),
@@ -390,9 +391,20 @@ def _insert(params, state: EngineState, slot, text, codec, frames, speaker_row, 
     return EngineState(rows, settings, k, row0)
 
 
-def _step(params, state: EngineState, live, *, cfg, n: int):
+def _chooser(name: str):
+    """The per-row token chooser the frame step uses."""
+    if name == "jnp":
+        return sampling.choose
+    if name == "pallas":
+        from qtts_jax.kernels.sampling import choose_row
+
+        return partial(choose_row, interpret=jax.default_backend() == "cpu")
+    raise ValueError(f"unknown sampler {name!r} (jnp or pallas)")
+
+
+def _step(params, state: EngineState, live, *, cfg, choose, n: int):
     """`n` frames for every slot in one scan. Returns frames [n, slots, 16] and valid [n, slots]."""
-    step = jax.vmap(partial(frame_step, params, cfg))
+    step = jax.vmap(partial(frame_step, params, cfg, choose=choose))
 
     def body(st: EngineState, _):
         rows = st.rows._replace(done=st.rows.done | ~live)

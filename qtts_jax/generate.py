@@ -61,16 +61,22 @@ def row_settings(req: Request, prompt_len: int, trailing: jax.Array) -> RowSetti
     )
 
 
-def frame_step(params: dict, cfg: ModelConfig, state: RowState, s: RowSettings, k: jax.Array, row: jax.Array):
-    """Advance one row by frame k (written at cache row `row`). Returns (state, frame codes [16])."""
+def frame_step(
+    params: dict, cfg: ModelConfig, state: RowState, s: RowSettings, k: jax.Array, row: jax.Array,
+    choose=sampling.choose,
+):
+    """Advance one row by frame k (written at cache row `row`). Returns (state, frame codes [16]).
+
+    `choose` picks a token from processed logits (the jnp reference or the Pallas kernel's row form).
+    """
     logits = sampling.repetition_penalty(state.logits, state.seen, s.penalty)
     logits = sampling.talker_mask(logits, k, cfg.codec.eos)
     key_talker, key_predictor = jax.random.split(jax.random.fold_in(s.key, k))
-    token = sampling.choose(logits, sampling.noise(key_talker, logits.shape[-1]), s.talker)
+    token = choose(logits, sampling.noise(key_talker, logits.shape[-1]), s.talker)
     done = state.done | (k >= s.max_frames)
     token = jnp.where(done, cfg.codec.eos, token)
     done = done | (token == cfg.codec.eos)
-    rest, _ = code_predictor.predict(params, cfg, state.hidden, token, key_predictor, s.predictor)
+    rest, _ = code_predictor.predict(params, cfg, state.hidden, token, key_predictor, s.predictor, choose)
     frame = jnp.concatenate([token[None], rest])
     x = talker.embed_codes(params, frame) + s.trailing[jnp.minimum(k, s.trailing.shape[0] - 1)]
     key_valid = state.key_valid.at[row].set(True)

@@ -198,3 +198,10 @@ def sample_talker_ref(
 def sample_plain_ref(logits, params: SamplingParams, gumbel, *, interpret=False):
     """`sample_plain` by the jnp reference (`interpret` only keeps the signatures interchangeable)."""
     return jax.vmap(sampling.choose)(logits, gumbel, params)
+
+
+def choose_row(logits, gumbel, p: SamplingParams, *, interpret=False):
+    """One row through the kernel, with `qtts_jax.sampling.choose`'s signature: the engine's frame
+    step is written per stream and vmapped, and vmap turns this into one batched kernel launch."""
+    params = jax.tree.map(lambda a: jnp.asarray(a)[None], p)
+    return _call(logits[None], params, gumbel[None], interpret)[0]
