@@ -83,13 +83,15 @@ def test_first_chunk_is_one_frame_then_schedule(engine):
 
 def test_seeded_request_same_alone_in_any_slot_and_beside_others(engine):
     target = Request("Seeded and sampled.", speaker="vivian", seed=1234, max_frames=14)
-    (alone, _), = run(engine, [(0, target)])
+    (alone, alone_audio), = run(engine, [(0, target)])
     others = [Request(t, speaker="eric", seed=i, max_frames=5 + 3 * i) for i, t in enumerate(TEXTS[:3])]
     # the target joins third, while others start and finish around it, in a different slot
     got = run(engine, [(0, others[0]), (1, others[1]), (2, target), (6, others[2])])
     np.testing.assert_array_equal(np.stack(got[2][0].codes), np.stack(alone.codes))
     got2 = run(engine, [(0, others[1]), (0, others[0]), (0, others[2]), (0, target)])
     np.testing.assert_array_equal(np.stack(got2[3][0].codes), np.stack(alone.codes))
+    for _, col in (got[2], got2[3]):
+        np.testing.assert_allclose(col.audio, alone_audio.audio, atol=1e-5, rtol=0)
     assert len({alone.slot, got[2][0].slot, got2[3][0].slot}) >= 2, "the target should have run in different slots"
 
 
