@@ -31,7 +31,7 @@ from qtts_jax.request import Request  # noqa: E402
 
 SECONDS_PER_FRAME = 1920 / 24000
 # Weight bytes read per frame at batch 1 in bf16 (architecture note §5): the bandwidth floor.
-WEIGHT_GB_PER_FRAME = {"0.6b": 3.31, "1.7b": 5.32}
+WEIGHT_GB_PER_FRAME = {"0.6b": 3.31, "1.7b": 5.32, "tiny-random": 0.0}
 HBM_TB_S = 4.8
 
 
@@ -84,6 +84,15 @@ def bench_slots(model, slots: int, args) -> dict:
     for _ in range(3):
         engine.run_once()
     ttfa_loaded = first_pcm(engine, long_request(slots, frames)) if slots > 1 else ttfa_idle
+
+    # every slot live with a long stream, past its first chunks: steady state
+    i = slots + 1
+    while engine.active < slots or engine.queue:
+        engine.submit(long_request(i, frames), sink)
+        engine.run_once()
+        i += 1
+    for _ in range(4):
+        engine.run_once()
 
     # device time of the LM step with every slot live, and of a codec chunk for every slot
     live = np.ones(slots, bool)
@@ -138,7 +147,8 @@ def first_pcm(engine: Engine, request: Request) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", choices=["0.6b", "1.7b"], default="0.6b")
+    p.add_argument("--model", choices=["0.6b", "1.7b", "tiny-random"], default="0.6b",
+                   help="tiny-random only smoke-tests this script on a CPU")
     p.add_argument("--slots", default="1,8,32,64,128,256,512")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--frames-per-step", type=int, default=4)
@@ -146,12 +156,13 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     t0 = time.perf_counter()
-    model = without_eos(load_model(args.model, dtype=jnp.bfloat16))
+    dtype = jnp.float32 if args.model == "tiny-random" else jnp.bfloat16
+    model = without_eos(load_model(args.model, dtype=dtype))
     result = {
         "device": str(jax.devices()[0]),
         "jax": jax.__version__,
         "model": args.model,
-        "dtype": "bfloat16",
+        "dtype": jnp.dtype(dtype).name,
         "context": args.context,
         "frames_per_step": args.frames_per_step,
         "load_s": round(time.perf_counter() - t0, 1),

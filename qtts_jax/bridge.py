@@ -56,5 +56,12 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Chunk] = asyncio.Queue()
         out = AsyncStream(queue)
-        out.stream = self.engine.submit(request, lambda c: loop.call_soon_threadsafe(queue.put_nowait, c), schedule)
+
+        def deliver(chunk: Chunk) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, chunk)
+            except RuntimeError:  # the event loop is gone: nobody listens, so stop generating
+                out.stream.cancel()
+
+        out.stream = self.engine.submit(request, deliver, schedule)
         return out
