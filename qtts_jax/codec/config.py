@@ -128,6 +128,17 @@ def _require(d: Mapping[str, Any], where: str, keys: list[str]) -> None:
         raise CheckpointError(f"{where} lacks required field(s): {', '.join(missing)}")
 
 
+# Top-level fields of the released file: 16 of the encoder's codebooks, 24 kHz, 1920 samples per frame.
+_RELEASED_TOP_LEVEL = {
+    "model_type": MODEL_TYPE,
+    "encoder_valid_num_quantizers": 16,
+    "input_sample_rate": 24000,
+    "output_sample_rate": 24000,
+    "decode_upsample_rate": 1920,
+    "encode_downsample_rate": 1920,
+}
+
+
 def tiny_config_dict(num_hidden_layers: int = 2) -> dict:
     """A complete tiny ``speech_tokenizer/config.json``: small widths, but the real codebook layout and rates.
 
@@ -136,12 +147,7 @@ def tiny_config_dict(num_hidden_layers: int = 2) -> dict:
     The tiny ``encoder_config`` (Mimi) is only there so the reference model can be built.
     """
     return {
-        "model_type": MODEL_TYPE,
-        "encoder_valid_num_quantizers": 16,
-        "input_sample_rate": 24000,
-        "output_sample_rate": 24000,
-        "decode_upsample_rate": 1920,
-        "encode_downsample_rate": 1920,
+        **_RELEASED_TOP_LEVEL,
         "decoder_config": {
             "codebook_size": 2048,
             "codebook_dim": 32,
@@ -193,12 +199,7 @@ def released_config_dict() -> dict:
     """The decoder part of the released ``speech_tokenizer/config.json`` (architecture note §2.3), for
     random-weight benchmarks at the real shapes. The encoder (Mimi) is not part of the decoder."""
     return {
-        "model_type": MODEL_TYPE,
-        "encoder_valid_num_quantizers": 16,
-        "input_sample_rate": 24000,
-        "output_sample_rate": 24000,
-        "decode_upsample_rate": 1920,
-        "encode_downsample_rate": 1920,
+        **_RELEASED_TOP_LEVEL,
         "decoder_config": {
             "codebook_size": 2048, "codebook_dim": 512, "num_quantizers": 16, "num_semantic_quantizers": 1,
             "latent_dim": 1024, "decoder_dim": 1536, "hidden_size": 512, "intermediate_size": 1024,
