@@ -198,8 +198,7 @@ class Engine:
             raise PromptTooLong("text", f"prompt of {len(prompt)} tokens exceeds the largest bucket {max(c.prompt_buckets)}")
         if len(prompt.trailing) > c.max_trailing:
             raise PromptTooLong("text", f"{len(prompt.trailing)} streaming text tokens exceed {c.max_trailing}")
-        text_tokens = len(prompt.trailing) + int(np.sum(prompt.text >= 0))
-        cap = min(req.max_frames, c.frames_cap_base + c.frames_per_text_token * text_tokens, c.context - bucket)
+        cap = min(req.max_frames, prompt.frame_cap(c.frames_cap_base, c.frames_per_text_token), c.context - bucket)
         return {"request": req, "prompt": prompt, "bucket": bucket, "cap": cap}
 
     def _admit(self) -> None:

@@ -49,10 +49,17 @@ class Model:
         self._generator = Generator(params, cfg)
 
     def generate(self, requests: Request | list[Request]) -> list[Result]:
-        """Synthesize one request or a padded batch; each result is what the request alone would give."""
+        """Synthesize one request or a padded batch; each result is what the request alone would give.
+
+        A request without `max_frames` stops at EOS or at a cap derived from its text length."""
         batch = [requests] if isinstance(requests, Request) else list(requests)
         resolved = [r.resolved(self.cfg, self.defaults) for r in batch]
         prompts = [build_prompt(self.cfg, self.tokenizer, r) for r in resolved]
+        # Without an explicit max_frames, the text-length guard applies (the reference has none).
+        resolved = [
+            r if asked.max_frames is not None else dataclasses.replace(r, max_frames=min(r.max_frames, p.frame_cap()))
+            for asked, r, p in zip(batch, resolved, prompts)
+        ]
         codes = self._generator.run(prompts, resolved)
         return [self._result(r, c) for r, c in zip(resolved, codes)]
 

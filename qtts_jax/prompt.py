@@ -34,6 +34,11 @@ class Prompt:
     def __len__(self) -> int:
         return len(self.text)
 
+    def frame_cap(self, base: int = 24, per_text_token: int = 8) -> int:
+        """Runaway guard: speech runs about 3-4 frames per text token, so this cap is generous for
+        real speech yet stops a model that never samples EOS from talking for minutes."""
+        return base + per_text_token * (len(self.trailing) + int(np.sum(self.text >= 0)))
+
 
 class _Builder:
     def __init__(self, groups: int):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import wave
 
@@ -124,3 +125,17 @@ def test_cli_reports_bad_input_without_traceback(tmp_path, capsys):
     assert cli.main(["synth", "--model", str(tmp_path / "nope"), "--text", "Hi", "--out", "x.wav"]) == 2
     assert "nope" in capsys.readouterr().err
     assert not (tmp_path / "x.wav").exists()
+
+
+def test_text_length_caps_frames_unless_max_frames_is_given():
+    """tiny-random rarely samples EOS: without max_frames the text-length guard stops it."""
+    model = load_model("tiny-random")
+    req = Request("Hi.", speaker="ryan", greedy=True, subtalker_greedy=True)
+    (capped,) = model.generate(req)
+    from qtts_jax.prompt import build_prompt
+
+    cap = build_prompt(model.cfg, model.tokenizer, req.resolved(model.cfg, model.defaults)).frame_cap()
+    assert capped.frames <= cap < 200
+    (explicit,) = model.generate(dataclasses.replace(req, max_frames=cap + 5))
+    assert capped.frames == min(explicit.frames, cap)  # the guard cut exactly at the cap, or EOS came first
+    np.testing.assert_array_equal(explicit.codes[: capped.frames], capped.codes)
