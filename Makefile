@@ -2,7 +2,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup test synth clean
+.PHONY: setup test synth serve clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -19,6 +19,11 @@ test: setup
 synth: $(PY)
 	$(PIP) install --quiet -e .
 	$(VENV)/bin/qtts-jax synth --model tiny-random --text "$(or $(TEXT),Hello from qtts-jax.)" --out $(or $(OUT),runs/hello.wav)
+
+# Speech server (OpenAI-compatible HTTP + WebSocket); MODEL=DIR|tiny-random, PORT, SLOTS, HOST
+serve: $(PY)
+	$(PIP) install --quiet -e .
+	$(VENV)/bin/qtts-jax serve --model $(or $(MODEL),tiny-random) --host $(or $(HOST),127.0.0.1) --port $(or $(PORT),8000) --slots $(or $(SLOTS),8)
 
 clean:
 	rm -rf $(VENV) runs

@@ -30,11 +30,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--codes-out", help="also save the codes [frames, 16] as .npy")
     i = sub.add_parser("info", help="print what a checkpoint is (kind, size, speakers, languages)")
     i.add_argument("--model", required=True)
+    from serving.cli import add_serve_parser  # `serve`: the HTTP/WebSocket server (serving/)
+
+    add_serve_parser(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "serve":
+        from serving.cli import serve
+
+        return serve(args)
     import jax.numpy as jnp
 
     from qtts_jax.audio import write_wav

@@ -1,0 +1,241 @@
+"""aiohttp app factory: settings, typed app keys, the engine's life in a cleanup_ctx, JSON errors, drain.
+
+The engine compiles and warms up in a background task, so `/health` answers at once and `/ready` turns
+200 only after warmup and one calibration request (which seeds the scheduler's step-time estimate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+import weakref
+
+from aiohttp import web
+
+from qtts_jax.bridge import AsyncEngine
+from qtts_jax.engine import Engine, EngineConfig
+from qtts_jax.request import Request
+from serving.metrics import Metrics
+from serving.scheduler import AdmissionConfig, Scheduler
+from serving.schemas import ApiError
+
+log = logging.getLogger("serving")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    model: str = "tiny-random"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    slots: int = 8
+    context: int = 1024
+    frames_per_step: int = 4
+    dtype: str = "float32"
+    ttfa_target_ms: float = 300.0
+    starvation_ms: float = 100.0
+    max_queue: int | None = None
+    max_input_chars: int = 4096
+    max_body_bytes: int = 256 * 1024
+    drain_timeout_s: float = 30.0
+    ws_max_messages_per_s: float = 50.0
+    ws_max_message_bytes: int = 64 * 1024
+    ws_max_pending_utterances: int = 8
+    warmup: bool = True
+
+    @classmethod
+    def from_env(cls, **overrides) -> "Settings":
+        """QTTS_<FIELD> environment variables (e.g. QTTS_SLOTS=16), then explicit overrides."""
+        values = {}
+        for f in dataclasses.fields(cls):
+            raw = os.environ.get(f"QTTS_{f.name.upper()}")
+            if raw is None:
+                continue
+            kind = f.type if isinstance(f.type, str) else f.type.__name__
+            if "int" in kind and "None" in kind:
+                values[f.name] = None if raw.lower() in ("", "none") else int(raw)
+            elif kind.startswith("int"):
+                values[f.name] = int(raw)
+            elif kind.startswith("float"):
+                values[f.name] = float(raw)
+            elif kind.startswith("bool"):
+                values[f.name] = raw.lower() in ("1", "true", "yes", "on")
+            else:
+                values[f.name] = raw
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def engine_config(self) -> EngineConfig:
+        buckets = tuple(b for b in (32, 64, 128, 256) if b < self.context // 2) or (min(32, self.context // 2),)
+        return EngineConfig(slots=self.slots, context=self.context, frames_per_step=self.frames_per_step,
+                            prompt_buckets=buckets, max_trailing=min(256, self.context // 2))
+
+    def admission(self) -> AdmissionConfig:
+        return AdmissionConfig(ttfa_target_s=self.ttfa_target_ms / 1000, starvation_s=self.starvation_ms / 1000,
+                               max_queue=self.max_queue)
+
+
+SETTINGS = web.AppKey("settings", Settings)
+MODEL = web.AppKey("model", object)
+ENGINE = web.AppKey("engine", Engine)
+BRIDGE = web.AppKey("bridge", AsyncEngine)
+SCHEDULER = web.AppKey("scheduler", Scheduler)
+METRICS = web.AppKey("metrics", Metrics)
+SOCKETS = web.AppKey("sockets", weakref.WeakSet)
+WARMUP_TASK = web.AppKey("warmup_task", asyncio.Task)
+WARMUP_ERROR = web.AppKey("warmup_error", list)
+
+
+def json_error(err: ApiError, request_id: str | None = None) -> web.Response:
+    headers = {}
+    if err.retry_after is not None:
+        headers["Retry-After"] = str(int(err.retry_after))
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    return web.json_response(err.body(), status=err.status, headers=headers)
+
+
+def _outcome(status: int) -> str:
+    return {400: "bad_request", 404: "not_found", 405: "bad_method", 413: "too_large", 429: "rejected",
+            503: "unavailable"}.get(status, "error" if status >= 500 else "client_error")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    endpoint = request.match_info.route.resource.canonical if request.match_info.route.resource else "unknown"
+    metrics = request.app[METRICS]
+    try:
+        return await handler(request)
+    except ApiError as err:
+        metrics.requests.labels(endpoint, _outcome(err.status)).inc()
+        return json_error(err, request.get(_request_key()))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        field = "body" if exc.status == 413 else None
+        code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status, "http_error")
+        msg = exc.reason if exc.status != 413 else f"request body too large: {exc.text}"
+        metrics.requests.labels(endpoint, _outcome(exc.status)).inc()
+        return json_error(ApiError(exc.status, code, msg, field), request.get(_request_key()))
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unhandled error in %s", endpoint)
+        metrics.requests.labels(endpoint, "error").inc()
+        return json_error(ApiError(500, "internal_error", "internal server error"), request.get(_request_key()))
+
+
+def _request_key():
+    from serving.routes import REQUEST_ID
+
+    return REQUEST_ID
+
+
+def create_app(settings: Settings = Settings(), model=None, engine: Engine | None = None) -> web.Application:
+    """The server. Pass an already built (and possibly warmed) `engine` to share one between apps (tests)."""
+    from serving import routes, ws
+
+    if engine is None:
+        if model is None:
+            import jax.numpy as jnp
+
+            from qtts_jax.model import load_model
+
+            model = load_model(settings.model, dtype=jnp.dtype(settings.dtype))
+        engine = Engine(model, settings.engine_config())
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware],
+                          handler_args={"max_field_size": 16384})
+    app[SETTINGS] = settings
+    app[MODEL] = engine.model
+    app[ENGINE] = engine
+    app[BRIDGE] = AsyncEngine(engine)
+    app[SCHEDULER] = Scheduler(engine, settings.admission())
+    app[METRICS] = Metrics(engine, app[SCHEDULER])
+    app[SOCKETS] = weakref.WeakSet()
+    app[WARMUP_ERROR] = []
+    app.cleanup_ctx.append(_engine_ctx)
+    app.on_shutdown.append(_close_sockets)
+    routes.setup(app)
+    ws.setup(app)
+    return app
+
+
+async def _engine_ctx(app: web.Application):
+    app[WARMUP_TASK] = asyncio.create_task(_warm_up(app))
+    yield
+    app[SCHEDULER].draining = True
+    task = app[WARMUP_TASK]
+    if not task.done():
+        task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    await app[BRIDGE].stop()
+
+
+async def _warm_up(app: web.Application) -> None:
+    """Compile + warm, start the loop, run one short calibration request, then report ready."""
+    engine, settings, sched = app[ENGINE], app[SETTINGS], app[SCHEDULER]
+    t0 = time.perf_counter()
+    try:
+        await app[BRIDGE].start(warmup=settings.warmup)
+        cfg = engine.model.cfg
+        speaker = sorted(cfg.speakers)[0] if cfg.model_type == "custom_voice" else None
+        if cfg.model_type != "base":
+            req = Request("Warm up.", speaker=speaker, max_frames=4, greedy=True, subtalker_greedy=True)
+            stream = app[BRIDGE].submit(req)
+            async for _ in stream:
+                pass
+            sched.observe(stream.timings)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # keep /health up and say why /ready stays 503
+        log.exception("warmup failed")
+        app[WARMUP_ERROR].append(str(exc))
+        return
+    sched.ready = True
+    log.info("ready after %.1f s (slots=%d)", time.perf_counter() - t0, engine.config.slots)
+
+
+async def _close_sockets(app: web.Application) -> None:
+    for sock in list(app[SOCKETS]):
+        await sock.close(code=1001, message=b"server shutdown")
+
+
+async def drain(app: web.Application, timeout_s: float | None = None) -> bool:
+    """Stop admitting (ready -> 503), wait for open streams to finish up to the deadline. True if all did."""
+    sched = app[SCHEDULER]
+    sched.draining = True
+    deadline = time.monotonic() + (app[SETTINGS].drain_timeout_s if timeout_s is None else timeout_s)
+    while sched.streams and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return not sched.streams
+
+
+def run(settings: Settings) -> int:
+    """Serve until SIGTERM/SIGINT; then drain (no new work, in-flight streams finish) and exit 0."""
+    import signal
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def main() -> None:
+        app = create_app(settings)
+        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
+        await runner.setup()
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+        log.info("listening on http://%s:%d (model %s)", settings.host, settings.port, settings.model)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("draining (up to %.0f s)", settings.drain_timeout_s)
+        finished = await drain(app)
+        log.info("drain %s; shutting down", "complete" if finished else "timed out")
+        await runner.cleanup()
+
+    asyncio.run(main())
+    return 0

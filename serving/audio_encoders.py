@@ -1,0 +1,169 @@
+"""Float32 24 kHz PCM chunks -> bytes of the response format, incrementally.
+
+Every encoder has `encode(pcm) -> bytes` (whatever is ready now; may be empty) and `finish() -> bytes`.
+Streaming encoders hand bytes out as soon as the codec produces them:
+
+- `pcm`: raw signed 16-bit little-endian mono (what OpenAI clients assume for `pcm`).
+- `wav`: a RIFF header whose sizes are 0xFFFFFFFF when streaming (length unknown), exact otherwise.
+- `mp3`: lameenc (incremental `encode` + `flush`), 24 kHz mono.
+- `opus`: PyAV's Ogg muxer with libopus at 24 kHz, `page_duration` 20 ms so pages leave progressively.
+- `flac`: PyAV's FLAC muxer (the STREAMINFO totals stay 0 when streaming, as for any live FLAC).
+
+Float -> int16 is `round(clip(x, -1, 1) * 32767)`, the same rule a client uses to compare with offline audio.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+
+import numpy as np
+
+SAMPLE_RATE = 24000
+FORMATS = ("mp3", "opus", "wav", "pcm", "flac")
+CONTENT_TYPES = {
+    "mp3": "audio/mpeg",
+    "opus": "audio/ogg",
+    "wav": "audio/wav",
+    "pcm": "audio/pcm",
+    "flac": "audio/flac",
+}
+
+
+def to_s16(pcm: np.ndarray) -> np.ndarray:
+    return np.round(np.clip(np.asarray(pcm, np.float32), -1.0, 1.0) * 32767.0).astype("<i2")
+
+
+def wav_header(sample_rate: int = SAMPLE_RATE, data_bytes: int | None = None) -> bytes:
+    """44-byte PCM16 mono header; `data_bytes=None` marks an open-ended (streaming) file."""
+    data = 0xFFFFFFFF if data_bytes is None else data_bytes
+    riff = 0xFFFFFFFF if data_bytes is None else 36 + data_bytes
+    return struct.pack(
+        "<4sI4s4sIHHIIHH4sI", b"RIFF", riff, b"WAVE", b"fmt ", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16,
+        b"data", data,
+    )
+
+
+class Encoder:
+    def encode(self, pcm: np.ndarray) -> bytes:
+        raise NotImplementedError
+
+    def finish(self) -> bytes:
+        return b""
+
+
+class PcmEncoder(Encoder):
+    def encode(self, pcm):
+        return to_s16(pcm).tobytes()
+
+
+class WavStreamEncoder(Encoder):
+    """Header first (open-ended sizes), then PCM16 as it comes."""
+
+    def __init__(self, sample_rate: int = SAMPLE_RATE):
+        self._header = wav_header(sample_rate)
+
+    def encode(self, pcm):
+        out, self._header = self._header + to_s16(pcm).tobytes(), b""
+        return out
+
+    def finish(self):
+        out, self._header = self._header, b""
+        return out
+
+
+class Mp3Encoder(Encoder):
+    def __init__(self, sample_rate: int = SAMPLE_RATE, bitrate_kbps: int = 64):
+        import lameenc
+
+        self._enc = lameenc.Encoder()
+        self._enc.set_bit_rate(bitrate_kbps)
+        self._enc.set_in_sample_rate(sample_rate)
+        self._enc.set_channels(1)
+        self._enc.set_quality(5)
+
+    def encode(self, pcm):
+        data = to_s16(pcm).tobytes()
+        return bytes(self._enc.encode(data)) if data else b""
+
+    def finish(self):
+        return bytes(self._enc.flush())
+
+
+class _Sink:
+    """A write-only file object that PyAV muxes into; `take()` returns what arrived since last time."""
+
+    def __init__(self):
+        self._parts: list[bytes] = []
+
+    def write(self, data) -> int:
+        self._parts.append(bytes(data))
+        return len(data)
+
+    def take(self) -> bytes:
+        out, self._parts = b"".join(self._parts), []
+        return out
+
+
+class AvEncoder(Encoder):
+    """PyAV (bundled FFmpeg) muxer + encoder; `streaming` writes to a non-seekable sink."""
+
+    def __init__(self, container: str, codec: str, sample_rate: int = SAMPLE_RATE, streaming: bool = True,
+                 options: dict | None = None, bit_rate: int | None = None):
+        import av
+
+        self._av = av
+        self._sink = _Sink() if streaming else io.BytesIO()
+        self._out = av.open(self._sink, mode="w", format=container, options=options or {})
+        self._stream = self._out.add_stream(codec, rate=sample_rate, layout="mono")
+        if bit_rate:
+            self._stream.bit_rate = bit_rate
+        self._rate = sample_rate
+        self._pts = 0
+        self._streaming = streaming
+
+    def _take(self) -> bytes:
+        return self._sink.take() if self._streaming else b""
+
+    def encode(self, pcm):
+        s16 = to_s16(pcm)
+        if len(s16) == 0:
+            return b""
+        frame = self._av.AudioFrame.from_ndarray(s16[None, :], format="s16", layout="mono")
+        frame.sample_rate = self._rate
+        frame.pts = self._pts
+        self._pts += len(s16)
+        for packet in self._stream.encode(frame):
+            self._out.mux(packet)
+        return self._take()
+
+    def finish(self):
+        for packet in self._stream.encode(None):
+            self._out.mux(packet)
+        self._out.close()
+        return self._take() if self._streaming else self._sink.getvalue()
+
+
+def make_encoder(fmt: str, streaming: bool, sample_rate: int = SAMPLE_RATE) -> Encoder:
+    if fmt == "pcm":
+        return PcmEncoder()
+    if fmt == "wav":
+        return WavStreamEncoder(sample_rate)
+    if fmt == "mp3":
+        return Mp3Encoder(sample_rate)
+    if fmt == "opus":
+        return AvEncoder("ogg", "libopus", sample_rate, streaming, options={"page_duration": "20000"},
+                         bit_rate=32000)
+    if fmt == "flac":
+        return AvEncoder("flac", "flac", sample_rate, streaming)
+    raise ValueError(f"unknown format {fmt!r}")
+
+
+def encode_whole(fmt: str, pcm: np.ndarray, sample_rate: int = SAMPLE_RATE) -> bytes:
+    """A complete file (exact WAV sizes, finalized FLAC header)."""
+    if fmt == "wav":
+        data = to_s16(pcm).tobytes()
+        return wav_header(sample_rate, len(data)) + data
+    enc = make_encoder(fmt, streaming=False, sample_rate=sample_rate)
+    out = enc.encode(pcm)
+    return out + enc.finish()

@@ -1,0 +1,70 @@
+"""Prometheus metrics (prometheus-client), one registry per app so several apps can live in one process."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LAT = (0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+_HEAD = (-1.0, -0.5, -0.2, -0.1, -0.05, 0.0, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+_STEP = (0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64)
+
+
+class Metrics:
+    def __init__(self, engine, scheduler):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("qtts_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"],
+                                registry=r)
+        self.ttfa = Histogram("qtts_ttfa_seconds", "Submit to first audio chunk handed to the client", buckets=_LAT,
+                              registry=r)
+        self.ttfa_part = Histogram("qtts_ttfa_part_seconds", "TTFA parts: queue, prefill, first_frame, codec",
+                                   ["part"], buckets=_LAT, registry=r)
+        self.late_chunks = Counter("qtts_late_chunks", "Chunks handed out after their playback deadline", registry=r)
+        self.headroom = Histogram("qtts_buffer_headroom_seconds",
+                                  "Audio buffered ahead of the listener when each chunk leaves (negative: late)",
+                                  buckets=_HEAD, registry=r)
+        self.audio_seconds = Counter("qtts_audio_seconds", "Seconds of audio sent", registry=r)
+        self.step = Histogram("qtts_step_seconds", "Engine step time per frame (all slots at once)", buckets=_STEP,
+                              registry=r)
+        Gauge("qtts_active_streams", "Streams holding a slot", registry=r).set_function(lambda: engine.active)
+        Gauge("qtts_slots", "Slots compiled into the engine", registry=r).set_function(lambda: engine.config.slots)
+        Gauge("qtts_slot_occupancy", "Fraction of slots in use", registry=r).set_function(
+            lambda: engine.active / engine.config.slots)
+        Gauge("qtts_queue_depth", "Requests waiting for a slot", registry=r).set_function(lambda: len(engine.queue))
+        Gauge("qtts_queue_oldest_wait_seconds", "Wait of the oldest queued request", registry=r).set_function(
+            lambda: _oldest_wait(engine))
+        Gauge("qtts_streams_open", "Client streams open in the server (incl. queued)", registry=r).set_function(
+            lambda: len(scheduler.streams))
+        Gauge("qtts_min_headroom_seconds", "Smallest buffer headroom among playing streams", registry=r).set_function(
+            scheduler.min_headroom)
+        Gauge("qtts_step_seconds_recent", "Median engine step time per frame, recent window", registry=r).set_function(
+            scheduler.frame_seconds)
+        Gauge("qtts_ready", "1 when accepting work", registry=r).set_function(lambda: float(scheduler.accepting))
+        self._steps_seen = 0
+        self._engine = engine
+
+    def collect_steps(self) -> None:
+        """Move new engine step samples into the histogram (called at scrape and per chunk)."""
+        e = self._engine
+        new = e.steps - self._steps_seen
+        if new > 0:
+            for s in list(e.step_seconds)[-min(new, len(e.step_seconds)):]:
+                self.step.observe(s)
+            self._steps_seen = e.steps
+
+    def observe_first_chunk(self, timings) -> None:
+        t = timings
+        if t.first_chunk is None:
+            return
+        self.ttfa.observe(t.first_chunk - t.submitted)
+        parts = (("queue", t.submitted, t.admitted), ("prefill", t.admitted, t.prefilled),
+                 ("first_frame", t.prefilled, t.first_frame), ("codec", t.first_frame, t.first_chunk))
+        for name, a, b in parts:
+            if a is not None and b is not None:
+                self.ttfa_part.labels(name).observe(max(b - a, 0.0))
+
+
+def _oldest_wait(engine) -> float:
+    q = list(engine.queue)
+    return time.perf_counter() - q[0].timings.submitted if q else 0.0

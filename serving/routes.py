@@ -1,0 +1,319 @@
+"""HTTP endpoints: speech (whole file, chunked audio, SSE), health/readiness, models, voices, OpenAPI, metrics.
+
+Status and headers are decided before `prepare()`: a streamed response waits for its first chunk, so a
+failure before any audio is still a proper JSON error and the headers can carry the first-audio timings.
+After that, an engine error ends an SSE stream with an `error` event and aborts a raw audio stream
+(the client sees a truncated transfer, never a silently short file).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import time
+import uuid
+
+import numpy as np
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from qtts_jax.request import Request, RequestError
+from serving import app as app_mod
+from serving.audio_encoders import CONTENT_TYPES, SAMPLE_RATE, encode_whole, make_encoder
+from serving.schemas import ApiError, bad, from_request_error, parse_speech, speech_schema
+
+REQUEST_ID = web.RequestKey("request_id", str)
+_RID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def request_id(request: web.Request) -> str:
+    rid = request.headers.get("X-Request-Id", "")
+    rid = rid if _RID.match(rid) else uuid.uuid4().hex
+    request[REQUEST_ID] = rid
+    return rid
+
+
+async def read_json(request: web.Request):
+    raw = await request.read()  # 413 above client_max_size (turned into JSON by the middleware)
+    if not raw:
+        raise bad("body", "is empty; send a JSON object", "invalid_json")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise bad("body", f"is not valid JSON ({str(exc)[:100]})", "invalid_json") from None
+
+
+def served_names(app) -> tuple[str, ...]:
+    return (app[app_mod.MODEL].name, "qwen3-tts")
+
+
+class Utterance:
+    """One admitted request on its way out: the engine stream plus its playback tracking and metrics."""
+
+    def __init__(self, app, req: Request, schedule, rid: str, endpoint: str):
+        self.app, self.rid, self.endpoint = app, rid, endpoint
+        sched = app[app_mod.SCHEDULER]
+        self.predicted_ttfa = sched.admit()  # raises 429/503
+        try:
+            self.stream = app[app_mod.BRIDGE].submit(req, schedule)
+        except RequestError as exc:
+            raise from_request_error(exc) from None
+        self.track = sched.open(rid, self.stream.stream.frames_cap or self.stream.stream.prepared["cap"])
+        self.frames = 0
+        self.samples = 0
+        self.first = True
+        self.done = False
+        self.error: str | None = None
+        self.text_chars = len(req.text)
+
+    async def chunks(self):
+        """Yields non-empty PCM arrays; records playback headroom, late chunks and the TTFA breakdown."""
+        metrics, sched = self.app[app_mod.METRICS], self.app[app_mod.SCHEDULER]
+        async for chunk in self.stream:
+            if chunk.final:
+                self.done = True
+                self.error = chunk.error
+            if len(chunk.pcm):
+                if self.first:
+                    self.first = False
+                    metrics.observe_first_chunk(self.stream.timings)
+                    sched.observe(self.stream.timings)
+                headroom = self.track.on_audio(len(chunk.pcm) / SAMPLE_RATE)
+                if headroom is not None:
+                    metrics.headroom.observe(headroom)
+                    if headroom < 0:
+                        metrics.late_chunks.inc()
+                self.frames += chunk.frames
+                self.samples += len(chunk.pcm)
+                metrics.audio_seconds.inc(len(chunk.pcm) / SAMPLE_RATE)
+                yield chunk.pcm
+        metrics.collect_steps()
+
+    def close(self, outcome: str | None = None) -> None:
+        if not self.done:
+            self.stream.cancel()
+            outcome = outcome or "cancelled"
+        elif outcome is None:
+            outcome = "ok" if self.error is None else ("cancelled" if self.error == "cancelled" else "error")
+        self.app[app_mod.SCHEDULER].close(self.track)
+        self.app[app_mod.METRICS].requests.labels(self.endpoint, outcome).inc()
+
+    def timings(self) -> dict:
+        t = self.stream.timings.as_dict()
+        t["predicted_ttfa_ms"] = round(self.predicted_ttfa * 1000, 3)
+        t["late_chunks"] = self.track.late_chunks
+        t["worst_headroom_ms"] = None if self.track.worst_headroom is None else round(
+            self.track.worst_headroom * 1000, 3)
+        return t
+
+    def summary(self) -> dict:
+        return {"request_id": self.rid, "frames": self.frames, "audio_seconds": round(self.samples / SAMPLE_RATE, 4),
+                "sample_rate": SAMPLE_RATE, "timings": self.timings()}
+
+
+def _server_timing(t: dict) -> str:
+    names = (("queue", "queue_ms"), ("prefill", "prefill_ms"), ("first_frame", "first_frame_ms"),
+             ("ttfa", "first_chunk_ms"), ("total", "total_ms"))
+    return ", ".join(f"{n};dur={t[k]}" for n, k in names if t.get(k) is not None)
+
+
+def _audio_headers(fmt: str, rid: str, u: Utterance) -> dict:
+    t = u.timings()
+    h = {"Content-Type": CONTENT_TYPES[fmt], "X-Request-Id": rid, "X-Sample-Rate": str(SAMPLE_RATE),
+         "X-Channels": "1", "Server-Timing": _server_timing(t), "Cache-Control": "no-store"}
+    if fmt in ("pcm", "wav"):
+        h["X-Sample-Format"] = "s16le"
+    if t.get("first_chunk_ms") is not None:
+        h["X-TTFA-Ms"] = str(t["first_chunk_ms"])
+    return h
+
+
+async def speech(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    rid = request_id(request)
+    settings = app[app_mod.SETTINGS]
+    body = await read_json(request)
+    p = parse_speech(body, model=app[app_mod.MODEL], served_names=served_names(app),
+                     codec_sizes=app[app_mod.ENGINE].config.codec_sizes, max_input_chars=settings.max_input_chars)
+    u = Utterance(app, p.request, p.schedule, rid, "/v1/audio/speech")
+    try:
+        if not p.stream:
+            return await _whole(request, u, p.response_format)
+        if p.stream_format == "sse":
+            return await _sse(request, u, p.response_format)
+        return await _chunked(request, u, p.response_format)
+    finally:
+        u.close()
+
+
+def _engine_error(u: Utterance) -> ApiError:
+    if u.error and u.error.startswith("engine failure"):
+        return ApiError(500, "engine_error", u.error)
+    return ApiError(503, "cancelled", f"the request ended before any audio: {u.error}", retry_after=1)
+
+
+async def _whole(request, u: Utterance, fmt: str) -> web.Response:
+    parts = [pcm async for pcm in u.chunks()]
+    if u.error is not None:
+        raise _engine_error(u)
+    audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+    data = encode_whole(fmt, audio)
+    headers = _audio_headers(fmt, u.rid, u)
+    headers["X-Audio-Frames"] = str(u.frames)
+    headers["X-Timings"] = json.dumps(u.timings(), separators=(",", ":"))
+    ctype = headers.pop("Content-Type")
+    return web.Response(body=data, headers=headers, content_type=ctype.split(";")[0])
+
+
+async def _first(u: Utterance):
+    """The first PCM chunk (or None if the stream ended without audio), before any byte is sent."""
+    it = u.chunks()
+    try:
+        first = await it.__anext__()
+    except StopAsyncIteration:
+        first = None
+    return it, first
+
+
+async def _chunked(request, u: Utterance, fmt: str) -> web.StreamResponse:
+    it, first = await _first(u)
+    if first is None and u.error is not None:
+        raise _engine_error(u)
+    resp = web.StreamResponse(headers=_audio_headers(fmt, u.rid, u))
+    resp.enable_chunked_encoding()
+    await resp.prepare(request)
+    enc = make_encoder(fmt, streaming=True)
+    if first is not None:
+        await _write(resp, enc.encode(first))
+        async for pcm in it:
+            await _write(resp, enc.encode(pcm))
+    if u.error is not None:  # mid-stream failure: abort so the client sees a truncated transfer
+        if request.transport is not None:
+            request.transport.close()
+        return resp
+    await _write(resp, enc.finish())
+    await resp.write_eof()
+    return resp
+
+
+async def _write(resp, data: bytes) -> None:
+    if data:
+        await resp.write(data)
+
+
+def _sse_event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _sse(request, u: Utterance, fmt: str) -> web.StreamResponse:
+    it, first = await _first(u)
+    if first is None and u.error is not None:
+        raise _engine_error(u)
+    headers = _audio_headers(fmt, u.rid, u)
+    headers["Content-Type"] = "text/event-stream"
+    headers["X-Audio-Format"] = fmt
+    resp = web.StreamResponse(headers=headers)
+    await resp.prepare(request)
+    enc = make_encoder(fmt, streaming=True)
+
+    async def delta(data: bytes):
+        if data:
+            await resp.write(_sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}))
+
+    if first is not None:
+        await delta(enc.encode(first))
+        async for pcm in it:
+            await delta(enc.encode(pcm))
+    if u.error is not None:
+        await resp.write(_sse_event({"type": "error", "error": {"code": "engine_error", "message": u.error}}))
+    else:
+        await delta(enc.finish())
+        done = {"type": "speech.audio.done",
+                "usage": {"input_tokens": u.text_chars, "output_tokens": u.frames,
+                          "total_tokens": u.text_chars + u.frames}}
+        done.update(u.summary())
+        await resp.write(_sse_event(done))
+    await resp.write_eof()
+    return resp
+
+
+async def health(request):
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request):
+    app = request.app
+    sched = app[app_mod.SCHEDULER]
+    if sched.accepting:
+        e = app[app_mod.ENGINE]
+        return web.json_response({"status": "ready", "slots": e.config.slots, "active": e.active,
+                                  "queued": len(e.queue)})
+    status = "draining" if sched.draining else ("failed" if app[app_mod.WARMUP_ERROR] else "warming")
+    body = {"status": status}
+    if app[app_mod.WARMUP_ERROR]:
+        body["error"] = app[app_mod.WARMUP_ERROR][0]
+    return web.json_response(body, status=503, headers={"Retry-After": "5"})
+
+
+async def models(request):
+    app = request.app
+    info = app[app_mod.MODEL].info()
+    return web.json_response({"object": "list", "data": [
+        {"id": info["model"], "object": "model", "created": 0, "owned_by": "qtts-jax", "info": info}]})
+
+
+async def voices(request):
+    info = request.app[app_mod.MODEL].info()
+    return web.json_response({"voices": [
+        {"id": s, "name": s, "languages": info["languages"], "model": info["model"]} for s in info["speakers"]]})
+
+
+async def metrics(request):
+    m = request.app[app_mod.METRICS]
+    m.collect_steps()
+    return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def openapi(request):
+    return web.json_response(openapi_document(request.app))
+
+
+def openapi_document(app) -> dict:
+    settings = app[app_mod.SETTINGS]
+    err = {"description": "JSON error naming the field", "content": {"application/json": {"schema": {
+        "type": "object", "properties": {"error": {"type": "object", "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"}, "code": {"type": "string"},
+            "param": {"type": ["string", "null"]}}}}}}}}
+    audio = {ct: {"schema": {"type": "string", "format": "binary"}} for ct in sorted(set(CONTENT_TYPES.values()))}
+    audio["text/event-stream"] = {"schema": {"type": "string"}}
+    simple = {"200": {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}}
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "qtts-jax speech server", "version": "0.1.0"},
+        "paths": {
+            "/v1/audio/speech": {"post": {
+                "operationId": "createSpeech",
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": speech_schema(settings.max_input_chars)}}},
+                "responses": {"200": {"description": "Audio (whole file, chunked stream or SSE)", "content": audio},
+                              "400": err, "413": err, "429": err, "503": err}}},
+            "/health": {"get": {"operationId": "health", "responses": simple}},
+            "/ready": {"get": {"operationId": "ready", "responses": {**simple, "503": err}}},
+            "/v1/models": {"get": {"operationId": "listModels", "responses": simple}},
+            "/v1/audio/voices": {"get": {"operationId": "listVoices", "responses": simple}},
+            "/metrics": {"get": {"operationId": "metrics", "responses": {"200": {
+                "description": "Prometheus text", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        },
+    }
+
+
+def setup(app: web.Application) -> None:
+    r = app.router
+    r.add_post("/v1/audio/speech", speech)
+    r.add_get("/health", health)
+    r.add_get("/ready", ready)
+    r.add_get("/v1/models", models)
+    r.add_get("/v1/audio/voices", voices)
+    r.add_get("/openapi.json", openapi)
+    r.add_get("/metrics", metrics)

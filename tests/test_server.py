@@ -1,0 +1,655 @@
+"""The speech server on loopback with `tiny-random`: one compiled engine for the module, a fresh app per test."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from qtts_jax.engine import Engine, EngineConfig
+from qtts_jax.model import load_model
+from qtts_jax.request import Request
+from serving.app import ENGINE, METRICS, SCHEDULER, Settings, create_app, drain
+from serving.audio_encoders import to_s16
+from serving.schemas import ApiError
+
+CONFIG = EngineConfig(slots=2, context=256, prompt_buckets=(32, 64, 128), max_trailing=64)
+# a generous TTFA target: functional tests must not flake on a slow CI machine (admission has its own tests)
+SETTINGS = Settings(slots=2, context=256, ttfa_target_ms=2000)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny-random")
+
+
+@pytest.fixture(scope="module")
+def serve_process(request, tmp_path_factory):
+    """A `qtts-jax serve` subprocess with a small engine (one slot, one prompt bucket, one step size)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "QTTS_DRAIN_TIMEOUT_S": "20"}
+    log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "qtts_jax.cli", "serve", "--model", "tiny-random", "--port",
+                             str(port), "--slots", "1", "--context", "128", "--frames-per-step", "1"], env=env, stdout=log, stderr=log)
+    yield proc, f"http://127.0.0.1:{port}", log
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    e = Engine(model, CONFIG)
+    e.warmup()
+    return e
+
+
+@pytest.fixture(scope="module")
+def offline(model):
+    """Offline `Model.generate` int16 audio for a request, cached."""
+    cache = {}
+
+    def get(text, voice="ryan", seed=0, max_frames=None):
+        key = (text, voice, seed, max_frames)
+        if key not in cache:
+            (res,) = model.generate(Request(text, speaker=voice, seed=seed, max_frames=max_frames))
+            cache[key] = (to_s16(res.audio).astype(np.int32), res.frames)
+        return cache[key]
+
+    return get
+
+
+async def wait_ready(client, timeout=60.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        r = await client.get("/ready")
+        if r.status == 200:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("server never became ready")
+
+
+@pytest_asyncio.fixture
+async def make_client(aiohttp_client, engine):
+    async def make(settings=SETTINGS, ready=True):
+        client = await aiohttp_client(create_app(settings, engine=engine))
+        if ready:
+            await wait_ready(client)
+        return client
+
+    return make
+
+
+@pytest_asyncio.fixture
+async def client(make_client):
+    return await make_client()
+
+
+def pcm(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, "<i2").astype(np.int32)
+
+
+def assert_same_audio(got: np.ndarray, expected: np.ndarray) -> None:
+    """Streamed audio equals offline audio up to int16 rounding (streaming codec differs by < 1e-5)."""
+    assert len(got) == len(expected) > 0
+    assert np.max(np.abs(got - expected)) <= 1
+
+
+async def wait_idle(app, timeout=5.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if app[ENGINE].active == 0 and not app[SCHEDULER].streams and not app[ENGINE].queue:
+            return time.monotonic() - t0
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"slot not freed: active={app[ENGINE].active} open={len(app[SCHEDULER].streams)}")
+
+
+SPEECH = dict(model="tiny-random", voice="ryan")
+
+
+async def test_health_models_voices_openapi(client):
+    r = await client.get("/health")
+    assert r.status == 200 and (await r.json())["status"] == "ok"
+    models = await (await client.get("/v1/models")).json()
+    assert models["data"][0]["id"] == "tiny-random"
+    voices = (await (await client.get("/v1/audio/voices")).json())["voices"]
+    assert {"ryan", "vivian"} <= {v["id"] for v in voices}
+    doc = await (await client.get("/openapi.json")).json()
+    props = doc["paths"]["/v1/audio/speech"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {"input", "voice", "response_format", "speed", "stream_format", "seed", "max_frames"} <= set(
+        props["properties"])
+
+
+async def test_streamed_pcm_and_wav_equal_offline_generate(client, offline):
+    text, seed = "Streaming equals offline.", 7
+    expected, frames = offline(text, seed=seed, max_frames=12)
+    r = await client.post("/v1/audio/speech", json={**SPEECH, "input": text, "seed": seed, "max_frames": 12,
+                                                    "response_format": "pcm", "stream": True})
+    assert r.status == 200, await r.text()
+    assert r.headers["Content-Type"] == "audio/pcm" and r.headers["X-Sample-Rate"] == "24000"
+    assert r.headers["Transfer-Encoding"] == "chunked"
+    assert len(r.headers["X-Request-Id"]) > 0 and "ttfa;dur=" in r.headers["Server-Timing"]
+    sizes, data = [], b""
+    async for part in r.content.iter_any():
+        sizes.append(len(part))
+        data += part
+    assert_same_audio(pcm(data), expected)
+
+    r = await client.post("/v1/audio/speech", json={**SPEECH, "input": text, "seed": seed, "max_frames": 12,
+                                                    "response_format": "wav", "stream": True},
+                          headers={"X-Request-Id": "my-id-1"})
+    assert r.headers["X-Request-Id"] == "my-id-1"
+    data = await r.read()
+    riff, size, wave, _, _, fmt, ch, rate, _, _, bits, tag, dsize = struct.unpack("<4sI4s4sIHHIIHH4sI", data[:44])
+    assert (riff, wave, tag, fmt, ch, rate, bits) == (b"RIFF", b"WAVE", b"data", 1, 1, 24000, 16)
+    assert size == dsize == 0xFFFFFFFF  # streaming header: length unknown
+    assert_same_audio(pcm(data[44:]), expected)
+
+
+async def test_whole_file_wav_and_sse(client, offline):
+    import soundfile as sf
+
+    text = "Whole file please."
+    expected, frames = offline(text, voice="vivian", seed=3, max_frames=16)
+    body = {**SPEECH, "voice": "vivian", "input": text, "seed": 3, "max_frames": 16, "response_format": "wav"}
+    r = await client.post("/v1/audio/speech", json=body)
+    assert r.status == 200 and r.headers["Content-Type"] == "audio/wav"
+    data = await r.read()
+    assert int(r.headers["Content-Length"]) == len(data)
+    timings = json.loads(r.headers["X-Timings"])
+    assert timings["first_chunk_ms"] > 0 and timings["total_ms"] >= timings["first_chunk_ms"]
+    audio, rate = sf.read(io.BytesIO(data), dtype="int16")
+    assert rate == 24000
+    assert_same_audio(audio.astype(np.int32), expected)
+
+    r = await client.post("/v1/audio/speech", json={**body, "response_format": "pcm", "stream_format": "sse"})
+    assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+    events = [json.loads(line[6:]) for line in (await r.text()).split("\n") if line.startswith("data: ")]
+    deltas = [e for e in events if e["type"] == "speech.audio.delta"]
+    assert len(deltas) >= 2 and events[-1]["type"] == "speech.audio.done"
+    assert events[-1]["frames"] == frames and events[-1]["usage"]["output_tokens"] == frames
+    assert events[-1]["timings"]["first_chunk_ms"] is not None
+    assert_same_audio(pcm(b"".join(base64.b64decode(e["audio"]) for e in deltas)), expected)
+
+
+@pytest.mark.parametrize("fmt", ["flac", "mp3", "opus"])
+async def test_compressed_formats_stream_and_decode(client, offline, fmt):
+    import av
+
+    expected, frames = offline("Compressed.", seed=1, max_frames=10)
+    r = await client.post("/v1/audio/speech", json={**SPEECH, "input": "Compressed.", "seed": 1, "max_frames": 10,
+                                                    "response_format": fmt, "stream": True})
+    assert r.status == 200
+    data = await r.read()
+    decoded = np.concatenate([f.to_ndarray().reshape(-1) for f in av.open(io.BytesIO(data)).decode(audio=0)])
+    if fmt == "flac":  # lossless
+        assert_same_audio(decoded.astype(np.int32), expected)
+    else:  # lossy: about the right length (codec delay/padding, opus decodes at 48 kHz)
+        rate = 48000 if fmt == "opus" else 24000
+        assert abs(len(decoded) / rate - frames * 0.08) < 0.2
+
+
+async def test_parallel_streams_each_equal_solo(client, offline):
+    reqs = [("First parallel voice.", "ryan", 11), ("Second one, different.", "eric", 12)]
+
+    async def one(text, voice, seed):
+        r = await client.post("/v1/audio/speech", json={**SPEECH, "voice": voice, "input": text, "seed": seed,
+                                                        "max_frames": 15, "response_format": "pcm", "stream": True})
+        assert r.status == 200, await r.text()
+        return pcm(await r.read())
+
+    got = await asyncio.gather(*(one(*q) for q in reqs))
+    for (text, voice, seed), audio in zip(reqs, got):
+        assert_same_audio(audio, offline(text, voice, seed, 15)[0])
+
+
+async def test_burst_beyond_capacity_gets_429_with_retry_after_and_no_5xx(client):
+    async def one(i):
+        r = await client.post("/v1/audio/speech", json={**SPEECH, "input": f"Burst number {i}.", "seed": i,
+                                                        "max_frames": 60, "response_format": "pcm", "stream": True})
+        return r.status, dict(r.headers), await r.read()
+
+    results = await asyncio.gather(*(one(i) for i in range(10)))
+    statuses = [s for s, _, _ in results]
+    assert all(s in (200, 429) for s in statuses), statuses
+    assert statuses.count(429) >= 4 and statuses.count(200) >= 2
+    for status, headers, body in results:
+        if status == 429:
+            assert int(headers["Retry-After"]) >= 1
+            err = json.loads(body)["error"]
+            assert err["code"] in ("overloaded", "queue_full") and err["retry_after"] >= 1
+        else:
+            assert len(body) > 0 and len(body) % 3840 == 0
+    await wait_idle(client.app)
+
+
+async def test_disconnect_cancels_and_frees_the_slot(client):
+    app = client.app
+    r = await client.post("/v1/audio/speech", json={**SPEECH, "input": "Talk for a long while please.",
+                                                    "max_frames": 200, "response_format": "pcm", "stream": True})
+    assert r.status == 200
+    await r.content.readany()
+    assert app[ENGINE].active == 1
+    r.close()  # the client goes away mid-stream
+    freed_after = await wait_idle(app)
+    assert freed_after < 2.0
+    metrics = await (await client.get("/metrics")).text()
+    assert 'qtts_requests_total{endpoint="/v1/audio/speech",outcome="cancelled"} 1.0' in metrics
+    r = await client.post("/v1/audio/speech", json={**SPEECH, "input": "Still here.", "max_frames": 3,
+                                                    "response_format": "pcm"})
+    assert r.status == 200
+
+
+async def test_metrics_present(client):
+    r = await client.post("/v1/audio/speech", json={**SPEECH, "input": "Measure me.", "max_frames": 20,
+                                                    "response_format": "pcm", "stream": True})
+    await r.read()
+    await (await client.post("/v1/audio/speech", json={"input": 5})).read()
+    text = await (await client.get("/metrics")).text()
+    for name in ("qtts_ttfa_seconds_bucket", 'qtts_ttfa_part_seconds_count{part="queue"}',
+                 'qtts_ttfa_part_seconds_count{part="prefill"}', 'qtts_ttfa_part_seconds_count{part="codec"}',
+                 "qtts_buffer_headroom_seconds_bucket", "qtts_late_chunks_total", "qtts_active_streams 0.0",
+                 "qtts_queue_depth 0.0", "qtts_queue_oldest_wait_seconds", "qtts_slot_occupancy",
+                 "qtts_step_seconds_count", "qtts_min_headroom_seconds", "qtts_ready 1.0",
+                 'qtts_requests_total{endpoint="/v1/audio/speech",outcome="ok"}',
+                 'qtts_requests_total{endpoint="/v1/audio/speech",outcome="bad_request"} 1.0'):
+        assert name in text, name
+    count = float(text.split("qtts_step_seconds_count ")[1].split("\n")[0])
+    assert count > 0
+
+
+BAD = [
+    (b"{not json", "body"),
+    (b"[1, 2]", "body"),
+    (b"", "body"),
+    ({"voice": "ryan"}, "input"),
+    ({"input": "   ", "voice": "ryan"}, "input"),
+    ({"input": "x" * 4097, "voice": "ryan"}, "input"),
+    ({"input": "y" * 300, "voice": "ryan"}, "input"),  # longer than the largest prompt bucket
+    ({"input": 5, "voice": "ryan"}, "input"),
+    ({"input": "hi"}, "voice"),
+    ({"input": "hi", "voice": "alloy"}, "voice"),
+    ({"input": "hi", "voice": {"name": "ryan"}}, "voice"),
+    ({"input": "hi", "voice": "ryan", "response_format": "aac"}, "response_format"),
+    ({"input": "hi", "voice": "ryan", "speed": 1.5}, "speed"),
+    ({"input": "hi", "voice": "ryan", "speed": 9}, "speed"),
+    ({"input": "hi", "voice": "ryan", "language": "klingon"}, "language"),
+    ({"input": "hi", "voice": "ryan", "temperature": 0}, "temperature"),
+    ({"input": "hi", "voice": "ryan", "temperature": "hot"}, "temperature"),
+    ({"input": "hi", "voice": "ryan", "temperature": True}, "temperature"),
+    (b'{"input": "hi", "voice": "ryan", "temperature": NaN}', "temperature"),
+    ({"input": "hi", "voice": "ryan", "top_p": 1.5}, "top_p"),
+    ({"input": "hi", "voice": "ryan", "top_k": -1}, "top_k"),
+    ({"input": "hi", "voice": "ryan", "top_k": 2.5}, "top_k"),
+    ({"input": "hi", "voice": "ryan", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"input": "hi", "voice": "ryan", "seed": -1}, "seed"),
+    ({"input": "hi", "voice": "ryan", "seed": 2**40}, "seed"),
+    ({"input": "hi", "voice": "ryan", "max_frames": 0}, "max_frames"),
+    ({"input": "hi", "voice": "ryan", "stream": "yes"}, "stream"),
+    ({"input": "hi", "voice": "ryan", "stream_format": "ws"}, "stream_format"),
+    ({"input": "hi", "voice": "ryan", "model": "gpt-5"}, "model"),
+    ({"input": "hi", "voice": "ryan", "instructions": 5}, "instructions"),
+    ({"input": "hi", "voice": "ryan", "chunk_schedule": [3]}, "chunk_schedule"),
+    ({"input": "hi", "voice": "ryan", "chunk_schedule": "1,2"}, "chunk_schedule"),
+    ({"input": "hi", "voice": "ryan", "frobnicate": 1}, "frobnicate"),
+]
+
+
+async def test_bad_inputs_get_400_naming_the_field(client):
+    for body, field in BAD:
+        kwargs = {"data": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else {
+            "json": body}
+        r = await client.post("/v1/audio/speech", **kwargs)
+        assert r.status == 400, (body, r.status, await r.text())
+        err = (await r.json())["error"]
+        assert err["param"] == field, (body, err)
+        assert field in err["message"] and err["code"]
+    r = await client.post("/v1/audio/speech", data=b"{" + b" " * 300_000 + b"}",
+                          headers={"Content-Type": "application/json"})
+    assert r.status == 413 and (await r.json())["error"]["param"] == "body"
+    r = await client.get("/v1/audio/nothing")
+    assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
+    assert client.app[ENGINE].active == 0 and not client.app[ENGINE].queue
+
+
+async def test_ready_503_until_warm_and_requests_refused(make_client, engine, monkeypatch):
+    gate = threading.Event()
+    real = engine.warmup
+    monkeypatch.setattr(engine, "warmup", lambda: (gate.wait(30), real()))
+    client = await make_client(ready=False)
+    try:
+        assert (await client.get("/health")).status == 200
+        r = await client.get("/ready")
+        assert r.status == 503 and (await r.json())["status"] == "warming"
+        r = await client.post("/v1/audio/speech", json={**SPEECH, "input": "Too early."})
+        assert r.status == 503 and int(r.headers["Retry-After"]) >= 1
+        assert (await r.json())["error"]["code"] == "not_ready"
+    finally:
+        gate.set()
+    await wait_ready(client)
+
+
+async def test_drain_refuses_new_work_and_lets_streams_finish(client, offline):
+    app = client.app
+    expected, _ = offline("Finish me during drain.", seed=2, max_frames=30)
+    r = await client.post("/v1/audio/speech", json={**SPEECH, "input": "Finish me during drain.", "seed": 2,
+                                                    "max_frames": 30, "response_format": "pcm", "stream": True})
+    first = await r.content.readany()
+    drained = asyncio.create_task(drain(app, timeout_s=20))
+    await asyncio.sleep(0.01)
+    ready = await client.get("/ready")
+    assert ready.status == 503 and (await ready.json())["status"] == "draining"
+    refused = await client.post("/v1/audio/speech", json={**SPEECH, "input": "New work."})
+    assert refused.status == 503 and (await refused.json())["error"]["code"] == "draining"
+    assert "Retry-After" in refused.headers
+    rest = await r.read()
+    assert_same_audio(pcm(first + rest), expected)
+    assert await drained is True
+
+
+async def ws_events(ws, until, timeout=20.0):
+    """Collect (events, pcm bytes) until an event satisfies `until`."""
+    events, audio = [], b""
+    while True:
+        msg = await ws.receive(timeout=timeout)
+        if msg.type.name == "BINARY":
+            audio += msg.data
+        elif msg.type.name == "TEXT":
+            ev = json.loads(msg.data)
+            events.append(ev)
+            if until(ev):
+                return events, audio
+        else:
+            return events, audio
+
+
+async def test_websocket_append_commit_cancel_errors(client, offline):
+    app = client.app
+    expected, frames = offline("Hello there, agent.", seed=5, max_frames=12)
+    ws = await client.ws_connect("/v1/audio/speech/stream")
+    hello = await ws.receive_json()
+    assert hello["type"] == "session.created" and hello["sample_rate"] == 24000
+    # bad inputs are error events naming the field; the socket stays usable
+    for msg, field in ((b"not json", "message"), ({"type": "dance"}, "type"),
+                       ({"type": "session.update", "session": {"temperature": -1}}, "temperature"),
+                       ({"type": "session.update", "session": {"voice": "nobody"}}, "voice"),
+                       ({"type": "input_text.commit"}, "text"),
+                       ({"type": "input_text.append", "text": 7}, "text")):
+        await (ws.send_str(msg.decode()) if isinstance(msg, bytes) else ws.send_json(msg))
+        ev = await ws.receive_json()
+        assert ev["type"] == "error" and ev["error"]["param"] == field, (msg, ev)
+    await ws.send_json({"type": "input_text.append", "text": "no voice yet"})
+    await ws.send_json({"type": "input_text.commit"})
+    ev = await ws.receive_json()
+    assert ev["type"] == "error" and ev["error"]["param"] == "voice"
+
+    await ws.send_json({"type": "session.update", "session": {"voice": "ryan", "seed": 5, "max_frames": 12}})
+    assert (await ws.receive_json())["type"] == "session.updated"
+    for part in ("Hello there, ", "agent."):
+        await ws.send_json({"type": "input_text.append", "text": part})
+    await ws.send_json({"type": "input_text.commit"})
+    events, audio = await ws_events(ws, lambda e: e["type"] == "utterance.done")
+    assert [e["type"] for e in events] == ["utterance.queued", "utterance.started", "utterance.done"]
+    done = events[-1]
+    assert done["cancelled"] is False and done["frames"] == frames and done["timings"]["first_chunk_ms"] > 0
+    assert_same_audio(pcm(audio), expected)
+
+    # second utterance on the same socket, cancelled after its first audio: stops and frees the slot
+    await ws.send_json({"type": "session.update", "session": {"max_frames": 200}})
+    await ws.receive_json()
+    await ws.send_json({"type": "input_text.append", "text": "A long utterance to interrupt."})
+    await ws.send_json({"type": "flush"})
+    events, audio = await ws_events(ws, lambda e: e["type"] == "utterance.started")
+    while not audio:
+        msg = await ws.receive(timeout=10)
+        audio += msg.data if msg.type.name == "BINARY" else b""
+    await ws.send_json({"type": "cancel"})
+    events, _ = await ws_events(ws, lambda e: e["type"] == "utterance.done")
+    assert events[-1]["cancelled"] is True and events[-1]["frames"] < 200
+    await wait_idle(app)
+
+    await ws.send_json({"type": "close"})
+    msg = await ws.receive(timeout=5)
+    assert msg.type.name in ("CLOSE", "CLOSED") and ws.closed
+
+
+async def test_websocket_flood_closes_with_policy_violation(make_client):
+    client = await make_client(Settings(slots=2, context=256, ws_max_messages_per_s=5))
+    ws = await client.ws_connect("/v1/audio/speech/stream")
+    await ws.receive_json()
+    for _ in range(20):
+        await ws.send_json({"type": "input_text.append", "text": "a"})
+    events, _ = await ws_events(ws, lambda e: e["type"] == "error" and e["error"]["code"] == "rate_limited")
+    msg = await ws.receive(timeout=5)
+    assert msg.type.name == "CLOSE" and msg.data == 1008
+
+
+@pytest.fixture
+def live_server(engine):
+    """The app on a real loopback socket, served from its own thread and event loop (for sync clients)."""
+    from aiohttp import web
+
+    started, stop, info = threading.Event(), None, {}
+
+    def serve():
+        nonlocal stop
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        app = create_app(SETTINGS, engine=engine)
+        runner = web.AppRunner(app, handler_cancellation=True)
+        loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        loop.run_until_complete(site.start())
+        info["port"] = site._server.sockets[0].getsockname()[1]
+        info["app"], info["loop"] = app, loop
+        stop = asyncio.Event()
+        started.set()
+        loop.run_until_complete(stop.wait())
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert started.wait(30)
+    import urllib.request
+
+    for _ in range(600):
+        try:
+            if urllib.request.urlopen(f"http://127.0.0.1:{info['port']}/ready", timeout=5).status == 200:
+                break
+        except OSError:
+            time.sleep(0.05)
+    yield info
+    info["loop"].call_soon_threadsafe(stop.set)
+    thread.join(30)
+
+
+def test_fuzzed_bodies_never_get_5xx(live_server):
+    """Hypothesis-generated bodies (valid and not) against the live server: always 2xx/4xx, errors as JSON."""
+    import http.client
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from serving.audio_encoders import FORMATS
+
+    port = live_server["port"]
+    junk = st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
+        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3), max_leaves=4)
+    valid_fields = {
+        "response_format": st.sampled_from(FORMATS),
+        "speed": st.sampled_from([1.0, 1]),
+        "stream": st.booleans(),
+        "stream_format": st.sampled_from(["audio", "sse"]),
+        "language": st.sampled_from(["auto", "english", "Chinese"]),
+        "seed": st.integers(0, 2**32 - 1),
+        "temperature": st.floats(0.1, 2),
+        "top_k": st.integers(0, 100),
+        "top_p": st.floats(0.05, 1),
+        "repetition_penalty": st.floats(0.5, 2),
+        "instructions": st.text(max_size=20),
+        "chunk_schedule": st.lists(st.sampled_from([1, 2, 4, 8]), min_size=1, max_size=4),
+        "greedy": st.booleans(),
+        "model": st.sampled_from(["tiny-random", "tts-1"]),
+    }
+    valid = st.fixed_dictionaries(
+        {"input": st.text(min_size=1, max_size=24).filter(str.strip),
+         "voice": st.sampled_from(["ryan", "Eric", {"id": "vivian"}]), "max_frames": st.integers(1, 4)},
+        optional=valid_fields)
+    keys = sorted(valid_fields) + ["input", "voice", "max_frames", "extra", ""]
+
+    def mutate(pair):
+        body, change = pair
+        if change is not None:
+            key, value = change
+            body = {**body, key: value}
+        return body
+
+    bodies = st.tuples(valid, st.none() | st.tuples(st.sampled_from(keys), junk)).map(mutate) | junk
+
+    @settings(max_examples=120, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(body=bodies, raw=st.none() | st.binary(max_size=40))
+    def check(body, raw):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            data = raw if raw is not None else json.dumps(body).encode()
+            conn.request("POST", "/v1/audio/speech", body=data, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            payload = resp.read()
+        finally:
+            conn.close()
+        assert resp.status < 500, (body, resp.status, payload[:300])
+        if resp.status >= 400:
+            err = json.loads(payload)["error"]
+            assert err["code"] and err["message"]
+            if resp.status == 400:
+                assert err["param"], err
+
+    check()
+    metrics = live_server["app"][METRICS].registry
+    outcomes = {o: metrics.get_sample_value("qtts_requests_total", {"endpoint": "/v1/audio/speech", "outcome": o})
+                for o in ("ok", "bad_request")}
+    assert all(v and v > 0 for v in outcomes.values()), outcomes  # both valid and invalid bodies were exercised
+
+
+def test_serve_cli_sigterm_drains_and_exits_0(serve_process):
+    """A real `qtts-jax serve` process: ready, then SIGTERM mid-stream -> /ready 503, the stream finishes, exit 0."""
+    import signal
+    import urllib.error
+    import urllib.request
+
+    proc, base, log = serve_process
+    for _ in range(1200):
+        try:
+            if urllib.request.urlopen(base + "/ready", timeout=2).status == 200:
+                break
+        except (OSError, urllib.error.HTTPError):
+            time.sleep(0.1)
+    else:
+        log.seek(0)
+        raise AssertionError("server not ready: " + log.read()[-2000:])
+    body = json.dumps({"input": "Drain me.", "voice": "ryan", "max_frames": 60, "response_format": "pcm",
+                       "stream": True}).encode()
+    resp = urllib.request.urlopen(urllib.request.Request(base + "/v1/audio/speech", data=body,
+                                                         headers={"Content-Type": "application/json"}))
+    first = resp.read1(3840)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(base + "/ready", timeout=5)
+    assert err.value.code == 503 and json.loads(err.value.read())["status"] == "draining"
+    rest = resp.read()
+    assert len(first + rest) == 60 * 3840  # the in-flight stream finished in full
+    assert proc.wait(timeout=30) == 0
+
+
+def _fake_engine(slots, live=(), queued=(), step_s=0.01):
+    """What the scheduler reads from an engine: slots with frames left, the queue, recent step times."""
+    from types import SimpleNamespace
+
+    streams = [SimpleNamespace(lm_done=False, frames_cap=cap, codes=[0] * done) for cap, done in live]
+    return SimpleNamespace(
+        slots=streams + [None] * (slots - len(streams)),
+        queue=[SimpleNamespace(prepared={"cap": cap}) for cap in queued],
+        step_seconds=[step_s] * 10, config=SimpleNamespace(slots=slots, frames_per_step=4),
+        active=len(streams))
+
+
+def test_admission_predicts_ttfa_from_slot_occupancy_and_step_time():
+    from serving.scheduler import AdmissionConfig, Scheduler
+
+    cfg = AdmissionConfig(ttfa_target_s=0.3, max_queue=4)
+    sched = Scheduler(_fake_engine(2, live=[(100, 10)]), cfg)
+    with pytest.raises(ApiError) as err:
+        sched.admit()
+    assert err.value.status == 503 and err.value.code == "not_ready"
+    sched.ready = True
+    assert sched.admit() < 0.3  # a free slot: first audio after about one step + prefill
+    # both slots busy: the earliest frees after 20 more frames x 10 ms = 0.2 s -> still inside the target
+    sched.engine = _fake_engine(2, live=[(100, 10), (100, 80)])
+    assert 0.2 < sched.admit() < 0.3
+    # ... 40 frames left (0.4 s): refused, with Retry-After covering the wait
+    sched.engine = _fake_engine(2, live=[(100, 10), (100, 60)])
+    with pytest.raises(ApiError) as err:
+        sched.admit()
+    assert err.value.status == 429 and err.value.code == "overloaded" and err.value.retry_after == 1
+    # a queued request ahead takes the first free slot: the next one waits for the second
+    sched.engine = _fake_engine(2, live=[(100, 99), (100, 0)], queued=[100])
+    sched.engine.queue[0].prepared["cap"] = 2
+    assert sched.admit() < 0.3
+    sched.engine.queue[0].prepared["cap"] = 50
+    with pytest.raises(ApiError):
+        sched.admit()
+    # slower than real time: everything would starve
+    sched.engine = _fake_engine(2, step_s=0.09)
+    with pytest.raises(ApiError) as err:
+        sched.admit()
+    assert err.value.status == 429
+    sched.draining = True
+    with pytest.raises(ApiError) as err:
+        sched.admit()
+    assert err.value.status == 503 and err.value.code == "draining" and err.value.retry_after >= 1
+
+
+def test_admission_protects_playing_streams_from_starving():
+    from serving.scheduler import AdmissionConfig, Scheduler
+
+    sched = Scheduler(_fake_engine(4, live=[(100, 10)], step_s=0.01), AdmissionConfig(starvation_s=0.1))
+    sched.ready = True
+    sched._prefill = 0.2  # a slow prefill stalls every stream for 0.2 s (+ one 10 ms step)
+    track = sched.open("a", cap_frames=100)
+    t0 = time.perf_counter()
+    assert track.on_audio(0.08, now=t0) is None  # playback starts with the first chunk
+    assert track.on_audio(0.08, now=t0 + 0.05) == pytest.approx(0.03)  # 30 ms ahead of the listener
+    assert track.on_audio(0.08, now=t0 + 0.2) < 0 and track.late_chunks == 1  # late: the listener ran dry
+    track.playback_start = time.perf_counter() - 0.2  # now 40 ms buffered: 40 - 210 ms stall < -100 ms
+    with pytest.raises(ApiError) as err:
+        sched.admit()
+    assert err.value.status == 429 and "starve" in err.value.message
+    track.audio_sent += 1.0  # a second of audio buffered: the stall is absorbed
+    assert sched.admit() > 0
+    sched.close(track)
+    assert not sched.streams
+
+
+# every coroutine test runs on pytest-asyncio (strict mode); sync tests stay unmarked
+for _name, _obj in list(globals().items()):
+    if _name.startswith("test_") and asyncio.iscoroutinefunction(_obj):
+        globals()[_name] = pytest.mark.asyncio(_obj)
