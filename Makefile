@@ -2,7 +2,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup test synth serve clean
+.PHONY: setup test synth serve study clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -24,6 +24,11 @@ synth: $(PY)
 serve: $(PY)
 	$(PIP) install --quiet -e .
 	$(VENV)/bin/qtts-jax serve --model $(or $(MODEL),tiny-random) --host $(or $(HOST),127.0.0.1) --port $(or $(PORT),8000) --slots $(or $(SLOTS),8)
+
+# Capacity study: a batched and a serialised tiny-random server on 127.0.0.1 side by side (or URL=...); runs/<id>/report.html
+study: $(PY)
+	$(PIP) install --quiet -e ".[study]"
+	$(PY) -m studies capacity $(if $(URL),--url $(URL),--compare-serialised) --loads $(or $(LOADS),1 2 4) --requests $(or $(REQUESTS),12) --max-frames $(or $(MAX_FRAMES),24)
 
 clean:
 	rm -rf $(VENV) runs

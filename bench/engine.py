@@ -63,7 +63,7 @@ def long_request(i: int, frames: int) -> Request:
 def bench_slots(model, slots: int, args) -> dict:
     config = EngineConfig(
         slots=slots, context=args.context, prompt_buckets=(64,), max_trailing=32,
-        frames_per_step=args.frames_per_step, frames_cap_base=args.context,
+        frames_per_step=args.frames_per_step, frames_cap_base=args.context, sampler=args.sampler,
     )
     before = device_bytes()
     engine = Engine(model, config)
@@ -153,6 +153,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--frames-per-step", type=int, default=4)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--sampler", choices=["jnp", "pallas", "auto"], default="auto")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     t0 = time.perf_counter()
@@ -165,6 +166,7 @@ def main() -> None:
         "dtype": jnp.dtype(dtype).name,
         "context": args.context,
         "frames_per_step": args.frames_per_step,
+        "sampler": args.sampler,
         "load_s": round(time.perf_counter() - t0, 1),
         "rows": [],
     }

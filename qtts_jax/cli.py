@@ -33,10 +33,17 @@ def _parser() -> argparse.ArgumentParser:
     from serving.cli import add_serve_parser  # `serve`: the HTTP/WebSocket server (serving/)
 
     add_serve_parser(sub)
+    sub.add_parser("study", help="capacity studies of a server: `qtts-jax study {capacity,fleet} --help`",
+                   add_help=False)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["study"]:  # the studies toolkit owns its own arguments
+        from studies.cli import main as study_main
+
+        return study_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "serve":
         from serving.cli import serve

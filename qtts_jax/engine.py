@@ -48,7 +48,9 @@ class EngineConfig:
     schedule: tuple[int, ...] = DEFAULT_SCHEDULE  # frames per audio chunk: 1, 2, 4, 8, 8, ...
     frames_per_text_token: int = 8  # runaway guard: cap = base + this x text tokens
     frames_cap_base: int = 24
-    sampler: str = "jnp"  # "jnp" (reference) or "pallas" (kernel; interpreted on CPU); bench/sampling.py decides
+    # "pallas" (the kernel; 2-6.7x faster than the reference on the H200, bench/results/sampling-h200.json),
+    # "jnp" (the reference), or "auto": the kernel on GPU, the reference elsewhere (no Triton on CPU).
+    sampler: str = "auto"
 
     @property
     def codec_sizes(self) -> tuple[int, ...]:
@@ -392,6 +394,8 @@ def _insert(params, state: EngineState, slot, text, codec, frames, speaker_row, 
 
 def _chooser(name: str):
     """The per-row token chooser the frame step uses."""
+    if name == "auto":
+        name = "pallas" if jax.default_backend() == "gpu" else "jnp"
     if name == "jnp":
         return sampling.choose
     if name == "pallas":

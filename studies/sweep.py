@@ -1,0 +1,44 @@
+"""A capacity sweep: one condition per load, records appended to one JSONL, a summary per condition."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+from pathlib import Path
+
+from studies.load import run_condition
+from studies.records import write_jsonl
+from studies.slo import SLO, safe_capacity
+from studies.stats import summarize
+
+
+def sweep(url: str, mode: str, loads: list[float], requests: int, prompts: list[str], out_dir: str | Path,
+          options: dict | None = None, warmup: int = 0, buffer_ms: float = 0.0, slo: SLO = SLO(),
+          seed: int = 0, timeout_s: float = 60.0) -> dict:
+    """Runs the loads in increasing order and writes `records.jsonl` and `summary.json` under `out_dir`.
+    Every load runs, even past the first unsafe one, so the report shows the whole curve."""
+    if not loads:
+        raise ValueError("no loads to sweep")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    records_path = out / "records.jsonl"
+    records_path.unlink(missing_ok=True)
+    summaries = []
+    for load in sorted(loads):
+        records = run_sync(run_condition(url, mode, load, requests, prompts, options, warmup, seed, timeout_s))
+        write_jsonl(records_path, records, append=True)
+        s = summarize(records, buffer_ms)
+        s["slo"] = slo.check(s)
+        summaries.append(s)
+    result = {"url": url, "mode": mode, "requests_per_condition": requests, "warmup": warmup,
+              "options": options or {}, "slo": vars(slo), "conditions": summaries,
+              "safe_capacity": safe_capacity(summaries, slo)}
+    (out / "summary.json").write_text(json.dumps(result, indent=2, default=float))
+    return result
+
+
+def run_sync(coro):
+    """Runs a coroutine to completion on its own thread, so sweeps work inside Jupyter's running event loop too."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()

@@ -1,0 +1,230 @@
+"""Study toolkit arithmetic on hand-computed cases: playback, statistics, validation, SLOs, fleet sizing."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+import pytest
+
+from studies.cli import main as study_main
+from studies.corpora import load_corpus
+from studies.fleet import fleet_size
+from studies.load import arrival_times
+from studies.playback import simulate
+from studies.records import RequestRecord, read_jsonl, write_jsonl
+from studies.slo import SLO, safe_capacity
+from studies.stats import percentile, summarize
+from studies.validate import validate_stream
+
+SR = 24_000
+TENTH = SR // 10  # samples in 100 ms
+HEADERS = {"X-Sample-Rate": "24000", "X-Channels": "1", "X-Sample-Format": "s16le"}
+
+
+def test_zero_buffer_playback_counts_gaps_after_first_audio_not_before():
+    # starts at 5.0 (TTFA is not starvation); 0.1 s plays, chunk 2 lands in time, chunk 3 is 0.1 s late
+    p = simulate([(5.0, TENTH), (5.05, TENTH), (5.3, TENTH)], SR)
+    assert p.start_s == 5.0
+    assert p.starvation_s == pytest.approx(0.1)
+    assert p.longest_stall_s == pytest.approx(0.1)
+    assert p.underruns == 1
+    assert p.audio_s == pytest.approx(0.3)
+
+
+def test_startup_buffer_delays_start_and_absorbs_stalls():
+    chunks = [(0.0, TENTH), (0.05, TENTH), (0.3, TENTH), (0.7, TENTH)]
+    # 200 ms buffer: starts at 0.05 with 0.2 s queued -> dry at 0.25, chunk 3 at 0.3 (0.05 s stall),
+    # plays to 0.4, chunk 4 at 0.7 (0.3 s stall)
+    p = simulate(chunks, SR, buffer_ms=200)
+    assert p.start_s == 0.05
+    assert p.starvation_s == pytest.approx(0.35)
+    assert p.longest_stall_s == pytest.approx(0.3)
+    assert p.underruns == 2
+    # a buffer longer than the whole stream starts at its last chunk and never starves
+    assert simulate(chunks, SR, buffer_ms=5000) == simulate([(0.7, 4 * TENTH)], SR)
+
+
+def test_playback_ignores_empty_chunks_and_rejects_nonsense():
+    assert simulate([(0.0, 0), (0.2, TENTH)], SR).start_s == 0.2
+    with pytest.raises(ValueError, match="no audio"):
+        simulate([(0.0, 0)], SR)
+    with pytest.raises(ValueError, match="must not decrease"):
+        simulate([(1.0, TENTH), (0.5, TENTH)], SR)
+    with pytest.raises(ValueError, match="buffer_ms"):
+        simulate([(0.0, TENTH)], SR, buffer_ms=-1)
+
+
+def s16(*values) -> bytes:
+    return struct.pack(f"<{len(values)}h", *values)
+
+
+def test_validation_accepts_audio_and_names_every_failure():
+    assert validate_stream(200, HEADERS, s16(0, 100, -100)) is None
+    assert validate_stream(200, HEADERS, b"") == "empty stream"
+    assert "malformed" in validate_stream(200, HEADERS, s16(1, 2) + b"\x01")
+    assert "sample rate" in validate_stream(200, {**HEADERS, "X-Sample-Rate": "16000"}, s16(1))
+    assert "sample rate" in validate_stream(200, {"X-Channels": "1"}, s16(1))
+    assert "channels" in validate_stream(200, {**HEADERS, "X-Channels": "2"}, s16(1, 1))
+    f32 = {**HEADERS, "X-Sample-Format": "f32le"}
+    assert validate_stream(200, f32, np.array([0.0, 0.5], "<f4").tobytes()) is None
+    assert validate_stream(200, f32, np.array([0.0, np.nan], "<f4").tobytes()) == "non-finite samples"
+    assert validate_stream(200, f32, np.array([np.inf], "<f4").tobytes()) == "non-finite samples"
+    assert "sample format 'u8'" in validate_stream(200, {**HEADERS, "X-Sample-Format": "u8"}, b"\x00\x00")
+    assert validate_stream(429, HEADERS, b"", error="HTTP 429: overloaded") == "HTTP 429"
+    assert validate_stream(None, {}, b"", error="ClientConnectorError: refused") == \
+        "transfer failed: ClientConnectorError: refused"
+    assert validate_stream(200, HEADERS, s16(1, 2), error="ClientPayloadError: truncated") == \
+        "transfer failed: ClientPayloadError: truncated"
+
+
+def record(i, send, first, chunks, invalid=None, warmup=False, condition="closed:2", load=2):
+    return RequestRecord(request_id=f"r{i}", condition=condition, mode="closed", load=load, prompt=i, text="x",
+                         send_s=send, first_byte_s=first, end_s=chunks[-1][0] if chunks else first or send,
+                         chunks=chunks, status=200 if invalid is None else 500, invalid=invalid,
+                         sample_rate=SR, warmup=warmup)
+
+
+def test_percentile_and_summary_by_hand():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([10, 20], 95) == pytest.approx(19.5)
+    assert math.isnan(percentile([], 95))
+    recs = [
+        record(0, 0.0, 0.1, [(0.1, TENTH), (0.2, TENTH)]),  # ttfa 100 ms, no stall
+        record(1, 0.0, 0.2, [(0.2, TENTH), (0.5, TENTH)]),  # ttfa 200 ms, 200 ms stall
+        record(2, 1.0, None, [], invalid="HTTP 500"),  # fails
+        record(3, 0.0, 0.05, [(0.05, TENTH)], warmup=True),  # ignored
+    ]
+    s = summarize(recs)
+    assert (s["requests"], s["succeeded"]) == (3, 2)
+    assert s["success_rate"] == pytest.approx(2 / 3)
+    assert s["ttfa_p50_ms"] == pytest.approx(150)
+    assert s["ttfa_p95_ms"] == pytest.approx(195)
+    assert s["starvation_p95_ms"] == pytest.approx(190)
+    assert s["starvation_max_ms"] == pytest.approx(200)
+    assert s["wall_s"] == pytest.approx(1.0)  # first send 0.0 .. last end 1.0
+    assert s["throughput_rps"] == pytest.approx(2.0)
+    assert s["audio_s_per_s"] == pytest.approx(0.4)  # two valid streams of 0.2 s in 1 s
+    assert s["errors"] == ["HTTP 500"]
+    # a 200 ms start-up buffer removes request 1's stall
+    assert summarize(recs, buffer_ms=200)["starvation_max_ms"] == pytest.approx(0)
+    with pytest.raises(ValueError, match="mix conditions"):
+        summarize(recs[:2] + [record(9, 0, 0.1, [(0.1, 1)], condition="closed:4", load=4)])
+    with pytest.raises(ValueError, match="no measured"):
+        summarize(recs[3:])
+
+
+def cond(load, success=1.0, ttfa=100.0, starv=0.0, mode="closed"):
+    return {"mode": mode, "load": load, "success_rate": success, "ttfa_p95_ms": ttfa, "starvation_p95_ms": starv}
+
+
+def test_slo_checks_each_criterion_and_nan_fails():
+    slo = SLO()
+    assert slo.check(cond(1)) == {"success": True, "ttfa": True, "starvation": True, "safe": True}
+    assert slo.check(cond(1, success=0.98))["success"] is False
+    assert slo.check(cond(1, ttfa=300.1))["ttfa"] is False
+    assert slo.check(cond(1, starv=101))["starvation"] is False
+    assert slo.check(cond(1, ttfa=math.nan))["safe"] is False
+    with pytest.raises(ValueError):
+        SLO(min_success_rate=1.5)
+
+
+def test_safe_capacity_is_the_last_load_before_the_first_failure():
+    assert safe_capacity([cond(4), cond(1), cond(2), cond(8, ttfa=900)]) == 4
+    assert safe_capacity([cond(1), cond(2, starv=500), cond(4)]) == 1  # a lucky pass at 4 does not count
+    assert safe_capacity([cond(1, success=0.5), cond(2)]) == 0
+    assert safe_capacity([cond(0.5, mode="open-poisson"), cond(1, mode="open-poisson")]) == 1
+    with pytest.raises(ValueError, match="one load mode"):
+        safe_capacity([cond(1), cond(2, mode="open-fixed")])
+    with pytest.raises(ValueError):
+        safe_capacity([])
+
+
+def test_fleet_sizing_matches_the_issue_and_prices_it():
+    f = fleet_size(1, 100, price_per_hour=2.0)
+    assert f["headroom_40"]["replicas"] == 140
+    assert f["utilisation_60"]["replicas"] == 167
+    assert f["headroom_40"]["per_hour"] == 280.0
+    assert f["utilisation_60"]["per_month"] == 167 * 2.0 * 730
+    assert fleet_size(3, 10)["headroom_40"]["replicas"] == 5  # 4.67 -> 5
+    assert fleet_size(3, 10)["utilisation_60"]["replicas"] == 6  # 5.56 -> 6
+    with pytest.raises(ValueError, match="no load met the SLOs"):
+        fleet_size(0, 100)
+    with pytest.raises(ValueError):
+        fleet_size(1, -1)
+
+
+def test_fleet_cli(capsys):
+    assert study_main(["fleet", "--safe-capacity", "1", "--target", "100", "--price-per-hour", "1.5"]) == 0
+    out = capsys.readouterr().out
+    assert "40% headroom: 140 replicas, $210.00/h" in out
+    assert "60% utilisation: 167 replicas, $250.50/h" in out
+    assert study_main(["fleet", "--safe-capacity", "0", "--target", "5"]) == 2
+    assert "no load met the SLOs" in capsys.readouterr().err
+
+
+def test_capacity_cli_refuses_two_comparisons_before_starting_anything(capsys):
+    assert study_main(["capacity", "--compare-url", "http://127.0.0.1:9", "--compare-serialised"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_records_round_trip_and_bad_lines_are_located(tmp_path):
+    recs = [record(0, 0.0, 0.1, [(0.1, TENTH), (0.2, 7)]), record(1, 1.0, None, [], invalid="HTTP 429")]
+    write_jsonl(tmp_path / "r.jsonl", recs)
+    assert read_jsonl(tmp_path / "r.jsonl") == recs
+    (tmp_path / "bad.jsonl").write_text('{"request_id": "x"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        read_jsonl(tmp_path / "bad.jsonl")
+
+
+def test_arrivals_fixed_and_poisson():
+    assert arrival_times(4, 3, poisson=False).tolist() == [0.0, 0.25, 0.5]
+    a = arrival_times(2.0, 4000, poisson=True, seed=1)
+    assert a[0] == 0 and np.all(np.diff(a) >= 0)
+    assert 4000 / a[-1] == pytest.approx(2.0, rel=0.05)
+    assert np.array_equal(a, arrival_times(2.0, 4000, poisson=True, seed=1))
+    with pytest.raises(ValueError, match="rate"):
+        arrival_times(0, 3, poisson=True)
+
+
+def test_voice_agent_corpus_has_twenty_prompts_and_unknown_names_are_refused():
+    prompts = load_corpus("voice_agent")
+    assert len(prompts) == 20 and all(prompts)
+    with pytest.raises(ValueError, match="voice_agent"):
+        load_corpus("nope")
+
+
+def test_first_chunk_schedules_use_compiled_codec_sizes():
+    from studies.chunk_buffer import schedule_for
+
+    assert schedule_for(1) == [1, 2, 4, 8] and schedule_for(4) == [4, 8]
+    with pytest.raises(ValueError, match="first chunk"):
+        schedule_for(3)
+
+
+def test_unknown_notebook_is_refused_with_the_known_ones(tmp_path):
+    from studies.report import run_notebook
+
+    with pytest.raises(ValueError, match="capacity_study"):
+        run_notebook("nope", {}, tmp_path)
+
+
+def test_time_weighted_mean_and_golden_match_by_hand():
+    from studies.sustained import matches, time_weighted_mean
+
+    # 2 for 1 s, then 4 for 3 s -> (2 + 12) / 4
+    assert time_weighted_mean([(0.0, 2), (1.0, 4)], end=4.0) == pytest.approx(3.5)
+    assert math.isnan(time_weighted_mean([], end=1.0))
+    golden = np.array([0, 100, -100], np.int32)
+    assert matches(s16(1, 99, -100), golden)  # one int16 step of rounding is allowed
+    assert not matches(s16(2, 100, -100), golden)
+    assert not matches(s16(0, 100), golden)
+    assert not matches(s16(0, 100, -100) + b"\x00", golden)
+
+
+def test_sustained_ab_needs_a_fixed_seed_before_any_traffic():
+    from studies.sustained import sustained_ab
+
+    with pytest.raises(ValueError, match="seed"):
+        sustained_ab("http://127.0.0.1:9", "http://127.0.0.1:9", ["hi"], {"voice": "ryan"})

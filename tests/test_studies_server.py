@@ -1,0 +1,141 @@
+"""Studies against a real `qtts-jax serve` (tiny-random) on loopback: load, records, SLOs, the notebook."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from studies.load import arrival_times, run_condition
+from studies.records import read_jsonl
+from studies.report import run_notebook
+from studies.server import local_server
+from studies.slo import SLO, safe_capacity
+from studies.sweep import sweep
+
+PROMPTS = ["Hi, how can I help?", "Your order has shipped.", "One moment please."]
+OPTIONS = {"voice": "ryan", "seed": 0, "max_frames": 12, "chunk_schedule": [1, 2, 4]}
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    """One small server for the module: 2 slots, a wait queue of 2, one prompt bucket size pair."""
+    with local_server(slots=2, context=256, log_path=tmp_path_factory.mktemp("serve") / "serve.log") as u:
+        yield u
+
+
+def test_closed_sweep_writes_valid_timed_records_and_a_consistent_summary(url, tmp_path):
+    result = sweep(url, "closed", [2, 1], requests=4, prompts=PROMPTS, out_dir=tmp_path, options=OPTIONS,
+                   warmup=1)
+    records = read_jsonl(tmp_path / "records.jsonl")
+    assert [c["load"] for c in result["conditions"]] == [1, 2]  # swept in increasing order
+    assert len(records) == 2 * (4 + 1) and sum(r.warmup for r in records) == 2
+    for r in records:
+        assert r.ok, r.invalid
+        assert r.status == 200 and r.sample_rate == 24_000
+        assert r.send_s < r.first_byte_s == r.chunks[0][0] <= r.chunks[-1][0] <= r.end_s
+        assert sum(n for _, n in r.chunks) == 12 * 1920  # 12 frames of 80 ms at 24 kHz
+        assert r.server_ttfa_ms is not None and r.server_ttfa_ms <= 1000 * r.ttfa_s + 5
+    for c in result["conditions"]:
+        assert c["requests"] == 4 and c["success_rate"] == 1.0
+        assert 0 < c["ttfa_p50_ms"] <= c["ttfa_p95_ms"] and c["throughput_rps"] > 0
+    assert result["safe_capacity"] == safe_capacity(result["conditions"], SLO())
+    assert json.loads((tmp_path / "summary.json").read_text())["safe_capacity"] == result["safe_capacity"]
+
+
+def test_open_loop_sends_on_schedule(url):
+    records = asyncio.run(run_condition(url, "open-poisson", 4.0, 4, PROMPTS, OPTIONS, seed=3))
+    sent = sorted(r.send_s for r in records)
+    expected = arrival_times(4.0, 4, poisson=True, seed=3)
+    assert all(abs((s - sent[0]) - e) < 0.1 for s, e in zip(sent, expected))
+    assert {r.condition for r in records} == {"open-poisson:4"}
+    assert all(r.ok or r.invalid == "HTTP 429" for r in records) and any(r.ok for r in records)
+
+
+def test_overload_rejections_count_as_failures(url, tmp_path):
+    # 12 requests in 0.1 s at a server with 2 slots and 2 waiting places: some must be refused with 429
+    result = sweep(url, "open-fixed", [120.0], requests=12, prompts=PROMPTS, out_dir=tmp_path, options=OPTIONS)
+    (c,) = result["conditions"]
+    assert c["rejected_429"] > 0
+    assert c["success_rate"] == pytest.approx((12 - c["rejected_429"]) / 12)
+    assert "HTTP 429" in c["errors"] and not c["slo"]["success"]
+    assert result["safe_capacity"] == 0
+    refused = [r for r in read_jsonl(tmp_path / "records.jsonl") if r.status == 429]
+    assert all(r.retry_after and not r.chunks for r in refused)
+
+
+def test_capacity_notebook_executes_and_renders_a_report(url, tmp_path):
+    report = run_notebook("capacity_study", {
+        "server_url": url, "loads": [1, 2], "requests_per_condition": 3, "warmup": 0, "max_frames": 12,
+        "target_load": 10, "price_per_hour": 2.0, "min_success_rate": 0.5, "ttfa_p95_ms": 5000.0,
+        "starvation_p95_ms": 5000.0, "label": "first", "compare_url": url, "compare_label": "second"}, tmp_path)
+    html = report.read_text()
+    assert "Safe capacity per replica (first): 2 requests in flight" in html
+    assert "Safe capacity per replica (second): 2 requests in flight" in html  # swept side by side
+    assert len(read_jsonl(tmp_path / "compare" / "records.jsonl")) == 6
+    assert "ceil(target / safe × 1.4)" in html and "| 7 |" not in html  # rendered as a table, not source
+    assert "tags=" not in html and "from studies" not in html  # no input cells
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["fleet"]["headroom_40"]["replicas"] == 7  # ceil(10 / 2 * 1.4)
+    assert summary["fleet"]["utilisation_60"]["replicas"] == 9  # ceil(10 / 2 / 0.6)
+    for name in ("capacity_study.ipynb", "records.jsonl", "curves.png", "ttfa_cdf.png"):
+        assert (tmp_path / name).stat().st_size > 0
+
+
+def test_local_server_that_dies_reports_it():
+    with pytest.raises(RuntimeError, match="exited with code"):
+        with local_server(model="/nonexistent/checkpoint", ready_timeout_s=60):
+            pass
+
+
+def test_chunk_buffer_notebook_measures_each_first_chunk_once_and_simulates_each_buffer(url, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path.parent)  # a relative run directory lands where the caller stands
+    run_notebook("chunk_buffer_sweep", {"server_url": url, "first_chunks": [1, 4], "buffers_ms": [0, 400],
+                                        "requests_per_condition": 2, "warmup": 0, "max_frames": 12}, tmp_path.name)
+    grid = json.loads((tmp_path / "summary.json").read_text())["grid"]
+    assert [(r["first_chunk"], r["buffer_ms"]) for r in grid] == [(1, 0), (1, 400), (4, 0), (4, 400)]
+    assert len(read_jsonl(tmp_path / "records.jsonl")) == 4  # buffers are simulated, not re-requested
+    for zero, buffered in (grid[0:2], grid[2:4]):
+        assert buffered["start_p95_ms"] >= zero["start_p95_ms"]  # waiting for 400 ms of audio starts later
+        assert buffered["starvation_p95_ms"] <= zero["starvation_p95_ms"]  # ... and never stalls more
+    assert (tmp_path / "chunk_buffer.png").stat().st_size > 0 and (tmp_path / "report.html").is_file()
+
+
+def test_explore_notebook_synthesizes_and_breaks_down_the_timing(url, tmp_path):
+    run_notebook("explore_model", {"server_url": url, "max_frames": 6}, tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["audio_s"] == pytest.approx(6 * 0.08)
+    t = summary["timings"]
+    assert 0 <= t["queue_ms"] <= t["prefill_ms"] <= t["first_frame_ms"] <= t["first_chunk_ms"] <= t["total_ms"]
+    assert (tmp_path / "spectrogram.png").stat().st_size > 0 and (tmp_path / "timings.png").stat().st_size > 0
+    assert "<audio" in (tmp_path / "report.html").read_text()
+
+
+def test_explore_reports_the_servers_error(url):
+    from studies.explore import synthesize
+
+    with pytest.raises(RuntimeError, match="HTTP 400: .*voice"):
+        synthesize(url, "hello", voice="nobody")
+
+
+def test_sustained_ab_notebook_runs_four_valid_passes_in_abba_order(url, tmp_path):
+    run_notebook("sustained_ab", {"url_a": url, "url_b": url, "prompts": PROMPTS[:2], "max_frames": 6,
+                                  "concurrency": 2, "fill_s": 0.5, "window_s": 2.0}, tmp_path)
+    passes = json.loads((tmp_path / "summary.json").read_text())["passes"]
+    assert [(p["order"], p["build"]) for p in passes] == [(1, "A"), (2, "B"), (3, "B"), (4, "A")]
+    for p in passes:
+        assert p["valid"] and p["completed"] > 0 and p["failed"] == 0
+        assert 0 < p["mean_outstanding"] <= 2 and p["latency_p50_ms"] <= p["latency_p95_ms"]
+    assert (tmp_path / "sustained.png").stat().st_size > 0
+
+
+def test_sustained_pass_flags_responses_that_differ_from_the_golden(url):
+    import numpy as np
+
+    from studies.sustained import sustained_pass
+    from studies.sweep import run_sync
+
+    wrong = [np.zeros(10, np.int32)] * 2
+    p = run_sync(sustained_pass(url, 1, PROMPTS[:2], {**OPTIONS, "max_frames": 6}, wrong, fill_s=0, window_s=1.5))
+    assert p["golden_mismatches"] > 0 and not p["valid"]
