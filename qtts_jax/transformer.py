@@ -47,10 +47,10 @@ def rope_tables(positions: jax.Array, head_dim: int, theta: float, dtype) -> tup
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [T, heads, D]; rotate-half RoPE."""
+    """x [..., T, heads, D] with cos/sin [..., T, D] (shared or per row); rotate-half RoPE."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    return x * cos[..., None, :] + rotated * sin[..., None, :]
 
 
 def _attention(q, k, v, mask, scale):

@@ -16,6 +16,7 @@ import numpy as np
 from jax import lax
 
 from qtts_jax.codec.config import RESIDUAL_DILATIONS, CodecConfig, CodecDecoderConfig
+from qtts_jax.transformer import apply_rope, rms_norm
 
 _DIMS = ("NWC", "WIO", "NWC")
 SNAKE_EPS = 1e-9
@@ -100,13 +101,6 @@ def _causal_conv_transpose(x: jax.Array, p: dict, stride: int, history: int = 0)
     return y + p["b"]
 
 
-def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """Normalise in fp32, cast back, then scale (the reference's order, which matters in bf16)."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * y.astype(x.dtype)
-
-
 def _layer_norm(x: jax.Array, p: dict, eps: float) -> jax.Array:
     mean = jnp.mean(x, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
@@ -129,13 +123,6 @@ def _rope_tables(d: CodecDecoderConfig, positions, xp=np) -> tuple:
     return xp.cos(angles), xp.sin(angles)
 
 
-def _apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [B, T, heads, head_dim], cos/sin [T, head_dim] or per row [B, T, head_dim]; rotate-half RoPE."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[..., None, :] + rotated * sin[..., None, :]
-
-
 def _attention(x: jax.Array, p: dict, d: CodecDecoderConfig, cos, sin, mask, past=None):
     """Causal sliding-window GQA attention without QK-norm; softmax in fp32.
 
@@ -144,8 +131,8 @@ def _attention(x: jax.Array, p: dict, d: CodecDecoderConfig, cos, sin, mask, pas
     """
     b, t, _ = x.shape
     n_kv, group, hd = d.num_key_value_heads, d.num_attention_heads // d.num_key_value_heads, d.head_dim
-    q = _apply_rope((x @ p["q"]).reshape(b, t, d.num_attention_heads, hd), cos, sin)
-    k = _apply_rope((x @ p["k"]).reshape(b, t, n_kv, hd), cos, sin)
+    q = apply_rope((x @ p["q"]).reshape(b, t, d.num_attention_heads, hd), cos, sin)
+    k = apply_rope((x @ p["k"]).reshape(b, t, n_kv, hd), cos, sin)
     v = (x @ p["v"]).reshape(b, t, n_kv, hd)
     if past is not None:
         k, v = jnp.concatenate([past[0], k], axis=1), jnp.concatenate([past[1], v], axis=1)
@@ -160,10 +147,10 @@ def _attention(x: jax.Array, p: dict, d: CodecDecoderConfig, cos, sin, mask, pas
 def _transformer_layer(x: jax.Array, p: dict, d: CodecDecoderConfig, cos, sin, mask, past=None):
     """Pre-norm block; both residual branches are scaled per channel (LayerScale). Returns the new
     hidden state and the attention's keys/values (see `_attention`)."""
-    h = _rms_norm(x, p["attn_norm"], d.rms_norm_eps)
+    h = rms_norm(x, p["attn_norm"], d.rms_norm_eps)
     attended, kv = _attention(h, p, d, cos, sin, mask, past)
     x = x + p["attn_scale"] * attended
-    h = _rms_norm(x, p["mlp_norm"], d.rms_norm_eps)
+    h = rms_norm(x, p["mlp_norm"], d.rms_norm_eps)
     return x + p["mlp_scale"] * ((jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"]), kv
 
 
@@ -178,7 +165,7 @@ def _transformer(p: dict, d: CodecDecoderConfig, x: jax.Array) -> jax.Array:
         return _transformer_layer(h, layer, d, cos, sin, mask)[0], None
 
     x, _ = lax.scan(step, _linear(x, p["input_proj"]), p["layers"])
-    return _linear(_rms_norm(x, p["norm"], d.rms_norm_eps), p["output_proj"])
+    return _linear(rms_norm(x, p["norm"], d.rms_norm_eps), p["output_proj"])
 
 
 def _convnext(x: jax.Array, p: dict, history: int = 0) -> jax.Array:

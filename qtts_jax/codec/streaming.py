@@ -32,12 +32,12 @@ from qtts_jax.codec.decoder import (
     _dequantize,
     _linear,
     _residual_unit,
-    _rms_norm,
     _rope_tables,
     _snake,
     _transformer_layer,
 )
 from qtts_jax.codec.weights import codec_decoder_table
+from qtts_jax.transformer import rms_norm
 
 
 class StreamState(NamedTuple):
@@ -160,7 +160,7 @@ def _transformer_step(p: dict, d: CodecDecoderConfig, x: jax.Array, state: Strea
 
     caches = (jnp.moveaxis(state.keys, 1, 0), jnp.moveaxis(state.values, 1, 0))  # scan over layers
     x, (keys, values) = lax.scan(layer_step, _linear(x, p["input_proj"]), (p["layers"], *caches))
-    x = _linear(_rms_norm(x, p["norm"], d.rms_norm_eps), p["output_proj"])
+    x = _linear(rms_norm(x, p["norm"], d.rms_norm_eps), p["output_proj"])
     return x, jnp.moveaxis(keys, 0, 1), jnp.moveaxis(values, 0, 1)
 
 
