@@ -9,6 +9,10 @@ position and cache and a seeded request gives the same codes alone or beside oth
 back once per step call; each stream's frames go through the batched streaming codec decoder in
 chunks of 1, 2, 4, 8 … frames, so its first audio leaves after one frame.
 
+An ICL voice's audio continues its reference recording, as the reference decodes reference + new codes
+and cuts the reference's share: the slot's codec state starts from the state after the reference codes
+(computed once per voice and cached), so only the new frames are decoded and sent.
+
 Everything the loop calls is compiled by `warmup`; nothing compiles in steady state.
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import logging
 import threading
 import time
@@ -51,6 +56,7 @@ class EngineConfig:
     # "pallas" (the kernel; 2-6.7x faster than the reference on the H200, bench/results/sampling-h200.json),
     # "jnp" (the reference), or "auto": the kernel on GPU, the reference elsewhere (no Triton on CPU).
     sampler: str = "auto"
+    cached_voices: int = 64  # ICL voices whose primed codec state stays on the device (LRU)
 
     @property
     def codec_sizes(self) -> tuple[int, ...]:
@@ -92,6 +98,14 @@ class Engine:
             donate_argnums=(1,),
         )
         self._codec_reset = jax.jit(codec_streaming.reset_slots, donate_argnums=(0,))
+        self._codec_one = jax.jit(
+            lambda p, st, codes: codec_streaming.decode_step(p, codec_cfg, st, codes, jnp.ones(1, bool))[1],
+            donate_argnums=(1,),
+        )
+        self._codec_load = jax.jit(  # a one-slot state into slot `slot` of the batched one
+            lambda st, one, slot: _set_slot(st, slot, jax.tree.map(lambda v: v[0], one)), donate_argnums=(0,))
+        self._primed: collections.OrderedDict[bytes, codec_streaming.StreamState] = collections.OrderedDict()
+        self._primed_lock = threading.Lock()
         self.state = _init_state(model, c)
         self.codec_state = codec_streaming.init_state(model.codec_cfg, c.slots)
         self.slots: list[Stream | None] = [None] * c.slots
@@ -125,7 +139,16 @@ class Engine:
         for n in self.config.codec_sizes:
             codes = np.zeros((self.config.slots, n, self.model.cfg.num_code_groups), np.int32)
             audio, self.codec_state = self._codec(self.model.codec_params, self.codec_state, codes, mask)
-        jax.block_until_ready((out, audio))
+        if self.model.cfg.model_type == "base":  # ICL voices: one-slot priming at every chunk size, and loading
+            primed = self._prime(np.zeros((sum(self.config.codec_sizes), self.model.cfg.num_code_groups), np.int32))
+            self.codec_state = self._codec_load(self.codec_state, primed, np.int32(0))
+            self.codec_state = self._codec_reset(self.codec_state, np.ones(self.config.slots, bool))
+        jax.block_until_ready((out, audio, self.codec_state))
+
+    def prepare_voice(self, ref_codes: np.ndarray) -> None:
+        """Compute and cache the codec state after an ICL voice's reference codes (thread-safe; the server
+        calls it when a voice is registered, so the first request with it does not pay for it)."""
+        self._primed_state(ref_codes)
 
     def run_once(self) -> bool:
         """One loop iteration: cancels, admissions, one step, codec chunks. False when idle."""
@@ -218,9 +241,14 @@ class Engine:
             self.slots[free] = stream
             stream.timings.admitted = time.perf_counter()
             self.state = self._insert(self.model.params, self.state, *self._insert_args(free, stream.prepared))
-            mask = np.zeros(self.config.slots, bool)
-            mask[free] = True
-            self.codec_state = self._codec_reset(self.codec_state, mask)
+            voice = stream.prepared["request"].voice
+            if voice is not None and voice.ref_codes is not None:
+                self.codec_state = self._codec_load(self.codec_state, self._primed_state(voice.ref_codes),
+                                                    np.int32(free))
+            else:
+                mask = np.zeros(self.config.slots, bool)
+                mask[free] = True
+                self.codec_state = self._codec_reset(self.codec_state, mask)
             jax.block_until_ready(self.state.k)
             stream.timings.prefilled = time.perf_counter()
 
@@ -259,6 +287,31 @@ class Engine:
             "cap": 1,
         }
         return self._insert_args(0, prepared)
+
+    def _primed_state(self, ref_codes: np.ndarray) -> codec_streaming.StreamState:
+        """One slot's codec state after decoding ``ref_codes``, from a small LRU cache keyed by the codes."""
+        codes = np.ascontiguousarray(ref_codes, np.int32)
+        key = hashlib.sha1(codes.tobytes() + str(codes.shape).encode()).digest()
+        with self._primed_lock:
+            if key in self._primed:
+                self._primed.move_to_end(key)
+                return self._primed[key]
+        state = self._prime(codes)
+        with self._primed_lock:
+            self._primed[key] = state
+            while len(self._primed) > self.config.cached_voices:
+                self._primed.popitem(last=False)
+        return state
+
+    def _prime(self, codes: np.ndarray) -> codec_streaming.StreamState:
+        """Decode ``codes`` [T, 16] through a fresh one-slot state, in chunks of the compiled sizes."""
+        state = codec_streaming.init_state(self.model.codec_cfg, 1)
+        start, sizes = 0, sorted(self.config.codec_sizes, reverse=True)
+        while start < len(codes):
+            n = next(n for n in sizes if n <= len(codes) - start)
+            state = self._codec_one(self.model.codec_params, state, codes[None, start : start + n])
+            start += n
+        return state
 
     def _decode_audio(self) -> None:
         """Turn pending frames into PCM chunks, batching every slot that needs the same chunk size."""

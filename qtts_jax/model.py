@@ -23,7 +23,7 @@ from qtts_jax.weights import load_params, random_params
 log = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24000
-PRESETS = ("tiny-random", "0.6b", "1.7b")
+PRESETS = ("tiny-random", "tiny-random-base", "0.6b", "1.7b", "0.6b-base", "1.7b-base")
 
 
 @dataclasses.dataclass
@@ -98,7 +98,8 @@ class Model:
 
 
 def load_model(path_or_preset: str | Path, dtype=jnp.float32, seed: int = 0) -> Model:
-    """A Hugging Face-layout checkpoint directory, or a preset name ("tiny-random", "0.6b", "1.7b").
+    """A Hugging Face-layout checkpoint directory, or a random-weight preset (see `PRESETS`; the ``-base``
+    ones are Base models that clone voices).
 
     Never touches the network: a directory is read as it is, and a missing file is an error naming it.
     """
@@ -125,12 +126,14 @@ def load_model(path_or_preset: str | Path, dtype=jnp.float32, seed: int = 0) -> 
 
 def _preset(name: str, dtype, seed: int) -> Model:
     """Random weights at preset shapes; the codec stays fp32 (it is small and sets output quality)."""
-    if name == "tiny-random":
-        cfg = ModelConfig.from_dict(presets.tiny_config())
+    kind = "base" if name.endswith("-base") else "custom_voice"
+    size = name.removesuffix("-base")
+    if size == "tiny-random":
+        cfg = ModelConfig.from_dict(presets.tiny_config(kind))
         codec_cfg = CodecConfig.from_dict(tiny_config_dict())
         tokenizer = TextTokenizer(presets.tiny_tokenizer())
     else:
-        cfg = ModelConfig.from_dict(presets.real_config({"0.6b": "0b6", "1.7b": "1b7"}[name]))
+        cfg = ModelConfig.from_dict(presets.real_config({"0.6b": "0b6", "1.7b": "1b7"}[size], kind))
         codec_cfg = CodecConfig.from_dict(released_config_dict())
         tokenizer = TextTokenizer(presets.tiny_tokenizer())
     log.warning("model %s has random weights: its audio is noise", name)
