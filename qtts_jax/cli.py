@@ -22,6 +22,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--speaker", help="CustomVoice speaker (default: the first one listed by `info`)")
     s.add_argument("--language", default="auto")
     s.add_argument("--instruct", help="style instruction (VoiceDesign; CustomVoice 1.7B)")
+    s.add_argument("--ref-audio", help="Base models: reference recording of the voice to clone (WAV/FLAC/MP3/OGG)")
+    s.add_argument("--ref-text", help="transcript of --ref-audio: clones in ICL mode (without it: x-vector only)")
+    s.add_argument("--xvector-only", action="store_true", help="clone from the speaker embedding alone")
+    s.add_argument("--ref-silence", type=float, default=0.0, metavar="SECONDS",
+                   help="silence appended to the reference before encoding, against its last phonemes bleeding "
+                        "into the output (0 = as the reference implementation)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--greedy", action="store_true", help="argmax decoding for talker and code predictor")
     s.add_argument("--max-frames", type=int, help="cap on complete 80 ms frames")
@@ -59,14 +65,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "info":
             print(json.dumps(model.info(), indent=2))
             return 0
+        voice = None
         if model.cfg.model_type == "base":
-            raise RequestError("voice", "Base models clone a voice from reference audio, which synth cannot take yet")
+            if not args.ref_audio:
+                raise RequestError("ref_audio", "a Base model clones a voice: pass --ref-audio FILE [--ref-text T]")
+            voice = model.clone_voice(args.ref_audio, args.ref_text, args.xvector_only, args.ref_silence)
+            print(f"voice: {'ICL' if voice.ref_codes is not None else 'x-vector only'} clone of {args.ref_audio}",
+                  file=sys.stderr)
+        elif args.ref_audio:
+            raise RequestError("ref_audio", f"only Base models clone voices; this is a {model.cfg.model_type} model")
         speaker = args.speaker
         if speaker is None and model.cfg.model_type == "custom_voice":
             speaker = sorted(model.cfg.speakers)[0]
             print(f"speaker: {speaker} (pass --speaker to choose)", file=sys.stderr)
         req = Request(
-            text=args.text, speaker=speaker, language=args.language, instruct=args.instruct, seed=args.seed,
+            text=args.text, speaker=speaker, language=args.language, instruct=args.instruct, voice=voice, seed=args.seed,
             greedy=True if args.greedy else None, subtalker_greedy=True if args.greedy else None,
             max_frames=args.max_frames,
         )

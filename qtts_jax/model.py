@@ -10,13 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from qtts_jax import presets
+from qtts_jax.clone import VoiceEncoders
 from qtts_jax.codec import decoder as codec_decoder
 from qtts_jax.codec.config import CodecConfig, released_config_dict, tiny_config_dict
 from qtts_jax.codec.weights import load_codec_params, random_codec_params
 from qtts_jax.config import ModelConfig, SamplingDefaults, load_config
 from qtts_jax.generate import Generator
 from qtts_jax.prompt import build_prompt
-from qtts_jax.request import Request
+from qtts_jax.reference_audio import AudioLimits, ReferenceAudio, load_reference_audio, prepare_reference
+from qtts_jax.request import Request, RequestError, VoicePrompt
 from qtts_jax.text import TextTokenizer
 from qtts_jax.weights import load_params, random_params
 
@@ -37,7 +39,8 @@ class Result:
 class Model:
     """A loaded checkpoint (or preset): config, talker/predictor params, codec params, text tokenizer."""
 
-    def __init__(self, name, cfg, defaults, params, codec_cfg, codec_params, tokenizer, is_noise=False):
+    def __init__(self, name, cfg, defaults, params, codec_cfg, codec_params, tokenizer, is_noise=False,
+                 voice_encoders: VoiceEncoders | None = None):
         self.name = name
         self.cfg: ModelConfig = cfg
         self.defaults: SamplingDefaults = defaults
@@ -46,6 +49,7 @@ class Model:
         self.codec_params = codec_params
         self.tokenizer: TextTokenizer = tokenizer
         self.is_noise = is_noise
+        self.voice_encoders = voice_encoders  # Base models only
         self._generator = Generator(params, cfg)
 
     def generate(self, requests: Request | list[Request]) -> list[Result]:
@@ -62,6 +66,20 @@ class Model:
         ]
         codes = self._generator.run(prompts, resolved)
         return [self._result(r, c) for r, c in zip(resolved, codes)]
+
+    def clone_voice(self, audio, ref_text: str | None = None, xvector_only: bool = False,
+                    trailing_silence_s: float = 0.0, limits: AudioLimits = AudioLimits()) -> VoicePrompt:
+        """Reference audio -> a voice for `Request(voice=...)`: ICL with a transcript, else x-vector only.
+
+        ``audio``: a `ReferenceAudio`, a file path, file bytes, base64, or ``(samples, sample_rate)``.
+        """
+        if self.voice_encoders is None:
+            raise RequestError("voice", f"only Base models clone voices; this is a {self.cfg.model_type} model")
+        if isinstance(audio, tuple):
+            audio = prepare_reference(*audio, limits=limits)
+        elif not isinstance(audio, ReferenceAudio):
+            audio = load_reference_audio(audio, limits)
+        return self.voice_encoders.clone(audio, ref_text, xvector_only, trailing_silence_s)
 
     def decode(self, codes: np.ndarray) -> np.ndarray:
         """Codes [T, 16] -> float32 audio [T * 1920], chunked exactly as the reference decodes."""
@@ -121,6 +139,7 @@ def load_model(path_or_preset: str | Path, dtype=jnp.float32, seed: int = 0) -> 
         codec_params=load_codec_params(codec_dir, codec_cfg),
         tokenizer=TextTokenizer.from_directory(directory),
         is_noise=False,
+        voice_encoders=VoiceEncoders.load(directory, codec_cfg) if cfg.model_type == "base" else None,
     )
 
 
@@ -132,10 +151,12 @@ def _preset(name: str, dtype, seed: int) -> Model:
         cfg = ModelConfig.from_dict(presets.tiny_config(kind))
         codec_cfg = CodecConfig.from_dict(tiny_config_dict())
         tokenizer = TextTokenizer(presets.tiny_tokenizer())
+        speaker_cfg = presets.tiny_speaker_config()
     else:
         cfg = ModelConfig.from_dict(presets.real_config({"0.6b": "0b6", "1.7b": "1b7"}[size], kind))
         codec_cfg = CodecConfig.from_dict(released_config_dict())
         tokenizer = TextTokenizer(presets.tiny_tokenizer())
+        speaker_cfg = None  # the released architecture
     log.warning("model %s has random weights: its audio is noise", name)
     return Model(
         name=name,
@@ -146,4 +167,6 @@ def _preset(name: str, dtype, seed: int) -> Model:
         codec_params=random_codec_params(codec_cfg, seed),
         tokenizer=tokenizer,
         is_noise=True,
+        voice_encoders=VoiceEncoders.random(cfg.talker.hidden_size, codec_cfg, seed, speaker_cfg)
+        if kind == "base" else None,
     )

@@ -118,5 +118,13 @@ def tiny_config(kind: str = "custom_voice", size: str = "1b7") -> dict:
     )
 
 
+def tiny_speaker_config():
+    """A small ECAPA-TDNN (the released one has 512/1536 channels); enc_dim is set to the talker width."""
+    from qtts_jax.speaker.config import SpeakerEncoderConfig
+
+    return SpeakerEncoderConfig(enc_channels=(32, 32, 32, 32, 96), enc_attention_channels=16, enc_res2net_scale=4,
+                                enc_se_channels=8)
+
+
 def tiny_tokenizer():
     return byte_level_bpe(*tiny_tokenizer_parts())
