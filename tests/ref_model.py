@@ -14,6 +14,7 @@ import torch
 
 from qtts_jax import presets
 from ref_codec import build_reference_codec, write_codec_checkpoint
+from ref_speaker import randomize_speaker_encoder_
 
 GENERATION_CONFIG = {
     "do_sample": True, "temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05,
@@ -52,6 +53,8 @@ def build_reference_model(config: dict, seed: int = 0):
         c._attn_implementation = "eager"
     model = Qwen3TTSForConditionalGeneration(cfg).eval()
     randomize_(model, seed)
+    if model.speaker_encoder is not None:  # Base: x-vectors from real audio need a working encoder
+        randomize_speaker_encoder_(model.speaker_encoder, seed)
     return model
 
 
@@ -62,7 +65,7 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
     for name, tensor in model.named_parameters():
         shape = tensor.shape
         if name.startswith("speaker_encoder"):
-            continue  # not used by generation from an x-vector
+            continue  # randomize_speaker_encoder_ does these, with its own generator
         if "norm" in name and name.endswith("weight"):
             value = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         elif name.endswith("bias"):

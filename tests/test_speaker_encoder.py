@@ -1,0 +1,157 @@
+"""Speaker encoder (log-mel + ECAPA-TDNN) against the reference, in fp32.
+
+Relative error throughout: max |ours - ref| / max |ref| over the whole output.
+"""
+
+import json
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qtts_jax.checkpoint import CheckpointError, read_safetensors
+from qtts_jax.speaker.config import SpeakerEncoderConfig
+from qtts_jax.speaker.ecapa import encode, min_samples, speaker_embedding
+from qtts_jax.speaker.mel import FMAX, FMIN, N_FFT, N_MELS, SAMPLE_RATE, log_mel, mel_filterbank
+from qtts_jax.speaker.weights import load_speaker_params, random_speaker_params
+
+TOL = 1e-5
+
+
+def rel_err(ours, ref) -> float:
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    assert ours.shape == ref.shape
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def audio(n: int, seed: int) -> np.ndarray:
+    """Noise inside [-1, 1] (the reference warns outside it): every mel bin well above the log floor."""
+    return np.clip(0.25 * np.random.default_rng(seed).standard_normal(n), -1, 1).astype(np.float32)
+
+
+def state_tensors(encoder) -> dict:
+    """The encoder's tensors under the names ``save_pretrained`` gives them inside the full model."""
+    return {f"speaker_encoder.{k}": v.numpy() for k, v in encoder.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """seed -> (reference encoder, our config, our params loaded through the name table)."""
+    from ref_speaker import TINY_CONFIG, build_reference_speaker_encoder
+
+    built = {}
+
+    def get(seed: int):
+        if seed not in built:
+            ref = build_reference_speaker_encoder(TINY_CONFIG, seed)
+            cfg = SpeakerEncoderConfig.from_dict(TINY_CONFIG)
+            built[seed] = ref, cfg, load_speaker_params(state_tensors(ref), cfg)
+        return built[seed]
+
+    return get
+
+
+def test_filterbank_matches_librosa():
+    import librosa
+
+    for sr, n_fft, n_mels, fmin, fmax in [(SAMPLE_RATE, N_FFT, N_MELS, FMIN, FMAX), (16000, 512, 80, 20.0, 7600.0)]:
+        ref = librosa.filters.mel(sr=sr, n_fft=n_fft, n_mels=n_mels, fmin=fmin, fmax=fmax)
+        ours = mel_filterbank(sr, n_fft, n_mels, fmin, fmax)
+        assert ours.dtype == ref.dtype and rel_err(ours, ref) <= 1e-7
+
+
+@pytest.mark.parametrize("n", [4800, 12345, 48000])  # 12345 is not a multiple of the hop
+def test_log_mel_matches_reference(n):
+    from ref_speaker import reference_log_mel
+
+    wav = audio(n, seed=n)
+    ref = reference_log_mel(wav)[0].numpy()
+    assert rel_err(log_mel(jnp.asarray(wav)), ref) <= TOL
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("n", [7000, 48000])
+def test_xvector_matches_reference(tiny, seed, n):
+    import torch
+    from ref_speaker import reference_log_mel
+
+    ref_encoder, cfg, params = tiny(seed)
+    wav = audio(n, seed=100 + seed)
+    mel = reference_log_mel(wav)
+    with torch.no_grad():
+        ref = ref_encoder(mel)[0].numpy()
+    # The encoder alone on the reference's mel, then the whole path from audio.
+    assert rel_err(encode(params, cfg, jnp.asarray(mel[0].numpy())), ref) <= TOL
+    ours = speaker_embedding(params, cfg, wav)
+    assert ours.dtype == np.float32 and ours.shape == (cfg.enc_dim,)
+    assert rel_err(ours, ref) <= TOL
+
+
+def test_model_extract_speaker_embedding_from_checkpoint(reference_checkpoint):
+    """A Base checkpoint written by save_pretrained: its config gives only enc_dim, so the defaults must be
+    the released architecture; the reference model's own extract_speaker_embedding is the target."""
+    model, directory = reference_checkpoint("base")
+    spk = json.loads((directory / "config.json").read_text())["speaker_encoder_config"]
+    cfg = SpeakerEncoderConfig.from_dict(spk)
+    assert cfg.enc_dim == model.config.talker_config.hidden_size
+    params = load_speaker_params(read_safetensors(directory), cfg)
+    wav = audio(36000, seed=7)
+    ref = model.extract_speaker_embedding(wav, sr=24000).float().numpy()
+    assert rel_err(speaker_embedding(params, cfg, wav), ref) <= TOL
+
+
+def test_shortest_audio_is_the_references(tiny):
+    """Below min_samples the reference's reflect padding fails; we refuse it up front and agree at it."""
+    import torch
+    from ref_speaker import reference_log_mel
+
+    ref_encoder, cfg, params = tiny(0)
+    n = min_samples(cfg)
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        ref_encoder(reference_log_mel(audio(n - 1, seed=0)))
+    with pytest.raises(ValueError, match="too short"):
+        speaker_embedding(params, cfg, audio(n - 1, seed=0))
+    with torch.no_grad():
+        ref = ref_encoder(reference_log_mel(audio(n, seed=0)))[0].numpy()
+    assert rel_err(speaker_embedding(params, cfg, audio(n, seed=0)), ref) <= TOL
+
+
+def test_missing_or_misshaped_tensor_is_named(tiny):
+    ref_encoder, cfg, _ = tiny(0)
+    name = "speaker_encoder.blocks.2.res2net_block.blocks.1.conv.weight"
+    tensors = state_tensors(ref_encoder)
+    del tensors[name]
+    with pytest.raises(CheckpointError, match=re.escape(f"'{name}' is missing")):
+        load_speaker_params(tensors, cfg)
+    tensors = state_tensors(ref_encoder)
+    name = "speaker_encoder.asp.tdnn.conv.bias"
+    tensors[name] = tensors[name][:-1]
+    with pytest.raises(CheckpointError, match=re.escape(f"'{name}' has shape")):
+        load_speaker_params(tensors, cfg)
+
+
+def test_config_defaults_and_random_params(tiny):
+    from qwen_tts.core.models.configuration_qwen3_tts import Qwen3TTSSpeakerEncoderConfig
+
+    ref = Qwen3TTSSpeakerEncoderConfig().to_dict()
+    ours = SpeakerEncoderConfig.from_dict({})
+    for field in ("mel_dim", "enc_dim", "enc_channels", "enc_kernel_sizes", "enc_dilations",
+                  "enc_attention_channels", "enc_res2net_scale", "enc_se_channels", "sample_rate"):
+        value = getattr(ours, field)
+        assert (list(value) if isinstance(value, tuple) else value) == ref[field], field
+    assert hash(SpeakerEncoderConfig.from_dict(ref)) == hash(ours)  # static jit argument
+
+    _, cfg, loaded = tiny(0)
+    random = random_speaker_params(cfg, seed=0)
+    assert jax.tree.map(np.shape, random) == jax.tree.map(np.shape, loaded)
+    assert np.all(np.isfinite(speaker_embedding(random, cfg, audio(4000, seed=0))))
+
+
+def test_importable_without_torch_or_librosa():
+    code = ("import sys; sys.modules['torch'] = sys.modules['librosa'] = None; "
+            "import qtts_jax.speaker.ecapa, qtts_jax.speaker.weights")
+    subprocess.run([sys.executable, "-c", code], check=True, env={"JAX_PLATFORMS": "cpu", "PATH": ""})
