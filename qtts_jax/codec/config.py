@@ -1,8 +1,9 @@
 """Speech-tokenizer (12 Hz codec) configuration, read from ``speech_tokenizer/config.json``.
 
-Only the fields the decoder uses are kept. Every one of them is required in the file: the reference's
-class defaults (hidden 1024, intermediate 3072, ...) do not match the released checkpoints, so a field
-silently taken from a default would build the wrong network.
+Only the fields the decoder and encoder use are kept. Every decoder field is required in the file: the
+reference's decoder class defaults (hidden 1024, intermediate 3072, ...) do not match the released
+checkpoints, so a field silently taken from a default would build the wrong network. The encoder is HF's
+``MimiConfig``, whose defaults *are* the released encoder, so there a missing field takes its default.
 """
 
 from __future__ import annotations
@@ -82,13 +83,103 @@ class CodecDecoderConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CodecEncoderConfig:
+    """``encoder_config`` of the 12 Hz tokenizer (HF ``MimiConfig``): SEANet, transformer, downsample, RVQ.
+
+    Defaults are ``MimiConfig``'s. ``sliding_window`` is absent on purpose: transformers 4.57's Mimi
+    encoder builds a plain causal mask and never applies it, so the reference attends to all past frames.
+    """
+
+    sampling_rate: int = 24000
+    num_filters: int = 64
+    num_residual_layers: int = 1
+    upsampling_ratios: tuple[int, ...] = (8, 6, 5, 4)  # SEANet applies them in reverse
+    kernel_size: int = 7
+    last_kernel_size: int = 3
+    residual_kernel_size: int = 3
+    dilation_growth_rate: int = 2
+    compress: int = 2
+    pad_mode: str = "constant"  # of the SEANet convs; the downsample conv always replicates
+    hidden_size: int = 512
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 8
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    intermediate_size: int = 2048
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    frame_rate: float | None = None  # None: sampling_rate / frame_size, as MimiConfig derives it
+    codebook_size: int = 2048
+    codebook_dim: int = 256
+    vector_quantization_hidden_dimension: int = 256
+    num_quantizers: int = 32
+    num_semantic_quantizers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.frame_rate is None:
+            object.__setattr__(self, "frame_rate", self.sampling_rate / self.frame_size)
+
+    @property
+    def hop_length(self) -> int:
+        """Samples per SEANet output step (25 Hz for the release)."""
+        return math.prod(self.upsampling_ratios)
+
+    @property
+    def frame_size(self) -> int:
+        """Samples per code frame: the SEANet strides times the downsample conv's stride 2."""
+        return 2 * self.hop_length
+
+    @property
+    def downsample_kernel(self) -> int:
+        """``MimiModel``: 2 * int(encodec_frame_rate / frame_rate), with encodec_frame_rate = ceil(sr / hop)."""
+        return 2 * int(math.ceil(self.sampling_rate / self.hop_length) / self.frame_rate)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "CodecEncoderConfig":
+        # Refuse what this port does not implement rather than build a different network.
+        for key, supported in [
+            ("audio_channels", 1), ("use_causal_conv", True), ("use_conv_shortcut", False),
+            ("hidden_act", "gelu"), ("attention_bias", False), ("trim_right_ratio", 1.0),
+        ]:
+            if d.get(key, supported) != supported:
+                raise CheckpointError(f"encoder_config.{key}={d[key]!r} is not supported (only {supported!r})")
+        scaling = d.get("rope_scaling") or {}
+        if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+            raise CheckpointError(f"encoder_config.rope_scaling={scaling!r} is not supported")
+        values = {f.name: d[f.name] for f in dataclasses.fields(cls) if d.get(f.name) is not None}
+        # save_pretrained writes MimiConfig's frame_rate as "_frame_rate".
+        if "frame_rate" not in values and d.get("_frame_rate") is not None:
+            values["frame_rate"] = d["_frame_rate"]
+        if "upsampling_ratios" in values:
+            values["upsampling_ratios"] = tuple(int(r) for r in values["upsampling_ratios"])
+        if d.get("codebook_dim") is None and "codebook_dim" in d:  # MimiConfig: None means hidden_size
+            values["codebook_dim"] = values.get("hidden_size", cls.hidden_size)
+        cfg = cls(**values)
+        if cfg.pad_mode not in ("constant", "replicate"):
+            raise CheckpointError(f"encoder_config.pad_mode={cfg.pad_mode!r} is not supported")
+        if cfg.codebook_dim != cfg.vector_quantization_hidden_dimension:
+            raise CheckpointError(
+                f"encoder_config.codebook_dim {cfg.codebook_dim} != vector_quantization_hidden_dimension "
+                f"{cfg.vector_quantization_hidden_dimension}"
+            )
+        if cfg.downsample_kernel < 2:
+            raise CheckpointError(f"encoder_config.frame_rate {cfg.frame_rate} leaves MimiModel without a downsample conv")
+        return cfg
+
+
+@dataclasses.dataclass(frozen=True)
 class CodecConfig:
-    """Top level of ``speech_tokenizer/config.json``: rates plus the decoder part."""
+    """Top level of ``speech_tokenizer/config.json``: rates plus the decoder and (optional) encoder parts."""
 
     input_sample_rate: int
     output_sample_rate: int
     decode_upsample_rate: int
     decoder: CodecDecoderConfig
+    encoder: CodecEncoderConfig | None = None  # None when the file has no encoder_config
+    encoder_valid_num_quantizers: int = 16  # codes keep this many of the encoder's codebooks
+    encode_downsample_rate: int = 1920
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "CodecConfig":
@@ -100,12 +191,27 @@ class CodecConfig:
             output_sample_rate=int(d["output_sample_rate"]),
             decode_upsample_rate=int(d["decode_upsample_rate"]),
             decoder=CodecDecoderConfig.from_dict(d["decoder_config"]),
+            encoder=CodecEncoderConfig.from_dict(d["encoder_config"]) if d.get("encoder_config") is not None else None,
+            encoder_valid_num_quantizers=int(d.get("encoder_valid_num_quantizers", 16)),
+            encode_downsample_rate=int(d.get("encode_downsample_rate", 1920)),
         )
         if cfg.decode_upsample_rate != cfg.decoder.samples_per_frame:
             raise CheckpointError(
                 f"decode_upsample_rate {cfg.decode_upsample_rate} != product of the decoder's rates "
                 f"{cfg.decoder.samples_per_frame}"
             )
+        e = cfg.encoder
+        if e is not None:
+            # The reference trims to ceil(n / encode_downsample_rate) frames; Mimi makes ceil(n / frame_size).
+            if cfg.encode_downsample_rate != e.frame_size:
+                raise CheckpointError(
+                    f"encode_downsample_rate {cfg.encode_downsample_rate} != the encoder's samples per frame {e.frame_size}"
+                )
+            if not e.num_semantic_quantizers < cfg.encoder_valid_num_quantizers <= e.num_quantizers:
+                raise CheckpointError(
+                    f"encoder_valid_num_quantizers {cfg.encoder_valid_num_quantizers} must exceed the "
+                    f"{e.num_semantic_quantizers} semantic and not exceed the {e.num_quantizers} encoder codebooks"
+                )
         return cfg
 
     @classmethod
@@ -144,7 +250,9 @@ def tiny_config_dict(num_hidden_layers: int = 2) -> dict:
 
     Keeping 2048 codes x 16 quantizers and rates [8,5,4,3]x[2,2] (1920 samples per frame at 24 kHz) makes
     tiny runs exercise the same indexing, chunking and output lengths as the released model.
-    The tiny ``encoder_config`` (Mimi) is only there so the reference model can be built.
+    The tiny ``encoder_config`` (Mimi) keeps the released structure where it matters for the port: 32
+    codebooks of which 16 are kept, an RVQ input projection (codebook_dim != hidden_size), and, beyond the
+    release, two residual layers per stage (dilation 2) and grouped-query attention.
     """
     return {
         **_RELEASED_TOP_LEVEL,
@@ -177,29 +285,46 @@ def tiny_config_dict(num_hidden_layers: int = 2) -> dict:
             "audio_channels": 1,
             "hidden_size": 16,
             "num_filters": 4,
-            "num_residual_layers": 1,
+            "num_residual_layers": 2,
             "upsampling_ratios": [8, 6, 5, 4],
             "codebook_size": 2048,
-            "codebook_dim": 16,
-            "vector_quantization_hidden_dimension": 16,
-            "num_quantizers": 16,
+            "codebook_dim": 8,
+            "vector_quantization_hidden_dimension": 8,
+            "num_quantizers": 32,
             "num_semantic_quantizers": 1,
             "upsample_groups": 16,
-            "num_hidden_layers": 1,
+            "num_hidden_layers": 2,
             "intermediate_size": 32,
             "num_attention_heads": 2,
-            "num_key_value_heads": 2,
+            "num_key_value_heads": 1,
             "head_dim": 8,
             "sliding_window": 250,
         },
     }
 
 
+def released_encoder_config_dict() -> dict:
+    """The released ``encoder_config`` (architecture note §2.3): HF ``MimiConfig`` defaults, spelled out."""
+    return {
+        "sampling_rate": 24000, "frame_rate": 12.5, "audio_channels": 1, "num_filters": 64,
+        "num_residual_layers": 1, "upsampling_ratios": [8, 6, 5, 4], "kernel_size": 7, "last_kernel_size": 3,
+        "residual_kernel_size": 3, "dilation_growth_rate": 2, "use_causal_conv": True, "pad_mode": "constant",
+        "compress": 2, "trim_right_ratio": 1.0, "use_conv_shortcut": False, "hidden_size": 512,
+        "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64,
+        "intermediate_size": 2048, "hidden_act": "gelu", "norm_eps": 1e-5, "rope_theta": 10000.0,
+        "sliding_window": 250, "max_position_embeddings": 8000, "attention_bias": False,
+        "layer_scale_initial_scale": 0.01, "codebook_size": 2048, "codebook_dim": 256,
+        "vector_quantization_hidden_dimension": 256, "num_quantizers": 32, "num_semantic_quantizers": 1,
+        "upsample_groups": 512,
+    }
+
+
 def released_config_dict() -> dict:
-    """The decoder part of the released ``speech_tokenizer/config.json`` (architecture note §2.3), for
-    random-weight benchmarks at the real shapes. The encoder (Mimi) is not part of the decoder."""
+    """The released ``speech_tokenizer/config.json`` (architecture note §2.3), for random-weight benchmarks
+    at the real shapes."""
     return {
         **_RELEASED_TOP_LEVEL,
+        "encoder_config": released_encoder_config_dict(),
         "decoder_config": {
             "codebook_size": 2048, "codebook_dim": 512, "num_quantizers": 16, "num_semantic_quantizers": 1,
             "latent_dim": 1024, "decoder_dim": 1536, "hidden_size": 512, "intermediate_size": 1024,
