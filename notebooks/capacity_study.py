@@ -19,6 +19,7 @@
 # %% tags=["parameters"]
 server_url = "http://127.0.0.1:8000"
 mode = "closed"  # closed | open-fixed | open-poisson
+protocol = "http"  # http (streamed POST /v1/audio/speech) | ws (one WebSocket utterance per request)
 loads = [1, 2, 4, 8]  # requests in flight (closed) or requests/s (open)
 requests_per_condition = 60
 warmup = 2
@@ -63,7 +64,8 @@ servers = {label or server_url: (server_url, out)}
 if compare_url:
     servers[compare_label] = (compare_url, out / "compare")
 results = {name: sweep(url, mode, loads, requests_per_condition, load_corpus(corpus), d, options=options,
-                       warmup=warmup, buffer_ms=buffer_ms, slo=slo) for name, (url, d) in servers.items()}
+                       warmup=warmup, buffer_ms=buffer_ms, slo=slo, protocol=protocol)
+           for name, (url, d) in servers.items()}
 result = results[label or server_url]
 conds = result["conditions"]
 safe = result["safe_capacity"]
@@ -86,7 +88,8 @@ def slo_table(conds):
 
 unit = "requests in flight" if mode == "closed" else "requests/s"
 for name, r in results.items():
-    display(Markdown(f"**{name}**, {mode} loop, buffer {buffer_ms:g} ms\n\n" + slo_table(r["conditions"])
+    display(Markdown(f"**{name}**, {mode} loop over {protocol}, buffer {buffer_ms:g} ms\n\n"
+                     + slo_table(r["conditions"])
                      + f"\n\n**Safe capacity per replica ({name}): {r['safe_capacity']:g} {unit}**"))
     above = [c["load"] for c in r["conditions"] if c["slo"]["safe"] and c["load"] > r["safe_capacity"]]
     if above:

@@ -27,6 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--slots", type=int, default=4, help="local server: concurrent streams")
     c.add_argument("--model", default="tiny-random", help="local server: checkpoint directory or tiny-random")
     c.add_argument("--mode", default="closed", choices=["closed", "open-fixed", "open-poisson"])
+    c.add_argument("--protocol", default="http", choices=["http", "ws"],
+                   help="http: streamed POST /v1/audio/speech; ws: one WebSocket utterance per request")
     c.add_argument("--loads", type=float, nargs="+", default=[1, 2, 4, 8])
     c.add_argument("--requests", type=int, default=60, help="measured requests per condition")
     c.add_argument("--warmup", type=int, default=2)
@@ -65,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             args.model, serialised=True, log_path=run_dir / "server-serialised.log")) if args.compare_serialised else "")
         print(f"studying {url}{f' and {compare_url}' if compare_url else ''} -> {run_dir}", file=sys.stderr)
         report = run_notebook("capacity_study", {
-            "server_url": url, "mode": args.mode, "loads": loads, "requests_per_condition": args.requests,
+            "server_url": url, "mode": args.mode, "protocol": args.protocol, "loads": loads,
+            "requests_per_condition": args.requests,
             "warmup": args.warmup, "max_frames": args.max_frames, "buffer_ms": args.buffer_ms,
             "target_load": args.target, "price_per_hour": args.price_per_hour,
             "label": args.url or f"local {args.model}, {'serialised' if args.serialised else f'{args.slots} slots'}",

@@ -1,13 +1,20 @@
-"""Load generation against a speech server's public HTTP API (streamed raw PCM), closed or open loop.
+"""Load generation against a speech server's public API, closed or open loop, over HTTP or WebSocket.
 
 Closed loop keeps `concurrency` requests in flight (each client sends its next request when one ends);
 open loop sends at a fixed or Poisson rate whatever the server does, which is how real callers arrive
 and the only way to see queueing grow. Every request becomes a `RequestRecord` with its chunk arrivals.
+
+Protocols: `http` is `POST /v1/audio/speech` streaming raw PCM; `ws` opens one WebSocket per request on
+`/v1/audio/speech/stream` (session.update, input_text.append, input_text.commit) and reads the binary PCM
+messages up to `utterance.done`. Both fill the same record: a WebSocket error message becomes the HTTP
+status the same refusal gets over HTTP (queue_full/overloaded -> 429, draining -> 503, ...), so SLO
+tables read the same whichever protocol carried the audio.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 
@@ -18,6 +25,13 @@ from studies.records import RequestRecord
 from studies.validate import validate_stream
 
 MODES = ("closed", "open-fixed", "open-poisson")
+PROTOCOLS = ("http", "ws")
+# Session fields the WebSocket accepts (serving/ws.py); HTTP-only options (response_format, ...) are refused.
+WS_SESSION_FIELDS = ("voice", "language", "instructions", "seed", "temperature", "top_k", "top_p",
+                     "repetition_penalty", "max_frames", "greedy", "chunk_schedule")
+# WebSocket error codes -> the HTTP status the same refusal gets on the HTTP endpoint (others: 400).
+WS_ERROR_STATUS = {"queue_full": 429, "overloaded": 429, "rate_limited": 429, "too_many_utterances": 429,
+                   "not_ready": 503, "draining": 503, "cancelled": 503, "engine_error": 500, "internal_error": 500}
 
 
 def condition_name(mode: str, load: float) -> str:
@@ -43,9 +57,21 @@ async def wait_ready(url: str, timeout_s: float = 180.0, idle: bool = False) -> 
 
 
 async def speak(session: aiohttp.ClientSession, url: str, record: RequestRecord, options: dict, t0: float,
-                timeout_s: float, audio: dict | None = None) -> RequestRecord:
-    """Sends one streamed PCM request and fills in `record` (times relative to `t0`, perf_counter clock);
-    with `audio`, also keeps the PCM bytes as audio[request_id] (for golden checks; records stay small)."""
+                timeout_s: float, audio: dict | None = None, protocol: str = "http") -> RequestRecord:
+    """Sends one streamed PCM request over `protocol` and fills in `record` (times relative to `t0`,
+    perf_counter clock); with `audio`, also keeps the PCM bytes as audio[request_id] (for golden checks;
+    records stay small)."""
+    if protocol == "ws":
+        return await speak_ws(session, url, record, options, t0, timeout_s, audio)
+    if protocol != "http":
+        raise ValueError(f"protocol {protocol!r} is not one of {PROTOCOLS}")
+    return await speak_http(session, url, record, options, t0, timeout_s, audio)
+
+
+async def speak_http(session: aiohttp.ClientSession, url: str, record: RequestRecord, options: dict, t0: float,
+                     timeout_s: float, audio: dict | None = None) -> RequestRecord:
+    """`POST /v1/audio/speech` with `stream: true, response_format: pcm`."""
+    record.protocol = "http"
     body = {"input": record.text, "response_format": "pcm", "stream": True, **options}
     data = bytearray()
     carry = 0  # bytes of a sample split across transport chunks
@@ -81,6 +107,85 @@ async def speak(session: aiohttp.ClientSession, url: str, record: RequestRecord,
     return record
 
 
+def ws_url(url: str) -> str:
+    """http://host:port -> ws://host:port/v1/audio/speech/stream (https -> wss)."""
+    base = "ws" + url[4:] if url.startswith("http") else url
+    return f"{base.rstrip('/')}/v1/audio/speech/stream"
+
+
+def check_ws_options(options: dict) -> None:
+    unknown = sorted(set(options) - set(WS_SESSION_FIELDS))
+    if unknown:
+        raise ValueError(f"options {unknown} cannot be sent over the WebSocket; its session takes {WS_SESSION_FIELDS}")
+
+
+async def speak_ws(session: aiohttp.ClientSession, url: str, record: RequestRecord, options: dict, t0: float,
+                   timeout_s: float, audio: dict | None = None) -> RequestRecord:
+    """One utterance on a fresh WebSocket: connect, session.update + append + commit sent at once, then PCM
+    messages until `utterance.done` (or an error). `send_s` is taken before the connect, as HTTP's is before
+    its request, so the handshake counts towards time to first audio."""
+    check_ws_options(options)
+    record.protocol = "ws"
+    data = bytearray()
+    headers: dict = {}
+    record.send_s = time.perf_counter() - t0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with session.ws_connect(ws_url(url), headers={"X-Request-Id": record.request_id}) as ws:
+                await ws.send_str(json.dumps({"type": "session.update", "session": options}))
+                await ws.send_str(json.dumps({"type": "input_text.append", "text": record.text}))
+                await ws.send_str(json.dumps({"type": "input_text.commit"}))
+                async for msg in ws:
+                    now = time.perf_counter() - t0
+                    if msg.type == aiohttp.WSMsgType.BINARY:
+                        if record.first_byte_s is None:
+                            record.first_byte_s = now
+                        data += msg.data
+                        record.chunks.append((now, len(msg.data) // 2))  # s16le: whole samples per message
+                        continue
+                    if msg.type != aiohttp.WSMsgType.TEXT:
+                        break
+                    event = json.loads(msg.data)
+                    kind = event.get("type")
+                    if kind in ("session.created", "session.updated"):
+                        rate = event.get("sample_rate")
+                        headers = {"X-Sample-Rate": str(rate), "X-Channels": "1",
+                                   "X-Sample-Format": "s16le" if event.get("format") == "pcm_s16le"
+                                   else str(event.get("format"))}
+                        record.sample_rate = int(rate) if isinstance(rate, int) else None
+                    elif kind == "error":
+                        err = event.get("error") or {}
+                        record.status = WS_ERROR_STATUS.get(err.get("code"), 400)
+                        record.error = f"WS {err.get('code')}: {err.get('message')}"[:300]
+                        if err.get("retry_after") is not None:
+                            record.retry_after = str(err["retry_after"])
+                        record.end_s = now
+                        break
+                    elif kind == "utterance.done":
+                        record.end_s = now
+                        if event.get("cancelled"):
+                            record.status, record.error = 503, "WS utterance cancelled by the server"
+                        else:
+                            record.status = 200
+                        ttfa = (event.get("timings") or {}).get("first_chunk_ms")
+                        record.server_ttfa_ms = None if ttfa is None else float(ttfa)
+                        break
+                if record.status is None:
+                    record.error = f"socket closed before utterance.done (close code {ws.close_code})"
+    except aiohttp.WSServerHandshakeError as exc:  # refused before the upgrade (e.g. 503 while draining)
+        record.status = exc.status
+        record.error = f"HTTP {exc.status}: {exc.message}"[:300]
+        record.retry_after = (exc.headers or {}).get("Retry-After")
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"[:300]
+    if record.end_s is None:
+        record.end_s = time.perf_counter() - t0
+    record.invalid = validate_stream(record.status, headers, bytes(data), record.error)
+    if audio is not None:
+        audio[record.request_id] = bytes(data)
+    return record
+
+
 def _record(mode, load, i, prompts, warmup) -> RequestRecord:
     k = i % len(prompts)
     return RequestRecord(request_id=f"study-{uuid.uuid4().hex[:12]}", condition=condition_name(mode, load),
@@ -88,17 +193,17 @@ def _record(mode, load, i, prompts, warmup) -> RequestRecord:
 
 
 async def closed_loop(url: str, concurrency: int, requests: int, prompts: list[str], options: dict | None = None,
-                      warmup: int = 0, timeout_s: float = 60.0) -> list[RequestRecord]:
+                      warmup: int = 0, timeout_s: float = 60.0, protocol: str = "http") -> list[RequestRecord]:
     """`concurrency` clients, each sending its next request as soon as its last one ends, until
     `warmup + requests` have been sent; the first `warmup` are marked and left out of statistics."""
-    _check(concurrency, requests, prompts, warmup)
+    _check(concurrency, requests, prompts, warmup, protocol, options)
     total, counter, out = warmup + requests, iter(range(warmup + requests)), []
     t0 = time.perf_counter()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         async def client():
             for i in counter:  # a shared iterator: each index is taken by exactly one client
                 out.append(await speak(s, url, _record("closed", concurrency, i, prompts, warmup),
-                                       options or {}, t0, timeout_s))
+                                       options or {}, t0, timeout_s, protocol=protocol))
 
         await asyncio.gather(*(client() for _ in range(min(concurrency, total))))
     return sorted(out, key=lambda r: r.send_s)
@@ -116,9 +221,9 @@ def arrival_times(rate: float, count: int, poisson: bool, seed: int = 0) -> np.n
 
 async def open_loop(url: str, rate: float, requests: int, prompts: list[str], poisson: bool = False,
                     options: dict | None = None, warmup: int = 0, seed: int = 0,
-                    timeout_s: float = 60.0) -> list[RequestRecord]:
+                    timeout_s: float = 60.0, protocol: str = "http") -> list[RequestRecord]:
     """Sends `warmup + requests` at `rate`/s (fixed gaps or Poisson) regardless of how many are in flight."""
-    _check(1, requests, prompts, warmup)
+    _check(1, requests, prompts, warmup, protocol, options)
     mode = "open-poisson" if poisson else "open-fixed"
     offsets = arrival_times(rate, warmup + requests, poisson, seed)
     t0 = time.perf_counter()
@@ -129,27 +234,34 @@ async def open_loop(url: str, rate: float, requests: int, prompts: list[str], po
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(
-                speak(s, url, _record(mode, rate, i, prompts, warmup), options or {}, t0, timeout_s)))
+                speak(s, url, _record(mode, rate, i, prompts, warmup), options or {}, t0, timeout_s,
+                      protocol=protocol)))
         out = await asyncio.gather(*tasks)
     return list(out)
 
 
-def _check(concurrency, requests, prompts, warmup):
+def _check(concurrency, requests, prompts, warmup, protocol="http", options=None):
     if concurrency < 1 or requests < 1 or warmup < 0:
         raise ValueError(f"need concurrency >= 1, requests >= 1, warmup >= 0 (got {concurrency}, {requests}, {warmup})")
     if not prompts:
         raise ValueError("no prompts")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol {protocol!r} is not one of {PROTOCOLS}")
+    if protocol == "ws":
+        check_ws_options(options or {})
 
 
 async def run_condition(url: str, mode: str, load: float, requests: int, prompts: list[str],
                         options: dict | None = None, warmup: int = 0, seed: int = 0,
-                        timeout_s: float = 60.0) -> list[RequestRecord]:
+                        timeout_s: float = 60.0, protocol: str = "http") -> list[RequestRecord]:
     """One condition after the server has drained the previous one (so conditions do not overlap)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
+    _check(1, requests, prompts, warmup, protocol, options)
     await wait_ready(url, timeout_s=timeout_s, idle=True)
     if mode == "closed":
         if load != int(load):
             raise ValueError(f"closed-loop load is a whole number of requests in flight, got {load}")
-        return await closed_loop(url, int(load), requests, prompts, options, warmup, timeout_s)
-    return await open_loop(url, load, requests, prompts, mode == "open-poisson", options, warmup, seed, timeout_s)
+        return await closed_loop(url, int(load), requests, prompts, options, warmup, timeout_s, protocol)
+    return await open_loop(url, load, requests, prompts, mode == "open-poisson", options, warmup, seed, timeout_s,
+                           protocol)

@@ -28,6 +28,7 @@ class RequestRecord:
     server_ttfa_ms: float | None = None
     retry_after: str | None = None
     warmup: bool = False
+    protocol: str = "http"  # http (streamed POST) | ws (WebSocket utterance)
 
     @property
     def ok(self) -> bool:

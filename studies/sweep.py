@@ -15,7 +15,7 @@ from studies.stats import summarize
 
 def sweep(url: str, mode: str, loads: list[float], requests: int, prompts: list[str], out_dir: str | Path,
           options: dict | None = None, warmup: int = 0, buffer_ms: float = 0.0, slo: SLO = SLO(),
-          seed: int = 0, timeout_s: float = 60.0) -> dict:
+          seed: int = 0, timeout_s: float = 60.0, protocol: str = "http") -> dict:
     """Runs the loads in increasing order and writes `records.jsonl` and `summary.json` under `out_dir`.
     Every load runs, even past the first unsafe one, so the report shows the whole curve."""
     if not loads:
@@ -26,12 +26,13 @@ def sweep(url: str, mode: str, loads: list[float], requests: int, prompts: list[
     records_path.unlink(missing_ok=True)
     summaries = []
     for load in sorted(loads):
-        records = run_sync(run_condition(url, mode, load, requests, prompts, options, warmup, seed, timeout_s))
+        records = run_sync(run_condition(url, mode, load, requests, prompts, options, warmup, seed, timeout_s,
+                                         protocol))
         write_jsonl(records_path, records, append=True)
         s = summarize(records, buffer_ms)
         s["slo"] = slo.check(s)
         summaries.append(s)
-    result = {"url": url, "mode": mode, "requests_per_condition": requests, "warmup": warmup,
+    result = {"url": url, "mode": mode, "protocol": protocol, "requests_per_condition": requests, "warmup": warmup,
               "options": options or {}, "slo": vars(slo), "conditions": summaries,
               "safe_capacity": safe_capacity(summaries, slo)}
     (out / "summary.json").write_text(json.dumps(result, indent=2, default=float))

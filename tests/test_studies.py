@@ -228,3 +228,17 @@ def test_sustained_ab_needs_a_fixed_seed_before_any_traffic():
 
     with pytest.raises(ValueError, match="seed"):
         sustained_ab("http://127.0.0.1:9", "http://127.0.0.1:9", ["hi"], {"voice": "ryan"})
+
+
+def test_websocket_load_refuses_options_its_session_cannot_carry():
+    import asyncio
+
+    from studies.load import run_condition, ws_url
+
+    assert ws_url("http://h:8000") == "ws://h:8000/v1/audio/speech/stream"
+    assert ws_url("https://h/") == "wss://h/v1/audio/speech/stream"
+    with pytest.raises(ValueError, match="response_format"):  # refused before any traffic (port 9 is closed)
+        asyncio.run(run_condition("http://127.0.0.1:9", "closed", 1, 1, ["hi"], {"response_format": "wav"},
+                                  protocol="ws"))
+    with pytest.raises(ValueError, match="protocol"):
+        asyncio.run(run_condition("http://127.0.0.1:9", "closed", 1, 1, ["hi"], {}, protocol="grpc"))

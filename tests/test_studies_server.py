@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -51,6 +52,40 @@ def test_open_loop_sends_on_schedule(url):
     assert all(abs((s - sent[0]) - e) < 0.1 for s, e in zip(sent, expected))
     assert {r.condition for r in records} == {"open-poisson:4"}
     assert all(r.ok or r.invalid == "HTTP 429" for r in records) and any(r.ok for r in records)
+
+
+def test_websocket_closed_loop_records_match_the_http_ones(url):
+    ws = asyncio.run(run_condition(url, "closed", 2, 3, PROMPTS, OPTIONS, warmup=1, protocol="ws"))
+    http = asyncio.run(run_condition(url, "closed", 2, 3, PROMPTS, OPTIONS, warmup=1))
+    assert len(ws) == 4 and sum(r.warmup for r in ws) == 1 and {r.condition for r in ws} == {"closed:2"}
+    for r in ws:
+        assert r.protocol == "ws" and r.ok, (r.invalid, r.error)
+        assert r.status == 200 and r.sample_rate == 24_000 and r.error is None
+        assert r.send_s < r.first_byte_s == r.chunks[0][0] <= r.chunks[-1][0] <= r.end_s
+        assert sum(n for _, n in r.chunks) == 12 * 1920 and len(r.chunks) > 1  # streamed, not one blob
+        assert r.server_ttfa_ms is not None and r.server_ttfa_ms <= 1000 * r.ttfa_s + 5
+    assert [dataclasses.asdict(r).keys() for r in ws] == [dataclasses.asdict(r).keys() for r in http]
+    assert {r.protocol for r in http} == {"http"}
+
+
+def test_websocket_refusals_and_bad_sessions_are_failures(url):
+    flood = asyncio.run(run_condition(url, "open-fixed", 120.0, 12, PROMPTS, OPTIONS, protocol="ws"))
+    refused = [r for r in flood if r.status == 429]
+    assert refused and any(r.ok for r in flood)  # 2 slots + 2 waiting places cannot take 12 at once
+    assert all(r.invalid == "HTTP 429" and r.retry_after and not r.chunks for r in refused)
+    (bad,) = asyncio.run(run_condition(url, "closed", 1, 1, PROMPTS, {**OPTIONS, "voice": "nobody"}, protocol="ws"))
+    assert bad.status == 400 and bad.invalid == "HTTP 400" and "voice" in bad.error and bad.end_s >= bad.send_s
+
+
+def test_capacity_cli_sweeps_over_the_websocket(url, tmp_path, capsys):
+    from studies.cli import main as study_main
+
+    assert study_main(["capacity", "--url", url, "--protocol", "ws", "--loads", "1", "--requests", "2",
+                       "--warmup", "0", "--max-frames", "6", "--runs", str(tmp_path)]) == 0
+    (run,) = tmp_path.iterdir()
+    assert json.loads((run / "summary.json").read_text())["protocol"] == "ws"
+    assert {r.protocol for r in read_jsonl(run / "records.jsonl")} == {"ws"}
+    assert "loop over ws" in (run / "report.html").read_text() and "safe capacity" in capsys.readouterr().out
 
 
 def test_overload_rejections_count_as_failures(url, tmp_path):
