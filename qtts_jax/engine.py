@@ -145,6 +145,10 @@ class Engine:
             self.codec_state = self._codec_reset(self.codec_state, np.ones(self.config.slots, bool))
         jax.block_until_ready((out, audio, self.codec_state))
 
+    def check(self, request: Request) -> None:
+        """Raise the `RequestError` (incl. `PromptTooLong`) that `submit` would, without queueing anything."""
+        self._prepare(request)
+
     def prepare_voice(self, ref_codes: np.ndarray) -> None:
         """Compute and cache the codec state after an ICL voice's reference codes (thread-safe; the server
         calls it when a voice is registered, so the first request with it does not pay for it)."""

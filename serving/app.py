@@ -13,6 +13,7 @@ import logging
 import os
 import time
 import weakref
+from pathlib import Path
 
 from aiohttp import web
 
@@ -22,6 +23,7 @@ from qtts_jax.request import Request
 from serving.metrics import Metrics
 from serving.scheduler import AdmissionConfig, Scheduler
 from serving.schemas import ApiError
+from serving.voices import VoiceStore
 
 log = logging.getLogger("serving")
 
@@ -45,6 +47,12 @@ class Settings:
     ws_max_message_bytes: int = 64 * 1024
     ws_max_pending_utterances: int = 8
     warmup: bool = True
+    voices_dir: str = "voices"  # Base models: registered voices, one file each, reloaded at start-up
+    max_voices: int = 1000
+    max_voice_upload_bytes: int = 16 * 1024 * 1024
+    voice_min_seconds: float = 1.0
+    voice_max_seconds: float = 30.0
+    voice_trailing_silence_ms: int = 500  # appended before encoding ICL codes, against phoneme bleed
 
     @classmethod
     def from_env(cls, **overrides) -> "Settings":
@@ -87,6 +95,7 @@ METRICS = web.AppKey("metrics", Metrics)
 SOCKETS = web.AppKey("sockets", weakref.WeakSet)
 WARMUP_TASK = web.AppKey("warmup_task", asyncio.Task)
 WARMUP_ERROR = web.AppKey("warmup_error", list)
+VOICES = web.AppKey("voices", VoiceStore)  # set only for Base models
 
 
 def json_error(err: ApiError, request_id: str | None = None) -> web.Response:
@@ -99,7 +108,7 @@ def json_error(err: ApiError, request_id: str | None = None) -> web.Response:
 
 
 def _outcome(status: int) -> str:
-    return {400: "bad_request", 404: "not_found", 405: "bad_method", 413: "too_large", 429: "rejected",
+    return {400: "bad_request", 404: "not_found", 405: "bad_method", 409: "conflict", 413: "too_large", 429: "rejected",
             503: "unavailable"}.get(status, "error" if status >= 500 else "client_error")
 
 
@@ -156,6 +165,11 @@ def create_app(settings: Settings = Settings(), model=None, engine: Engine | Non
     app[METRICS] = Metrics(engine, app[SCHEDULER])
     app[SOCKETS] = weakref.WeakSet()
     app[WARMUP_ERROR] = []
+    encoders = engine.model.voice_encoders
+    if encoders is not None:
+        store = VoiceStore(Path(settings.voices_dir), encoders.fingerprint(), settings.max_voices)
+        store.load()
+        app[VOICES] = store
     app.cleanup_ctx.append(_engine_ctx)
     app.on_shutdown.append(_close_sockets)
     routes.setup(app)
@@ -183,8 +197,10 @@ async def _warm_up(app: web.Application) -> None:
         await app[BRIDGE].start(warmup=settings.warmup)
         cfg = engine.model.cfg
         speaker = sorted(cfg.speakers)[0] if cfg.model_type == "custom_voice" else None
-        if cfg.model_type != "base":
-            req = Request("Warm up.", speaker=speaker, max_frames=4, greedy=True, subtalker_greedy=True)
+        voices = app.get(VOICES)
+        voice = voices.first().prompt if voices else None  # a Base model calibrates once it has a voice
+        if cfg.model_type != "base" or voice is not None:
+            req = Request("Warm up.", speaker=speaker, voice=voice, max_frames=4, greedy=True, subtalker_greedy=True)
             stream = app[BRIDGE].submit(req)
             async for _ in stream:
                 pass

@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from qtts_jax.request import Request, RequestError
 from serving import app as app_mod
+from serving import voice_routes
 from serving.audio_encoders import CONTENT_TYPES, SAMPLE_RATE, encode_whole, make_encoder
 from serving.schemas import ApiError, bad, from_request_error, parse_speech, speech_schema
 
@@ -135,7 +136,8 @@ async def speech(request: web.Request) -> web.StreamResponse:
     settings = app[app_mod.SETTINGS]
     body = await read_json(request)
     p = parse_speech(body, model=app[app_mod.MODEL], served_names=served_names(app),
-                     codec_sizes=app[app_mod.ENGINE].config.codec_sizes, max_input_chars=settings.max_input_chars)
+                     codec_sizes=app[app_mod.ENGINE].config.codec_sizes, max_input_chars=settings.max_input_chars,
+                     voices=app.get(app_mod.VOICES))
     u = Utterance(app, p.request, p.schedule, rid, "/v1/audio/speech")
     try:
         if not p.stream:
@@ -264,6 +266,9 @@ async def models(request):
 
 
 async def voices(request):
+    store = request.app.get(app_mod.VOICES)
+    if store is not None:
+        return web.json_response({"voices": store.describe()})
     info = request.app[app_mod.MODEL].info()
     return web.json_response({"voices": [
         {"id": s, "name": s, "languages": info["languages"], "model": info["model"]} for s in info["speakers"]]})
@@ -301,7 +306,15 @@ def openapi_document(app) -> dict:
             "/health": {"get": {"operationId": "health", "responses": simple}},
             "/ready": {"get": {"operationId": "ready", "responses": {**simple, "503": err}}},
             "/v1/models": {"get": {"operationId": "listModels", "responses": simple}},
-            "/v1/audio/voices": {"get": {"operationId": "listVoices", "responses": simple}},
+            "/v1/audio/voices": {
+                "get": {"operationId": "listVoices", "responses": simple},
+                "post": {"operationId": "registerVoice", "requestBody": {"required": True, "content": {
+                    "multipart/form-data": {"schema": voice_routes.FORM_SCHEMA}}},
+                    "responses": {"201": simple["200"], "400": err, "409": err, "413": err}}},
+            "/v1/audio/voices/{name}": {
+                "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "get": {"operationId": "getVoice", "responses": {**simple, "404": err}},
+                "delete": {"operationId": "deleteVoice", "responses": {**simple, "404": err}}},
             "/metrics": {"get": {"operationId": "metrics", "responses": {"200": {
                 "description": "Prometheus text", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         },
@@ -315,5 +328,6 @@ def setup(app: web.Application) -> None:
     r.add_get("/ready", ready)
     r.add_get("/v1/models", models)
     r.add_get("/v1/audio/voices", voices)
+    voice_routes.setup(app)
     r.add_get("/openapi.json", openapi)
     r.add_get("/metrics", metrics)

@@ -36,6 +36,7 @@ class ApiError(Exception):
 
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+                409: "invalid_request_error",
                 413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 
 
@@ -92,7 +93,8 @@ def speech_fields(max_input_chars: int = 4096) -> dict[str, Field]:
         "model": Field("string", "Served model name (or an OpenAI alias tts-1, tts-1-hd, gpt-4o-mini-tts)",
                        max_length=256),
         "input": Field("string", "Text to speak", required=True, max_length=max_input_chars),
-        "voice": Field("voice", "Speaker name (see /v1/audio/voices), or {\"id\": name}", required=True),
+        "voice": Field("voice", "Speaker name, or a registered cloned voice on Base models (see /v1/audio/voices), "
+                               "or {\"id\": name}", required=True),
         "response_format": Field("string", "Audio format", enum=FORMATS, default="mp3"),
         "speed": Field("number", "Playback speed; only 1.0 is supported (other values are refused)",
                        minimum=0.25, maximum=4.0, default=1.0),
@@ -182,7 +184,7 @@ def parse_options(body: Any, fields: dict[str, Field], *, required: bool = True)
 
 
 def build_request(opts: dict, *, model, served_names: tuple[str, ...], codec_sizes: tuple[int, ...],
-                  default_voice: str | None = None) -> tuple[Request, tuple[int, ...] | None]:
+                  voices=None) -> tuple[Request, tuple[int, ...] | None]:
     """Checked options -> a resolved-valid `Request` (model-level checks raise `ApiError` 400)."""
     if "model" in opts and opts["model"] not in served_names + OPENAI_MODEL_ALIASES:
         raise bad("model", f"{opts['model']!r} is not served here; use one of {list(served_names)}", "model_not_found")
@@ -196,18 +198,25 @@ def build_request(opts: dict, *, model, served_names: tuple[str, ...], codec_siz
         schedule = tuple(opts["chunk_schedule"])
         if any(n not in codec_sizes for n in schedule):
             raise bad("chunk_schedule", f"each entry must be one of {list(codec_sizes)}")
-    voice = opts.get("voice", default_voice)
+    voice = opts.get("voice")
     cfg = model.cfg
-    speaker = None
+    speaker = prompt = None
     if cfg.model_type == "custom_voice":
         speaker = voice.lower() if voice else None
         if speaker is not None and speaker not in cfg.speakers:
             raise bad("voice", f"{voice!r} is not one of {sorted(cfg.speakers)}", "unknown_voice")
+    elif cfg.model_type == "base" and voice:
+        found = voices.get(voice.lower()) if voices is not None else None
+        if found is None:
+            known = voices.names()[:20] if voices is not None else []
+            raise bad("voice", f"{voice!r} is not a registered voice (POST /v1/audio/voices to register one; "
+                               f"registered: {known})", "unknown_voice")
+        prompt = found.prompt
     elif voice:
         raise bad("voice", f"a {cfg.model_type} model has no named voices")
     greedy = opts.get("greedy")
     req = Request(
-        text=opts.get("input", ""), speaker=speaker, language=opts.get("language", "auto"),
+        text=opts.get("input", ""), speaker=speaker, voice=prompt, language=opts.get("language", "auto"),
         instruct=opts.get("instructions") or None, seed=opts.get("seed", 0), greedy=greedy,
         subtalker_greedy=greedy, temperature=opts.get("temperature"), top_k=opts.get("top_k"),
         top_p=opts.get("top_p"), repetition_penalty=opts.get("repetition_penalty"),
@@ -220,9 +229,10 @@ def build_request(opts: dict, *, model, served_names: tuple[str, ...], codec_siz
     return req, schedule
 
 
-def parse_speech(body: Any, *, model, served_names, codec_sizes, max_input_chars: int) -> SpeechParams:
+def parse_speech(body: Any, *, model, served_names, codec_sizes, max_input_chars: int, voices=None) -> SpeechParams:
     opts = parse_options(body, speech_fields(max_input_chars))
-    req, schedule = build_request(opts, model=model, served_names=served_names, codec_sizes=codec_sizes)
+    req, schedule = build_request(opts, model=model, served_names=served_names, codec_sizes=codec_sizes,
+                                  voices=voices)
     stream_format = opts.get("stream_format", "audio")
     return SpeechParams(
         request=req, response_format=opts.get("response_format", "mp3"),

@@ -68,6 +68,12 @@ class VoiceStore:
     def get(self, name: str) -> Voice | None:
         return self._voices.get(name)
 
+    def first(self) -> Voice | None:
+        return min(self._voices.values(), key=lambda v: v.name, default=None)
+
+    def names(self) -> list[str]:
+        return sorted(self._voices)
+
     def __contains__(self, name: str) -> bool:
         return name in self._voices
 

@@ -82,7 +82,8 @@ class Session:
     def _request(self, text: str):
         return build_request({**self.options, "input": text}, model=self.app[app_mod.MODEL],
                              served_names=served_names(self.app),
-                             codec_sizes=self.app[app_mod.ENGINE].config.codec_sizes)
+                             codec_sizes=self.app[app_mod.ENGINE].config.codec_sizes,
+                             voices=self.app.get(app_mod.VOICES))
 
     async def handle(self, msg: dict) -> None:
         kind = msg.get("type")

@@ -1,0 +1,193 @@
+"""Voice registry endpoints (Base models): register from a recording, list, show, delete.
+
+Registration reads a multipart form (bounded, field by field), decodes and checks the audio, runs both
+encoders once off the event loop, checks that the voice's prompt fits this server's engine, primes the
+codec state of ICL voices, and only then writes the voice to disk and makes it usable by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import time
+
+from aiohttp import web
+
+from qtts_jax.reference_audio import AudioLimits, load_reference_audio
+from qtts_jax.request import Request, RequestError
+from serving import app as app_mod
+from serving.schemas import ApiError, bad, from_request_error
+from serving.voices import NAME, Voice
+
+TEXT_FIELDS = {"name": 64, "transcript": 4096, "consent": 1000, "xvector_only": 8, "trailing_silence_ms": 8,
+               "replace": 8}
+FORM_SCHEMA = {
+    "type": "object",
+    "required": ["name", "audio"],
+    "properties": {
+        "name": {"type": "string", "pattern": NAME.pattern, "description": "Voice name (lowercase) for `voice`"},
+        "audio": {"type": "string", "format": "binary", "description": "Recording: WAV/FLAC/MP3/OGG, 1-30 s"},
+        "transcript": {"type": "string", "description": "What the recording says: enables ICL cloning"},
+        "consent": {"type": "string", "description": "Consent note stored with the voice"},
+        "xvector_only": {"type": "boolean", "description": "Clone from the speaker embedding only"},
+        "trailing_silence_ms": {"type": "integer", "minimum": 0, "maximum": 2000,
+                                "description": "Silence appended before encoding (ICL), against phoneme bleed"},
+        "replace": {"type": "boolean", "description": "Overwrite a voice of the same name"},
+    },
+}
+REGISTRATION = web.AppKey("voice_registration", asyncio.Lock)
+
+
+def setup(app: web.Application) -> None:
+    app[REGISTRATION] = asyncio.Lock()
+    r = app.router
+    r.add_post("/v1/audio/voices", register)
+    r.add_get("/v1/audio/voices/{name}", show)
+    r.add_delete("/v1/audio/voices/{name}", delete)
+
+
+def _store(app):
+    store = app.get(app_mod.VOICES)
+    if store is None:
+        kind = app[app_mod.MODEL].cfg.model_type
+        raise ApiError(400, "unsupported", f"voice cloning needs a Base checkpoint; this server runs a {kind} model",
+                       "model")
+    return store
+
+
+async def register(request: web.Request) -> web.Response:
+    app = request.app
+    store, settings = _store(app), app[app_mod.SETTINGS]
+    form = await _read_form(request, settings.max_voice_upload_bytes)
+    name = form.get("name", "").strip().lower()
+    if not name:
+        raise bad("name", "is required", "missing_field")
+    if not NAME.match(name):
+        raise bad("name", f"must match {NAME.pattern} (lowercase letters, digits, '_', '.', '-')")
+    if "audio" not in form:
+        raise bad("audio", "is required: attach the recording as a file field", "missing_field")
+    replace = _flag(form, "replace")
+    if name in store and not replace:
+        raise ApiError(409, "voice_exists", f"name: voice {name!r} exists; send replace=true to overwrite", "name")
+    xvector_only = _flag(form, "xvector_only")
+    silence_ms = _int(form, "trailing_silence_ms", settings.voice_trailing_silence_ms, 0, 2000)
+    transcript = form.get("transcript", "").strip() or None
+    limits = AudioLimits(min_seconds=settings.voice_min_seconds, max_seconds=settings.voice_max_seconds)
+    async with app[REGISTRATION]:  # one registration at a time: the encoders share the device with live streams
+        t0 = time.perf_counter()
+        try:
+            voice = await asyncio.get_running_loop().run_in_executor(
+                None, _clone, app, form["audio"], transcript, xvector_only, silence_ms, limits)
+        except RequestError as exc:
+            raise from_request_error(exc) from None
+        elapsed_ms = (time.perf_counter() - t0) * 1000
+    prompt, ref = voice
+    info = {
+        "mode": "icl" if prompt.ref_codes is not None else "xvector",
+        "transcript": prompt.ref_text,
+        "consent": form.get("consent") or None,
+        "seconds": round(ref.seconds, 3),
+        "source_rate": ref.source_rate,
+        "channels": ref.channels,
+        "frames": 0 if prompt.ref_codes is None else len(prompt.ref_codes),
+        "trailing_silence_ms": silence_ms if prompt.ref_codes is not None else 0,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "register_ms": round(elapsed_ms, 1),
+    }
+    v = Voice(name=name, prompt=prompt, info=info)
+    try:
+        store.save(v)
+    except OverflowError as exc:
+        raise ApiError(507, "registry_full", str(exc), "name") from None
+    return web.json_response(v.describe(), status=201, headers={"Location": f"/v1/audio/voices/{name}"})
+
+
+def _clone(app, audio: bytes, transcript, xvector_only, silence_ms, limits):
+    """Off the event loop: decode, encode, check the prompt fits, prime the codec state (ICL)."""
+    model, engine = app[app_mod.MODEL], app[app_mod.ENGINE]
+    ref = load_reference_audio(audio, limits)
+    prompt = model.clone_voice(ref, transcript, xvector_only, silence_ms / 1000)
+    try:
+        engine.check(Request("Check.", voice=prompt, max_frames=1))
+    except RequestError:
+        seconds = ref.seconds + silence_ms / 1000
+        raise RequestError("audio", f"with its transcript, {seconds:.1f} s of reference is too long a prompt for "
+                                    "this server's engine; use a shorter recording or xvector_only") from None
+    if prompt.ref_codes is not None:
+        engine.prepare_voice(prompt.ref_codes)
+    return prompt, ref
+
+
+async def show(request: web.Request) -> web.Response:
+    v = _store(request.app).get(request.match_info["name"].lower())
+    if v is None:
+        raise ApiError(404, "voice_not_found", f"voice {request.match_info['name']!r} is not registered", "name")
+    return web.json_response(v.describe())
+
+
+async def delete(request: web.Request) -> web.Response:
+    name = request.match_info["name"].lower()
+    if not _store(request.app).delete(name):
+        raise ApiError(404, "voice_not_found", f"voice {name!r} is not registered", "name")
+    return web.json_response({"id": name, "deleted": True})
+
+
+async def _read_form(request: web.Request, max_audio_bytes: int) -> dict:
+    if request.content_type == "application/x-www-form-urlencoded":
+        raise bad("audio", "must be sent as a file: use multipart/form-data (curl -F audio=@voice.wav)",
+                  "missing_field")
+    if request.content_type != "multipart/form-data":
+        raise bad("body", "must be multipart/form-data with fields name, audio and optionally transcript, "
+                          "consent, xvector_only, trailing_silence_ms, replace", "invalid_content_type")
+    try:
+        reader = await request.multipart()
+        form: dict = {}
+        while (part := await reader.next()) is not None:
+            field = part.name or ""
+            if field in form:
+                raise bad(field, "is given twice", "duplicate_field")
+            if field == "audio":
+                form["audio"] = await _read_part(part, max_audio_bytes, field)
+            elif field in TEXT_FIELDS:
+                raw = await _read_part(part, TEXT_FIELDS[field] * 4, field)
+                try:
+                    form[field] = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise bad(field, "must be UTF-8 text") from None
+                if len(form[field]) > TEXT_FIELDS[field] or "\x00" in form[field]:
+                    raise bad(field, f"must be at most {TEXT_FIELDS[field]} characters without NUL", "too_long")
+            else:
+                raise bad(field[:64] or '""', f"unknown field; expected audio or one of {sorted(TEXT_FIELDS)}",
+                          "unknown_field")
+    except (ValueError, AssertionError) as exc:  # malformed multipart framing
+        raise bad("body", f"is not a valid multipart form ({str(exc)[:100]})", "invalid_body") from None
+    return form
+
+
+async def _read_part(part, limit: int, field: str) -> bytes:
+    data = bytearray()
+    while chunk := await part.read_chunk(64 * 1024):
+        data += chunk
+        if len(data) > limit:
+            raise ApiError(413, "body_too_large", f"{field}: larger than {limit} bytes", field)
+    return bytes(data)
+
+
+def _flag(form: dict, field: str) -> bool:
+    raw = form.get(field, "false").strip().lower()
+    if raw not in ("true", "false", "1", "0", "yes", "no", "on", "off", ""):
+        raise bad(field, "must be true or false")
+    return raw in ("true", "1", "yes", "on")
+
+
+def _int(form: dict, field: str, default: int, lo: int, hi: int) -> int:
+    raw = form.get(field, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise bad(field, "must be an integer") from None
+    if not lo <= value <= hi:
+        raise bad(field, f"must be in [{lo}, {hi}]")
+    return value

@@ -1,0 +1,223 @@
+"""The voice registry on loopback with `tiny-random-base`: register, use by name, persist, refuse bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+
+import aiohttp
+import numpy as np
+import pytest
+import pytest_asyncio
+import soundfile as sf
+
+from qtts_jax.engine import Engine, EngineConfig
+from qtts_jax.model import load_model
+from qtts_jax.request import Request
+from serving.app import VOICES, Settings, create_app
+from serving.audio_encoders import to_s16
+from test_server import assert_same_audio, pcm, wait_ready
+
+pytestmark = pytest.mark.asyncio
+
+CONFIG = EngineConfig(slots=3, context=256, prompt_buckets=(32, 64, 128), max_trailing=64)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny-random-base")
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    e = Engine(model, CONFIG)
+    e.warmup()
+    return e
+
+
+def recording(seconds: float, rate: int = 24000, pitch: float = 180.0, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    x = 0.3 * np.sin(2 * np.pi * pitch * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t)) + 0.02 * rng.standard_normal(len(t))
+    return x.astype(np.float32)
+
+
+def wav_bytes(x: np.ndarray, rate: int = 24000) -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, x, rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def form(name=None, audio=None, **fields) -> aiohttp.FormData:
+    f = aiohttp.FormData()
+    if name is not None:
+        f.add_field("name", name)
+    if audio is not None:
+        f.add_field("audio", audio, filename="ref.wav", content_type="audio/wav")
+    for k, v in fields.items():
+        f.add_field(k, str(v))
+    return f
+
+
+@pytest_asyncio.fixture
+async def make_client(aiohttp_client, engine, tmp_path):
+    async def make(voices_dir=tmp_path / "voices", **overrides):
+        settings = Settings(slots=3, context=256, ttfa_target_ms=5000, voices_dir=str(voices_dir), **overrides)
+        client = await aiohttp_client(create_app(settings, engine=engine))
+        await wait_ready(client)
+        return client
+
+    return make
+
+
+async def speech(client, voice, text, seed=0, max_frames=8):
+    r = await client.post("/v1/audio/speech", json={"input": text, "voice": voice, "response_format": "pcm",
+                                                     "seed": seed, "max_frames": max_frames, "stream": True})
+    assert r.status == 200, await r.text()
+    return pcm(await r.read())
+
+
+def offline(model, prompt, text, seed=0, max_frames=8):
+    (res,) = model.generate(Request(text, voice=prompt, seed=seed, max_frames=max_frames))
+    return to_s16(res.audio).astype(np.int32)
+
+
+async def test_register_use_list_show_delete_and_reload(make_client, model, tmp_path):
+    client = await make_client()
+    audio = recording(1.6)
+    r = await client.post("/v1/audio/voices", data=form("Alice", wav_bytes(audio), transcript="Hello, it is me.",
+                                                        consent="recorded with permission"))
+    body = await r.json()
+    assert r.status == 201, body
+    assert r.headers["Location"] == "/v1/audio/voices/alice"
+    assert body["id"] == "alice" and body["mode"] == "icl" and body["transcript"] == "Hello, it is me."
+    assert body["consent"] == "recorded with permission" and body["seconds"] == pytest.approx(1.6)
+    # the stored prompt is what Model.clone_voice computes (with the server's default trailing silence)
+    stored = client.app[VOICES].get("alice").prompt
+    direct = model.clone_voice(wav_bytes(audio), "Hello, it is me.", trailing_silence_s=0.5)
+    np.testing.assert_array_equal(stored.ref_codes, direct.ref_codes)
+    np.testing.assert_array_equal(stored.xvector, direct.xvector)
+    assert body["frames"] == len(direct.ref_codes) == int(np.ceil((1.6 + 0.5) * 12.5))
+
+    got = await speech(client, "alice", "Speak as Alice.", seed=3)
+    assert_same_audio(got, offline(model, stored, "Speak as Alice.", seed=3))
+
+    r = await client.post("/v1/audio/voices", data=form("bob", wav_bytes(recording(1.2, pitch=120)), xvector_only="true",
+                                                        transcript="ignored"))
+    assert r.status == 201 and (await r.json())["mode"] == "xvector"
+    listed = (await (await client.get("/v1/audio/voices")).json())["voices"]
+    assert [v["id"] for v in listed] == ["alice", "bob"] and all("fingerprint" not in v for v in listed)
+    assert (await (await client.get("/v1/audio/voices/BOB")).json())["mode"] == "xvector"
+
+    # a fresh server on the same directory has both voices, and they give the same audio
+    files = sorted(p.name for p in (tmp_path / "voices").iterdir())
+    assert files == ["alice.npz", "bob.npz"]  # no temporary files left behind
+    await client.close()  # (the apps share one engine: one at a time)
+    client = await make_client()
+    assert client.app[VOICES].names() == ["alice", "bob"]
+    assert_same_audio(await speech(client, "alice", "Speak as Alice.", seed=3), got)
+
+    r = await client.delete("/v1/audio/voices/bob")
+    assert r.status == 200 and (await r.json())["deleted"] is True
+    assert (await client.delete("/v1/audio/voices/bob")).status == 404
+    r = await client.post("/v1/audio/speech", json={"input": "Hi.", "voice": "bob"})
+    err = (await r.json())["error"]
+    assert r.status == 400 and err["param"] == "voice" and err["code"] == "unknown_voice"
+    assert sorted(p.name for p in (tmp_path / "voices").iterdir()) == ["alice.npz"]
+
+
+async def test_cloned_voices_in_one_batch_each_equal_their_solo_output(make_client, model):
+    client = await make_client()
+    for name, pitch, extra in [("ann", 150, {"transcript": "First voice."}), ("ben", 110, {"xvector_only": "1"}),
+                               ("cat", 240, {"transcript": "A third one speaks here."})]:
+        r = await client.post("/v1/audio/voices", data=form(name, wav_bytes(recording(1.3, pitch=pitch, seed=pitch)),
+                                                            **extra))
+        assert r.status == 201, await r.text()
+    jobs = [("ann", "One, two.", 1), ("ben", "Three, four.", 2), ("cat", "Five, six.", 3)]
+    together = await asyncio.gather(*(speech(client, v, t, s) for v, t, s in jobs))
+    for (voice, text, seed), got in zip(jobs, together):
+        prompt = client.app[VOICES].get(voice).prompt
+        assert_same_audio(got, offline(model, prompt, text, seed))
+
+
+async def test_websocket_session_uses_a_registered_voice(make_client, model):
+    client = await make_client()
+    r = await client.post("/v1/audio/voices", data=form("dee", wav_bytes(recording(1.4)), transcript="Some words."))
+    assert r.status == 201
+    async with client.ws_connect("/v1/audio/speech/stream") as ws:
+        await ws.receive_json()  # session.created
+        await ws.send_json({"type": "session.update", "session": {"voice": "nobody"}})
+        err = await ws.receive_json()
+        assert err["type"] == "error" and err["error"]["param"] == "voice"
+        await ws.send_json({"type": "session.update", "session": {"voice": "dee", "seed": 4, "max_frames": 6}})
+        assert (await ws.receive_json())["type"] == "session.updated"
+        await ws.send_json({"type": "input_text.append", "text": "Over the socket."})
+        await ws.send_json({"type": "input_text.commit"})
+        audio = b""
+        while True:
+            msg = await ws.receive()
+            if msg.type == aiohttp.WSMsgType.BINARY:
+                audio += msg.data
+            elif json.loads(msg.data)["type"] in ("utterance.done", "error"):
+                assert json.loads(msg.data)["type"] == "utterance.done", msg.data
+                break
+    prompt = client.app[VOICES].get("dee").prompt
+    assert_same_audio(pcm(audio), offline(model, prompt, "Over the socket.", seed=4, max_frames=6))
+
+
+async def test_bad_registrations_get_4xx_naming_the_field(make_client):
+    client = await make_client(max_voice_upload_bytes=200_000, voice_max_seconds=3.0)
+    good = wav_bytes(recording(1.2))
+
+    async def expect(data, status, param, **kw):
+        r = await client.post("/v1/audio/voices", data=data, **kw)
+        body = await r.json()
+        assert r.status == status and body["error"]["param"] == param, body
+        return body["error"]["message"]
+
+    await expect(json.dumps({"name": "x"}), 400, "body", headers={"Content-Type": "application/json"})
+    await expect(form(audio=good), 400, "name")
+    await expect(form("bad name!", good), 400, "name")
+    await expect(form("nofile"), 400, "audio")  # url-encoded: the file is missing
+    await expect(aiohttp.FormData({"name": "nofile"}, default_to_multipart=True), 400, "audio")
+    await expect(form("junk", b"RIFF" + b"\0" * 2000), 400, "audio")
+    assert "at least" in await expect(form("short", wav_bytes(recording(0.4))), 400, "audio")
+    assert "at most" in await expect(form("long", wav_bytes(recording(3.5))), 400, "audio")
+    assert "silent" in await expect(form("quiet", wav_bytes(recording(1.5) * 1e-4)), 400, "audio")
+    await expect(form("huge", wav_bytes(recording(2.9, rate=48000))), 413, "audio")
+    await expect(form("odd", good, colour="blue"), 400, "colour")
+    await expect(form("flag", good, xvector_only="maybe"), 400, "xvector_only")
+    await expect(form("pad", good, trailing_silence_ms=99999), 400, "trailing_silence_ms")
+    assert (await client.post("/v1/audio/voices", data=form("twice", good, transcript="Hi there."))).status == 201
+    await expect(form("twice", good), 409, "name")
+    r = await client.post("/v1/audio/voices", data=form("twice", good, replace="true", xvector_only="true"))
+    assert r.status == 201 and (await r.json())["mode"] == "xvector"
+    assert (await client.get("/v1/audio/voices/none")).status == 404
+
+
+async def test_voices_from_another_model_or_damaged_files_are_skipped(make_client, tmp_path):
+    directory = tmp_path / "shared"
+    client = await make_client(voices_dir=directory)
+    assert (await client.post("/v1/audio/voices", data=form("keep", wav_bytes(recording(1.2)),
+                                                            xvector_only="1"))).status == 201
+    data = dict(np.load(directory / "keep.npz"))
+    info = json.loads(bytes(data["info"]).decode())
+    info.update(name="other", fingerprint="0" * 16)
+    data["info"] = np.frombuffer(json.dumps(info).encode(), np.uint8)
+    np.savez(directory / "other.npz", **data)
+    (directory / "broken.npz").write_bytes(b"not a zip")
+    await client.close()
+    again = await make_client(voices_dir=directory)
+    assert again.app[VOICES].names() == ["keep"]
+    assert (directory / "other.npz").exists() and (directory / "broken.npz").exists()  # kept, not deleted
+
+
+async def test_custom_voice_server_refuses_registration(aiohttp_client, tmp_path):
+    from test_server import CONFIG as CV_CONFIG
+
+    engine = Engine(load_model("tiny-random"), CV_CONFIG)
+    client = await aiohttp_client(create_app(Settings(voices_dir=str(tmp_path / "v"), warmup=False), engine=engine))
+    r = await client.post("/v1/audio/voices", data=form("x", wav_bytes(recording(1.2))))
+    body = await r.json()
+    assert r.status == 400 and body["error"]["param"] == "model" and "Base" in body["error"]["message"]
