@@ -1,5 +1,6 @@
-"""`python -m studies`: `capacity` (sweep + HTML report, against a URL or a local server it starts) and
-`fleet` (replicas and cost for a target load)."""
+"""`python -m studies`: `capacity` (sweep + HTML report, against a URL or a local server it starts),
+`sustained` (A/B of two builds under sustained load, golden-checked) and `fleet` (replicas and cost for a
+target load)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,37 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--target", type=float, default=100.0)
     c.add_argument("--price-per-hour", type=float, default=1.0)
     c.add_argument("--runs", default="runs", help="parent directory of the run directory")
+    s = sub.add_parser("sustained", help="A/B of two builds under sustained load: passes A, B, B, A per workload, "
+                                         "golden-checked; runs notebooks/sustained_ab.py -> runs/<id>/report.html")
+    s.add_argument("--url", help="build A, the reference the goldens are recorded on "
+                                 "(default: start a local tiny-random server on 127.0.0.1)")
+    s.add_argument("--compare-url", help="build B (default: A again, an A/A run that shows the noise)")
+    s.add_argument("--compare-serialised", action="store_true",
+                   help="build B is a local serialised server (one stream at a time) started for the study")
+    s.add_argument("--label-a", help="name of build A in the report (default: its URL)")
+    s.add_argument("--label-b", help="name of build B in the report (default: its URL)")
+    s.add_argument("--slots", type=int, default=4, help="local server: concurrent streams")
+    s.add_argument("--context", type=int, default=1024,
+                   help="local server: KV rows per slot (prompts up to a quarter of it: paragraphs need room)")
+    s.add_argument("--model", default="tiny-random", help="local server: checkpoint directory or tiny-random")
+    s.add_argument("--workload", nargs="+", choices=["plain", "processed"], default=["plain", "processed"],
+                   help="plain: one paragraph per request; processed: two turns, a 120 ms pause, normalised")
+    s.add_argument("--items", type=int, default=0, help="items per workload from its corpus (0: all)")
+    s.add_argument("--plain-corpus", default="sustained_plain",
+                   help="corpus name or .txt path, one paragraph per line")
+    s.add_argument("--processed-corpus", default="sustained_processed",
+                   help="corpus name or .txt path, two turns per line separated by ' | '")
+    s.add_argument("--protocol", default="http", choices=["http", "ws"])
+    s.add_argument("--concurrency", type=int, default=4, help="clients, each replacing its item when it completes")
+    s.add_argument("--fill-s", type=float, default=10.0, help="load before timing starts")
+    s.add_argument("--window-s", type=float, default=90.0, help="steady window per pass")
+    s.add_argument("--max-frames", type=int, help="cap per request (default: the model's own end)")
+    s.add_argument("--voice", default="ryan")
+    s.add_argument("--seed", type=int, default=7, help="fixed seed: every response must match its golden")
+    s.add_argument("--pause-ms", type=float, default=120.0, help="processed: silence between the turns")
+    s.add_argument("--no-gpu", action="store_true", help="do not sample nvidia-smi")
+    s.add_argument("--gpu-ids", default="", help="nvidia-smi -i (e.g. 0); default every GPU")
+    s.add_argument("--runs", default="runs", help="parent directory of the run directory")
     return p
 
 
@@ -52,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             f = fleet[key]
             print(f"{name}: {f['replicas']} replicas, ${f['per_hour']:.2f}/h, ${f['per_month']:.0f}/month")
         return 0
+    if args.command == "sustained":
+        return sustained(args)
     from studies.report import new_run_dir, run_notebook
     from studies.server import local_server
 
@@ -78,3 +112,56 @@ def main(argv: list[str] | None = None) -> int:
     summary = json.loads((run_dir / "summary.json").read_text())
     print(f"safe capacity: {summary['safe_capacity']:g}; report: {report}")
     return 0
+
+
+def _fmt(v, spec: str) -> str:
+    """format(v, spec), or "n/a" in the same width for None/NaN."""
+    width = int("".join(c for c in spec.split(".")[0] if c.isdigit()) or 0)
+    return "n/a".rjust(width) if v is None or v != v else format(v, spec)
+
+
+def sustained(args) -> int:
+    from studies.report import new_run_dir, run_notebook
+    from studies.server import local_server
+
+    if args.compare_url and args.compare_serialised:
+        print("error: give --compare-url or --compare-serialised, not both", file=sys.stderr)
+        return 2
+    if args.concurrency < 1 or args.window_s <= 0 or args.fill_s < 0:
+        print("error: need --concurrency >= 1, --window-s > 0, --fill-s >= 0", file=sys.stderr)
+        return 2
+    run_dir = new_run_dir(args.runs, "sustained")
+    with contextlib.ExitStack() as stack:
+        url_a = args.url or stack.enter_context(local_server(args.model, slots=args.slots, context=args.context,
+                                                             log_path=run_dir / "server.log"))
+        url_b = args.compare_url or (stack.enter_context(local_server(
+            args.model, serialised=True, context=args.context, log_path=run_dir / "server-serialised.log"))
+            if args.compare_serialised else url_a)
+        label_a = args.label_a or args.url or f"local {args.model}, {args.slots} slots"
+        label_b = args.label_b or args.compare_url or (
+            f"local {args.model}, serialised" if args.compare_serialised else f"{label_a} (again)")
+        print(f"sustained A/B: A = {url_a}, B = {url_b} -> {run_dir}", file=sys.stderr)
+        report = run_notebook("sustained_ab", {
+            "url_a": url_a, "url_b": url_b, "label_a": label_a, "label_b": label_b, "workloads": args.workload,
+            "items_per_workload": args.items, "plain_corpus": args.plain_corpus,
+            "processed_corpus": args.processed_corpus, "protocol": args.protocol, "voice": args.voice, "seed": args.seed,
+            "max_frames": args.max_frames, "concurrency": args.concurrency, "fill_s": args.fill_s,
+            "window_s": args.window_s, "pause_ms": args.pause_ms, "gpu": not args.no_gpu,
+            "gpu_ids": args.gpu_ids}, run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    names = {"A": label_a, "B": label_b}
+    print("workload   pass build  req/s  p50 ms  p95 ms  outst.  wait  GPU%  GPU MiB  failed  mismatch  valid")
+    for workload, res in summary["workloads"].items():
+        for p in res["passes"]:
+            print(f"{workload:<10} {p['order']:>4} {p['build']:>5} {p['req_per_s']:>6.2f} "
+                  f"{_fmt(p['latency_p50_ms'], '7.0f')} {_fmt(p['latency_p95_ms'], '7.0f')} "
+                  f"{_fmt(p['mean_outstanding'], '7.2f')} {_fmt(p['mean_waiting'], '5.2f')} "
+                  f"{_fmt(p['gpu_util_mean_pct'], '5.0f')} {_fmt(p['gpu_mem_peak_mib'], '8.0f')} "
+                  f"{p['failed']:>7} {p['golden_mismatches']:>9}  {'yes' if p['valid'] else 'NO'}")
+        c = res["comparison"]
+        ok = c["A"]["valid"] and c["B"]["valid"]
+        print(f"{workload}: B/A throughput {_fmt(c['b_over_a'], '.2f')}x ({names['B']} vs {names['A']})"
+              f"{'' if ok else ' -- not valid: a pass failed requests or changed the audio'}")
+    print(f"report: {report}")
+    valid = all(c["comparison"][b]["valid"] for c in summary["workloads"].values() for b in ("A", "B"))
+    return 0 if valid else 1

@@ -230,6 +230,77 @@ def test_sustained_ab_needs_a_fixed_seed_before_any_traffic():
         sustained_ab("http://127.0.0.1:9", "http://127.0.0.1:9", ["hi"], {"voice": "ryan"})
 
 
+def test_sustained_cli_refuses_bad_arguments_before_starting_anything(capsys, tmp_path):
+    assert study_main(["sustained", "--compare-url", "http://127.0.0.1:9", "--compare-serialised",
+                       "--runs", str(tmp_path)]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert study_main(["sustained", "--url", "http://127.0.0.1:9", "--window-s", "0", "--runs", str(tmp_path)]) == 2
+    assert not list(tmp_path.iterdir())  # no run directory, no server
+
+
+def test_processed_recording_joins_turns_with_a_pause_and_normalises_the_whole():
+    from studies.sustained import PEAK, process
+
+    loud, quiet = s16(16384, -8192), s16(4096, 0, -4096)
+    rec, gain = process([loud, quiet], pause_ms=120)
+    assert len(rec) == 2 + 2880 + 3  # 120 ms at 24 kHz between the turns
+    assert np.all(rec[2:2 + 2880] == 0)
+    assert gain == pytest.approx(PEAK / 0.5)  # the loudest sample of the whole recording reaches -1 dBFS
+    assert rec[0] == round(0.5 * gain * 32767) and abs(rec).max() == round(PEAK * 32767)
+    assert rec[-1] == -round(0.125 * gain * 32767)  # the quiet turn keeps its level relative to the loud one
+    silent, g = process([s16(0, 0), s16(0)])
+    assert g == 1.0 and not silent.any() and len(silent) == 3 + 2880
+
+
+def test_workload_items_and_golden_tolerance():
+    from studies.sustained import Golden, matches, workload_items
+
+    plain, processed = workload_items("plain"), workload_items("processed")
+    assert plain and all(len(i) == 1 for i in plain)
+    assert processed and all(len(i) == 2 and all(t.strip() for t in i) for i in processed)
+    assert len(workload_items("processed", limit=2)) == 2
+    with pytest.raises(ValueError, match="workload"):
+        workload_items("shouty")
+    with pytest.raises(ValueError, match="two turns"):
+        workload_items("processed", "voice_agent")  # lines without ' | ' are not two turns
+    golden = Golden(np.array([0, 100, -100], np.int32), tolerance=3)
+    assert matches(s16(3, 97, -100), golden) and not matches(s16(4, 100, -100), golden)
+    assert not matches(s16(3, 97, -100), golden.pcm)  # a bare array allows one step
+
+
+def _fake_nvidia_smi(tmp_path, body: str):
+    exe = tmp_path / "nvidia-smi"
+    exe.write_text(f"#!/bin/sh\n{body}\n")
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def test_gpu_sampler_absent_failing_and_present(tmp_path, monkeypatch):
+    import asyncio
+
+    from studies.gpu import GpuSampler, parse_sample
+
+    async def sample(sampler, seconds=0.3):
+        async with sampler:
+            await asyncio.sleep(seconds)
+        return sampler.result()
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi anywhere: null fields, no crash
+    absent = asyncio.run(sample(GpuSampler()))
+    assert absent == {"gpu_util_mean_pct": None, "gpu_mem_peak_mib": None, "gpu_samples": 0,
+                      "gpu_error": "nvidia-smi not found"}
+    assert asyncio.run(sample(GpuSampler(enabled=False)))["gpu_error"] == "disabled"
+    broken = asyncio.run(sample(GpuSampler(exe=_fake_nvidia_smi(tmp_path, "echo 'No devices' >&2; exit 9"))))
+    assert broken["gpu_util_mean_pct"] is None and "exit 9: No devices" in broken["gpu_error"]
+    two_gpus = _fake_nvidia_smi(tmp_path, "printf '30, 1000\\n50, 2000\\n'")
+    present = asyncio.run(sample(GpuSampler(exe=two_gpus, interval_s=0.05)))
+    assert present["gpu_util_mean_pct"] == 40 and present["gpu_mem_peak_mib"] == 3000  # mean of GPUs, summed memory
+    assert present["gpu_samples"] >= 2 and present["gpu_error"] is None
+    assert parse_sample("7, 512\n") == [(7.0, 512.0)]
+    with pytest.raises(ValueError):
+        parse_sample("[N/A], 512")
+
+
 def test_websocket_load_refuses_options_its_session_cannot_carry():
     import asyncio
 

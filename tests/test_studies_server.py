@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -154,15 +155,42 @@ def test_explore_reports_the_servers_error(url):
         synthesize(url, "hello", voice="nobody")
 
 
-def test_sustained_ab_notebook_runs_four_valid_passes_in_abba_order(url, tmp_path):
-    run_notebook("sustained_ab", {"url_a": url, "url_b": url, "prompts": PROMPTS[:2], "max_frames": 6,
-                                  "concurrency": 2, "fill_s": 0.5, "window_s": 2.0}, tmp_path)
-    passes = json.loads((tmp_path / "summary.json").read_text())["passes"]
-    assert [(p["order"], p["build"]) for p in passes] == [(1, "A"), (2, "B"), (3, "B"), (4, "A")]
-    for p in passes:
-        assert p["valid"] and p["completed"] > 0 and p["failed"] == 0
-        assert 0 < p["mean_outstanding"] <= 2 and p["latency_p50_ms"] <= p["latency_p95_ms"]
-    assert (tmp_path / "sustained.png").stat().st_size > 0
+def test_sustained_cli_runs_both_workloads_abba_with_golden_checks_and_no_gpu(url, tmp_path, monkeypatch, capsys):
+    from studies.cli import main as study_main
+
+    # nvidia-smi absent (as on CI): the GPU fields are null and the run goes on
+    monkeypatch.setenv("PATH", os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep)
+                                               if not os.path.exists(os.path.join(d, "nvidia-smi"))))
+    (tmp_path / "plain.txt").write_text("Your order has shipped.\nOne moment please.\n")
+    (tmp_path / "processed.txt").write_text("Hi there. | How can I help?\nSure. | One moment.\n")
+    rc = study_main(["sustained", "--url", url, "--compare-url", url, "--label-b", "same server",
+                     "--plain-corpus", str(tmp_path / "plain.txt"),
+                     "--processed-corpus", str(tmp_path / "processed.txt"),
+                     "--concurrency", "2", "--fill-s", "0.3", "--window-s", "1.2", "--max-frames", "6",
+                     "--runs", str(tmp_path / "runs")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    (run,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((run / "summary.json").read_text())
+    assert list(summary["workloads"]) == ["plain", "processed"] and summary["pause_ms"] == 120
+    for workload, res in summary["workloads"].items():
+        passes = res["passes"]
+        assert [(p["order"], p["build"]) for p in passes] == [(1, "A"), (2, "B"), (3, "B"), (4, "A")]
+        for p in passes:
+            assert p["workload"] == workload and p["valid"] and p["completed"] > 0 and p["failed"] == 0
+            assert p["golden_mismatches"] == 0 and 0 < p["mean_outstanding"] <= 2
+            assert p["latency_p50_ms"] <= p["latency_p95_ms"]
+            assert p["gpu_util_mean_pct"] is None and p["gpu_mem_peak_mib"] is None
+            assert p["gpu_error"] == "nvidia-smi not found"
+        assert res["comparison"]["A"]["valid"] and res["comparison"]["B"]["valid"]
+        assert f"{workload}: B/A throughput" in out
+    records = read_jsonl(run / "records.jsonl")
+    processed = [r for r in records if r.condition.startswith("processed:") and not r.warmup]
+    assert processed and {r.text for r in processed} >= {"Hi there.", "How can I help?"}  # two requests per item
+    assert all(r.ok for r in records)
+    html = (run / "report.html").read_text()
+    assert "same server" in html and "Workload <em>processed</em>" in html and "from studies" not in html
+    assert (run / "sustained.png").stat().st_size > 0
 
 
 def test_sustained_pass_flags_responses_that_differ_from_the_golden(url):
