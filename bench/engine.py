@@ -6,7 +6,13 @@ request on an idle engine and beside N live streams (queue / prefill / first fra
 EOS is made unreachable (its id moved outside the vocabulary) so every stream runs its forced frame
 count. Writes JSON.
 
+With a Base model (``0.6b-base``) it also measures voice cloning: the time to register a voice (speaker
+encoder and speech-tokenizer encoder per reference length, and priming the codec state of an ICL voice),
+and the first-PCM latency of an ICL request (longer prompt) against an x-vector one, idle and beside
+live streams.
+
     python bench/engine.py --model 0.6b --slots 1,8,32,64 --out runs/engine-0.6b.json
+    python bench/engine.py --model 0.6b-base --slots 64 --out runs/engine-0.6b-base.json
 """
 
 from __future__ import annotations
@@ -26,12 +32,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from qtts_jax.engine import Engine, EngineConfig  # noqa: E402
+from qtts_jax.codec import encoder as codec_encoder  # noqa: E402
 from qtts_jax.model import load_model  # noqa: E402
-from qtts_jax.request import Request  # noqa: E402
+from qtts_jax.request import Request, VoicePrompt  # noqa: E402
+from qtts_jax.speaker.ecapa import speaker_embedding  # noqa: E402
 
 SECONDS_PER_FRAME = 1920 / 24000
 # Weight bytes read per frame at batch 1 in bf16 (architecture note §5): the bandwidth floor.
 WEIGHT_GB_PER_FRAME = {"0.6b": 3.31, "1.7b": 5.32, "tiny-random": 0.0}
+MODELS = ("0.6b", "1.7b", "tiny-random", "0.6b-base", "1.7b-base", "tiny-random-base")
 HBM_TB_S = 4.8
 
 
@@ -56,8 +65,16 @@ def timed(fn, repeats: int) -> list[float]:
     return out
 
 
-def long_request(i: int, frames: int) -> Request:
-    return Request(f"Benchmark stream number {i}.", speaker="ryan", seed=i, max_frames=frames)
+def long_request(i: int, frames: int, voice: VoicePrompt | None = None) -> Request:
+    """A stream of a forced length: a preset speaker, or ``voice`` on Base models."""
+    return Request(f"Benchmark stream number {i}.", speaker=None if voice else "ryan", voice=voice, seed=i,
+                   max_frames=frames)
+
+
+def default_voice(model) -> VoicePrompt | None:
+    if model.cfg.model_type != "base":
+        return None
+    return VoicePrompt(np.random.default_rng(0).standard_normal(model.cfg.talker.hidden_size).astype(np.float32))
 
 
 def bench_slots(model, slots: int, args) -> dict:
@@ -73,22 +90,23 @@ def bench_slots(model, slots: int, args) -> dict:
     engine.warmup()
     compile_s = time.perf_counter() - t0
     frames = args.context - 64 - 8
+    voice = default_voice(model)
 
     # first PCM of a request on an idle engine
-    ttfa_idle = first_pcm(engine, long_request(0, 8))
+    ttfa_idle = first_pcm(engine, long_request(0, 8, voice))
 
     # fill every slot but one with long streams, let them reach steady state, then time a newcomer
     sink = lambda chunk: None  # noqa: E731
     for i in range(slots - 1):
-        engine.submit(long_request(i + 1, frames), sink)
+        engine.submit(long_request(i + 1, frames, voice), sink)
     for _ in range(3):
         engine.run_once()
-    ttfa_loaded = first_pcm(engine, long_request(slots, frames)) if slots > 1 else ttfa_idle
+    ttfa_loaded = first_pcm(engine, long_request(slots, frames, voice)) if slots > 1 else ttfa_idle
 
     # every slot live with a long stream, past its first chunks: steady state
     i = slots + 1
     while engine.active < slots or engine.queue:
-        engine.submit(long_request(i, frames), sink)
+        engine.submit(long_request(i, frames, voice), sink)
         engine.run_once()
         i += 1
     for _ in range(4):
@@ -112,7 +130,7 @@ def bench_slots(model, slots: int, args) -> dict:
     codec_s = statistics.median(timed(codec, args.repeats))
     loop_s = statistics.median(timed(lambda: engine.run_once(), args.repeats))
     per_frame_total = step_s + codec_s / n
-    floor_ms = WEIGHT_GB_PER_FRAME[args.model] / HBM_TB_S
+    floor_ms = WEIGHT_GB_PER_FRAME[args.model.removesuffix("-base")] / HBM_TB_S
     row = {
         "slots": slots,
         "compile_s": round(compile_s, 1),
@@ -137,6 +155,55 @@ def bench_slots(model, slots: int, args) -> dict:
     return row
 
 
+def bench_clone(model, args) -> dict:
+    """Registration cost per reference length, and ICL vs x-vector first PCM (idle and beside live streams)."""
+    enc = model.voice_encoders
+    rng = np.random.default_rng(0)
+    registration = []
+    for seconds in (3.0, 10.0, 20.0):
+        wav = (0.3 * rng.standard_normal(int(seconds * 24000))).astype(np.float32)
+        spk = timed(lambda: speaker_embedding(enc.speaker_params, enc.speaker_cfg, wav), args.repeats + 1)
+        enc_t = timed(lambda: codec_encoder.encode(enc.codec_encoder_params, enc.codec_cfg, wav), args.repeats + 1)
+        registration.append({
+            "reference_s": seconds,
+            "speaker_encoder_first_ms": round(spk[0] * 1e3, 1),  # includes compiling for this length
+            "speaker_encoder_ms": round(statistics.median(spk[1:]) * 1e3, 2),
+            "codec_encoder_first_ms": round(enc_t[0] * 1e3, 1),
+            "codec_encoder_ms": round(statistics.median(enc_t[1:]) * 1e3, 2),
+        })
+        print(json.dumps(registration[-1]), flush=True)
+    slots = args.clone_slots
+    config = EngineConfig(slots=slots, context=args.context, prompt_buckets=(64, 256), max_trailing=32,
+                          frames_per_step=args.frames_per_step, frames_cap_base=args.context, sampler=args.sampler)
+    engine = Engine(model, config)
+    engine.warmup()
+    wav = (0.3 * rng.standard_normal(10 * 24000)).astype(np.float32)
+    icl = model.clone_voice((wav, 24000), "The ten seconds of reference speech say this sentence, and more.")
+    xvec = VoicePrompt(icl.xvector)
+    prime = timed(lambda: engine._prime(icl.ref_codes), args.repeats)
+    engine.prepare_voice(icl.ref_codes)
+    out = {"registration": registration, "clone_slots": slots, "icl_reference_frames": len(icl.ref_codes),
+           "prime_codec_ms": round(statistics.median(prime) * 1e3, 2),
+           "icl_prompt_rows": len(engine._prepare(long_request(0, 8, icl))["prompt"]),
+           "xvector_prompt_rows": len(engine._prepare(long_request(0, 8, xvec))["prompt"])}
+    for name, voice in (("xvector", xvec), ("icl", icl)):
+        out[f"ttfa_idle_{name}_ms"] = statistics.median(
+            first_pcm(engine, long_request(k, 8, voice))["first_chunk_ms"] for k in range(5))
+    sink = lambda chunk: None  # noqa: E731
+    frames = args.context - 256 - 8
+    for i in range(slots - 2):
+        engine.submit(long_request(100 + i, frames, xvec), sink)
+    for _ in range(3):
+        engine.run_once()
+    for name, voice in (("xvector", xvec), ("icl", icl)):
+        out[f"ttfa_beside_{slots - 2}_live_{name}_ms"] = first_pcm(engine, long_request(1, 8, voice))["first_chunk_ms"]
+    for s in engine.slots:
+        if s is not None:
+            s.cancel()
+    engine.run_once()
+    return out
+
+
 def first_pcm(engine: Engine, request: Request) -> dict:
     got = []
     stream = engine.submit(request, got.append)
@@ -147,8 +214,9 @@ def first_pcm(engine: Engine, request: Request) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", choices=["0.6b", "1.7b", "tiny-random"], default="0.6b",
-                   help="tiny-random only smoke-tests this script on a CPU")
+    p.add_argument("--model", choices=MODELS, default="0.6b",
+                   help="tiny-random only smoke-tests this script on a CPU; -base models add the cloning section")
+    p.add_argument("--clone-slots", type=int, default=64, help="engine size for the ICL first-PCM comparison")
     p.add_argument("--slots", default="1,8,32,64,128,256,512")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--frames-per-step", type=int, default=4)
@@ -157,7 +225,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     t0 = time.perf_counter()
-    dtype = jnp.float32 if args.model == "tiny-random" else jnp.bfloat16
+    dtype = jnp.float32 if args.model.startswith("tiny-random") else jnp.bfloat16
     model = without_eos(load_model(args.model, dtype=dtype))
     result = {
         "device": str(jax.devices()[0]),
@@ -170,7 +238,11 @@ def main() -> None:
         "load_s": round(time.perf_counter() - t0, 1),
         "rows": [],
     }
-    for slots in [int(s) for s in args.slots.split(",")]:
+    if model.cfg.model_type == "base":
+        result["clone"] = bench_clone(model, args)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    for slots in [int(s) for s in args.slots.split(",") if s]:
         try:
             result["rows"].append(bench_slots(model, slots, args))
         except Exception as exc:  # out of memory ends the sweep, with the reason recorded
