@@ -9,7 +9,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the OpenAI-compatible speech server (HTTP + WebSocket)",
                        description="Every flag can also be set by an environment variable QTTS_<NAME>, "
                                    "e.g. QTTS_SLOTS=16 or QTTS_TTFA_TARGET_MS=250.")
-    s.add_argument("--model", help="checkpoint directory or tiny-random (QTTS_MODEL; default tiny-random)")
+    s.add_argument("--model", help="checkpoint directory, tiny-random or tiny-random-base (QTTS_MODEL; default tiny-random)")
     s.add_argument("--host", help="bind address (QTTS_HOST; default 127.0.0.1)")
     s.add_argument("--port", type=int, help="port (QTTS_PORT; default 8000)")
     s.add_argument("--slots", type=int, help="concurrent streams compiled into the engine (QTTS_SLOTS; default 8)")
@@ -21,6 +21,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, help="waiting requests beyond the slots (default: slots)")
     s.add_argument("--max-input-chars", type=int, help="longest input text (default 4096)")
     s.add_argument("--drain-timeout-s", type=float, help="SIGTERM: how long in-flight streams may finish")
+    s.add_argument("--voices-dir", help="Base models: where registered voices are kept (QTTS_VOICES_DIR; "
+                                        "default ./voices)")
     return s
 
 
@@ -28,6 +30,6 @@ def serve(args) -> int:
     from serving.app import Settings, run
 
     keys = ("model", "host", "port", "slots", "context", "frames_per_step", "dtype", "ttfa_target_ms",
-            "starvation_ms", "max_queue", "max_input_chars", "drain_timeout_s")
+            "starvation_ms", "max_queue", "max_input_chars", "drain_timeout_s", "voices_dir")
     settings = Settings.from_env(**{k: getattr(args, k) for k in keys})
     return run(settings)
