@@ -149,12 +149,16 @@ class Scheduler:
             raise ApiError(429, "queue_full", f"{len(e.queue)} requests are already waiting",
                            retry_after=self._retry(self.predict_start()))
         tf = self.frame_seconds()
-        if tf * 1.0 >= FRAME_SECONDS:
-            raise ApiError(429, "overloaded", "the engine is slower than real time now",
-                           retry_after=self._retry(self.predict_start()))
         start = self.predict_start()
         step_in_flight = e.config.frames_per_step * tf
         ttfa = start + step_in_flight + self.service_seconds()
+        if not any(s is not None for s in e.slots) and not e.queue:
+            # Idle: nothing to protect, and this is the best service there is. Refusing on step times
+            # measured at a larger batch would keep them stale, and the server would refuse forever.
+            return ttfa
+        if tf >= FRAME_SECONDS:
+            raise ApiError(429, "overloaded", "the engine is slower than real time now",
+                           retry_after=self._retry(self.predict_start()))
         if ttfa > c.ttfa_target_s:
             raise ApiError(429, "overloaded", f"predicted first audio in {ttfa * 1000:.0f} ms exceeds the "
                            f"{c.ttfa_target_s * 1000:.0f} ms target", retry_after=self._retry(start))

@@ -617,11 +617,14 @@ def test_admission_predicts_ttfa_from_slot_occupancy_and_step_time():
     sched.engine.queue[0].prepared["cap"] = 50
     with pytest.raises(ApiError):
         sched.admit()
-    # slower than real time: everything would starve
-    sched.engine = _fake_engine(2, step_s=0.09)
+    # slower than real time with a stream live: another one would starve them all
+    sched.engine = _fake_engine(2, live=[(100, 99)], step_s=0.09)
     with pytest.raises(ApiError) as err:
         sched.admit()
     assert err.value.status == 429
+    # ... but an idle engine admits (even past the TTFA target): refusing would never refresh its step times
+    sched.engine = _fake_engine(2, step_s=0.09)
+    assert sched.admit() > 0.3
     sched.draining = True
     with pytest.raises(ApiError) as err:
         sched.admit()
