@@ -40,8 +40,9 @@ class EncoderActivations(NamedTuple):
 def encode(params: dict, cfg: CodecConfig, wav: np.ndarray, bucket_frames: int | None = 16) -> np.ndarray:
     """1-D float 24 kHz mono audio -> int32 codes [ceil(n / 1920), encoder_valid_num_quantizers].
 
-    The audio is zero-padded to a multiple of ``bucket_frames`` frames (None: not padded, one compilation
-    per length); the result is the same either way.
+    The audio is zero-padded to a power-of-two number of frames, at least ``bucket_frames`` (None: not
+    padded, one compilation per length); the result is the same either way. Six compilations cover
+    every clip up to 40 s, and the padding costs little: the encoder is cheap next to a compilation.
     """
     n, _, _, _, codes = _run(params, cfg, wav, bucket_frames)
     return np.asarray(codes[: -(-n // cfg.encoder.frame_size)])
@@ -63,8 +64,8 @@ def _run(params: dict, cfg: CodecConfig, wav: np.ndarray, bucket_frames: int | N
         raise ValueError(f"expected non-empty 1-D mono audio, got shape {wav.shape}")
     n = wav.size
     if bucket_frames is not None:
-        bucket = bucket_frames * cfg.encoder.frame_size
-        wav = np.pad(wav, (0, -n % bucket))
+        frames = max(bucket_frames, -(-n // cfg.encoder.frame_size))
+        wav = np.pad(wav, (0, (1 << (frames - 1).bit_length()) * cfg.encoder.frame_size - n))
     return (n, *_forward(params, cfg, jnp.asarray(wav), jnp.int32(n)))
 
 
