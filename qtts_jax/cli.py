@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     from serving.cli import add_serve_parser  # `serve`: the HTTP/WebSocket server (serving/)
 
     add_serve_parser(sub)
-    sub.add_parser("study", help="capacity studies of a server: `qtts-jax study {capacity,fleet} --help`",
+    sub.add_parser("study", help="capacity studies of a server: `qtts-jax study {capacity,sustained,fleet} --help`",
                    add_help=False)
     return p
 
