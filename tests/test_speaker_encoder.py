@@ -15,8 +15,9 @@ import pytest
 
 from qtts_jax.checkpoint import CheckpointError, read_safetensors
 from qtts_jax.speaker.config import SpeakerEncoderConfig
-from qtts_jax.speaker.ecapa import encode, min_samples, speaker_embedding
-from qtts_jax.speaker.mel import FMAX, FMIN, N_FFT, N_MELS, SAMPLE_RATE, log_mel, mel_filterbank
+from qtts_jax.speaker import ecapa
+from qtts_jax.speaker.ecapa import bucket_samples, encode, min_samples, speaker_embedding
+from qtts_jax.speaker.mel import FMAX, FMIN, HOP, N_FFT, N_MELS, SAMPLE_RATE, log_mel, mel_filterbank, num_frames
 from qtts_jax.speaker.weights import load_speaker_params, random_speaker_params
 
 TOL = 1e-5
@@ -70,7 +71,12 @@ def test_log_mel_matches_reference(n):
 
     wav = audio(n, seed=n)
     ref = reference_log_mel(wav)[0].numpy()
-    assert rel_err(log_mel(jnp.asarray(wav)), ref) <= TOL
+    assert rel_err(log_mel(jnp.asarray(wav), n), ref) <= TOL
+    # In a bucket-sized buffer with the length traced: the true frames are the same, reflected at the true end.
+    padded = np.pad(wav, (0, bucket_samples(n) - n))
+    bucketed = jax.jit(log_mel)(jnp.asarray(padded), n)
+    assert bucketed.shape[0] == bucket_samples(n) // HOP and np.all(np.isfinite(bucketed))
+    assert rel_err(bucketed[: num_frames(n)], ref) <= TOL
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -85,7 +91,7 @@ def test_xvector_matches_reference(tiny, seed, n):
     with torch.no_grad():
         ref = ref_encoder(mel)[0].numpy()
     # The encoder alone on the reference's mel, then the whole path from audio.
-    assert rel_err(encode(params, cfg, jnp.asarray(mel[0].numpy())), ref) <= TOL
+    assert rel_err(encode(params, cfg, jnp.asarray(mel[0].numpy()), mel.shape[1]), ref) <= TOL
     ours = speaker_embedding(params, cfg, wav)
     assert ours.dtype == np.float32 and ours.shape == (cfg.enc_dim,)
     assert rel_err(ours, ref) <= TOL
@@ -117,7 +123,39 @@ def test_shortest_audio_is_the_references(tiny):
         speaker_embedding(params, cfg, audio(n - 1, seed=0))
     with torch.no_grad():
         ref = ref_encoder(reference_log_mel(audio(n, seed=0)))[0].numpy()
+    assert num_frames(n) < 64 <= num_frames(bucket_samples(n))  # mostly padding frames
     assert rel_err(speaker_embedding(params, cfg, audio(n, seed=0)), ref) <= TOL
+
+
+def test_buckets_cover_1_to_30_s_in_6_compilations():
+    lengths = range(SAMPLE_RATE, 30 * SAMPLE_RATE + 1, 97)
+    buckets = {bucket_samples(n) for n in lengths}
+    assert sorted(buckets) == [64 * HOP * 2**k for k in range(1, 7)]
+    assert all(n <= bucket_samples(n) < 2 * max(n, 64 * HOP) for n in lengths)
+    assert bucket_samples(64 * HOP) == 64 * HOP and bucket_samples(64 * HOP + 1) == 128 * HOP
+
+
+def test_one_compilation_per_bucket_and_each_length_the_references(tiny):
+    """Lengths sharing a bucket compile once and each equals the reference on its own length, including
+    the bucket's full length (no padding frames) and one sample past it (the next bucket, T frames of 2T)."""
+    import torch
+    from ref_speaker import reference_log_mel
+
+    ref_encoder, cfg, params = tiny(1)
+    boundary = 128 * HOP
+    same_bucket = [64 * HOP + 1, 20000, boundary - HOP // 2, boundary]
+    assert {bucket_samples(n) for n in same_bucket} == {boundary} and bucket_samples(boundary + 1) == 2 * boundary
+    # Unbucketed: the buffer is exactly the audio (a compilation per length, outside speaker_embedding's cache).
+    unbucketed = jax.jit(lambda p, wav: encode(p, cfg, log_mel(wav, wav.shape[0]), num_frames(wav.shape[0])))
+    ecapa._embed.clear_cache()
+    for i, n in enumerate([*same_bucket, boundary + 1]):
+        wav = audio(n, seed=200 + i)
+        with torch.no_grad():
+            ref = ref_encoder(reference_log_mel(wav))[0].numpy()
+        ours = speaker_embedding(params, cfg, wav)
+        assert rel_err(ours, ref) <= TOL, n
+        assert rel_err(ours, unbucketed(params, jnp.asarray(wav))) <= 2e-6, n  # float rounding only
+        assert ecapa._embed._cache_size() == (1 if n <= boundary else 2), n
 
 
 def test_missing_or_misshaped_tensor_is_named(tiny):

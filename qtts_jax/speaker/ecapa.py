@@ -2,7 +2,11 @@
 
 Every conv of the reference is ``Conv1d(padding="same", padding_mode="reflect")``: reflect padding of
 dilation*(k-1) frames split floor/ceil, so the sequence must be longer than the widest one-sided pad.
-There is no batch norm. Pooling sees every frame of the utterance: no padding or masking.
+There is no batch norm. The reference pools over every frame of the utterance with no padding; here the
+audio is padded to a length bucket (one compilation serves every length in it) and the true frame count
+T is traced: convs reflect at frame T, and every reduction over time (SE means, pooling statistics, the
+attention softmax) sees only the first T frames, so the result is the reference's up to float rounding.
+Frames past T carry finite, meaningless values that nothing reads.
 """
 
 from __future__ import annotations
@@ -14,17 +18,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from qtts_jax.speaker.config import SpeakerEncoderConfig
-from qtts_jax.speaker.mel import HOP, N_FFT, PAD, log_mel
+from qtts_jax.speaker.mel import HOP, N_FFT, PAD, log_mel, num_frames, reflect_pad
 
 STATS_EPS = 1e-12  # AttentiveStatisticsPooling clamps the variance to this before the square root
+BUCKET_FRAMES = 64  # the smallest length bucket, in hops; each next bucket doubles it
 
 
-def conv(p: dict, x: jnp.ndarray, dilation: int = 1) -> jnp.ndarray:
-    """[T, Cin] -> [T, Cout] with reflect 'same' padding; ``p["w"]`` is (k, Cin, Cout)."""
+def conv(p: dict, x: jnp.ndarray, frames=None, dilation: int = 1) -> jnp.ndarray:
+    """[T, Cin] -> [T, Cout] with reflect 'same' padding at the ends of the first ``frames`` rows (default
+    all; may be traced); ``p["w"]`` is (k, Cin, Cout)."""
     k = p["w"].shape[0]
     total = dilation * (k - 1)
     if total:
-        x = jnp.pad(x, ((total // 2, total - total // 2), (0, 0)), mode="reflect")
+        x = reflect_pad(x, total // 2, total - total // 2, x.shape[0] if frames is None else frames)
     y = jax.lax.conv_general_dilated(
         x[None], p["w"], window_strides=(1,), padding="VALID", rhs_dilation=(dilation,),
         dimension_numbers=("NWC", "WIO", "NWC"),
@@ -32,61 +38,79 @@ def conv(p: dict, x: jnp.ndarray, dilation: int = 1) -> jnp.ndarray:
     return y + p["b"]
 
 
-def tdnn(p: dict, x: jnp.ndarray, dilation: int = 1) -> jnp.ndarray:
-    return jax.nn.relu(conv(p, x, dilation))
+def tdnn(p: dict, x: jnp.ndarray, frames=None, dilation: int = 1) -> jnp.ndarray:
+    return jax.nn.relu(conv(p, x, frames, dilation))
 
 
-def se_res2net(p: dict, x: jnp.ndarray, scale: int, dilation: int) -> jnp.ndarray:
+def _valid(x: jnp.ndarray, frames) -> jnp.ndarray:
+    """[T, 1] bool: which rows of ``x`` are the utterance's."""
+    return (jnp.arange(x.shape[0]) < frames)[:, None]
+
+
+def se_res2net(p: dict, x: jnp.ndarray, frames, scale: int, dilation: int) -> jnp.ndarray:
     """TDNN -> Res2Net (chunk i>0 convolved after adding the previous chunk's output) -> TDNN -> SE, plus x."""
     h = tdnn(p["tdnn1"], x)
     chunks = jnp.split(h, scale, axis=-1)
     outs = [chunks[0]]
     for i in range(1, scale):
         sub = jax.tree.map(lambda a: a[i - 1], p["res2net"])
-        outs.append(tdnn(sub, chunks[i] if i == 1 else chunks[i] + outs[-1], dilation))
+        outs.append(tdnn(sub, chunks[i] if i == 1 else chunks[i] + outs[-1], frames, dilation))
     h = tdnn(p["tdnn2"], jnp.concatenate(outs, axis=-1))
-    gate = jnp.mean(h, axis=0, keepdims=True)
+    gate = jnp.sum(jnp.where(_valid(h, frames), h, 0), axis=0, keepdims=True) / jnp.asarray(frames, h.dtype)
     gate = jax.nn.sigmoid(conv(p["se"]["conv2"], jax.nn.relu(conv(p["se"]["conv1"], gate))))
     return h * gate + x
 
 
 def _weighted_stats(x: jnp.ndarray, w: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Per-channel mean and std over time under weights ``w`` [T, C] that sum to 1 (variance clamped)."""
+    """Per-channel mean and std over time under weights ``w`` [T, C or 1] that sum to 1 (variance clamped)."""
     mean = jnp.sum(w * x, axis=0)
     var = jnp.sum(w * (x - mean) ** 2, axis=0)
     return mean, jnp.sqrt(jnp.maximum(var, STATS_EPS))
 
 
-def attentive_stats_pool(p: dict, x: jnp.ndarray) -> jnp.ndarray:
-    """[T, C] -> [2C]: attention-weighted mean and std, the attention also seeing the global mean and std.
+def attentive_stats_pool(p: dict, x: jnp.ndarray, frames) -> jnp.ndarray:
+    """[T, C] -> [2C]: attention-weighted mean and std over the first ``frames`` rows, the attention also
+    seeing their global mean and std.
 
-    The global statistics use uniform weights 1/T, as the reference does (its mask / total).
+    As the reference does: the global statistics weigh each frame mask / total (1/T, 0 past the utterance),
+    and the attention scores of frames past it are -inf before the softmax.
     """
-    t = x.shape[0]
-    mean, std = _weighted_stats(x, jnp.full_like(x, 1.0 / t))
+    valid = _valid(x, frames)
+    mean, std = _weighted_stats(x, jnp.where(valid, 1 / jnp.asarray(frames, x.dtype), 0))
     context = jnp.concatenate([x, jnp.broadcast_to(mean, x.shape), jnp.broadcast_to(std, x.shape)], axis=-1)
     scores = conv(p["conv"], jnp.tanh(tdnn(p["tdnn"], context)))
-    mean, std = _weighted_stats(x, jax.nn.softmax(scores, axis=0))
+    mean, std = _weighted_stats(x, jax.nn.softmax(jnp.where(valid, scores, -jnp.inf), axis=0))
     return jnp.concatenate([mean, std])
 
 
-def encode(params: dict, cfg: SpeakerEncoderConfig, mel: jnp.ndarray) -> jnp.ndarray:
-    """Log-mel [T, mel_dim] -> x-vector [enc_dim]."""
-    h = tdnn(params["tdnn"], mel, cfg.enc_dilations[0])
+def encode(params: dict, cfg: SpeakerEncoderConfig, mel: jnp.ndarray, frames) -> jnp.ndarray:
+    """Log-mel [T_max, mel_dim] whose first ``frames`` rows (may be traced) are the utterance -> x-vector [enc_dim]."""
+    h = tdnn(params["tdnn"], mel, frames, cfg.enc_dilations[0])
     outs = []
     for i, block in enumerate(params["blocks"]):
-        h = se_res2net(block, h, cfg.enc_res2net_scale, cfg.enc_dilations[i + 1])
+        h = se_res2net(block, h, frames, cfg.enc_res2net_scale, cfg.enc_dilations[i + 1])
         outs.append(h)
-    h = tdnn(params["mfa"], jnp.concatenate(outs, axis=-1), cfg.enc_dilations[-1])
-    pooled = attentive_stats_pool(params["asp"], h)
+    h = tdnn(params["mfa"], jnp.concatenate(outs, axis=-1), frames, cfg.enc_dilations[-1])
+    pooled = attentive_stats_pool(params["asp"], h, frames)
     return conv(params["fc"], pooled[None])[0]
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
-def _embed(params: dict, cfg: SpeakerEncoderConfig, wav: jnp.ndarray) -> jnp.ndarray:
+def _embed(params: dict, cfg: SpeakerEncoderConfig, wav: jnp.ndarray, length: jnp.ndarray) -> jnp.ndarray:
+    """Audio ``wav[:length]`` in a bucket-sized buffer -> x-vector; ``length`` is traced (no recompile)."""
     # The reference casts the fp32 mel to the model dtype before the encoder.
-    mel = log_mel(wav).astype(params["fc"]["w"].dtype)
-    return encode(params, cfg, mel).astype(jnp.float32)
+    mel = log_mel(wav, length).astype(params["fc"]["w"].dtype)
+    return encode(params, cfg, mel, num_frames(length)).astype(jnp.float32)
+
+
+def bucket_samples(num_samples: int) -> int:
+    """Length the audio is zero-padded to before the compiled encoder: the smallest BUCKET_FRAMES * 2^k hops
+    that hold it. One compilation per bucket: 1-30 s at 24 kHz takes 6 (32768 ... 1048576 samples); above
+    the smallest bucket the encoder runs on less than twice the audio's frames."""
+    frames = BUCKET_FRAMES
+    while frames * HOP < num_samples:
+        frames *= 2
+    return frames * HOP
 
 
 def min_samples(cfg: SpeakerEncoderConfig) -> int:
@@ -96,7 +120,7 @@ def min_samples(cfg: SpeakerEncoderConfig) -> int:
 
 
 def speaker_embedding(params: dict, cfg: SpeakerEncoderConfig, wav: np.ndarray) -> np.ndarray:
-    """Mono 24 kHz float audio [N] -> x-vector [enc_dim] float32 (compiled once per length N).
+    """Mono 24 kHz float audio [N] -> x-vector [enc_dim] float32 (compiled once per ``bucket_samples(N)``).
 
     What the reference's ``extract_speaker_embedding(audio, sr=24000)`` returns; resample other rates first.
     """
@@ -106,4 +130,7 @@ def speaker_embedding(params: dict, cfg: SpeakerEncoderConfig, wav: np.ndarray) 
     if wav.shape[0] < min_samples(cfg):
         raise ValueError(f"audio of {wav.shape[0]} samples is too short: the encoder needs at least "
                          f"{min_samples(cfg)} ({min_samples(cfg) / cfg.sample_rate * 1000:.0f} ms)")
-    return np.asarray(_embed(params, cfg, jnp.asarray(wav)))
+    n = wav.shape[0]
+    padded = np.zeros(bucket_samples(n), np.float32)
+    padded[:n] = wav
+    return np.asarray(_embed(params, cfg, jnp.asarray(padded), np.int32(n)))

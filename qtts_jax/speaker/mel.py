@@ -4,6 +4,10 @@ The reference (``extract_speaker_embedding``) hard-codes these parameters rather
 reflect-pad (n_fft - hop) / 2 on both sides, STFT without centring and a periodic Hann window,
 magnitude sqrt(re² + im² + 1e-9), a Slaney-normalised Slaney-scale mel filterbank (librosa's default),
 then log(max(x, 1e-5)).
+
+The audio may sit at the start of a longer buffer (a length bucket, so one compilation serves many
+lengths): the true sample count is a traced value and the end padding reflects at it, so every frame of
+the true audio equals the one the reference computes from the audio alone.
 """
 
 from __future__ import annotations
@@ -24,14 +28,30 @@ LOG_FLOOR = 1e-5  # clamp before the log
 PAD = (N_FFT - HOP) // 2
 
 
-def num_frames(num_samples: int) -> int:
-    """Frames the STFT yields for ``num_samples`` samples (after the reflect padding)."""
+def num_frames(num_samples):
+    """Frames the STFT yields for ``num_samples`` samples (after the reflect padding); int or traced int."""
     return (num_samples + 2 * PAD - N_FFT) // HOP + 1
 
 
-def log_mel(wav: jnp.ndarray) -> jnp.ndarray:
-    """Mono audio [N] (float32, 24 kHz, N > PAD) -> log-mel [num_frames(N), 128], channels last."""
-    y = jnp.pad(wav, PAD, mode="reflect")
+def reflect_pad(x: jnp.ndarray, left: int, right: int, length) -> jnp.ndarray:
+    """Rows [0, length) of ``x`` [L, ...] reflect-padded as torch's ``mode="reflect"`` does (edge row not
+    repeated) by ``left`` rows before and ``right`` after, in a buffer of L + left + right rows.
+
+    ``length`` may be traced (a gather, not a slice): rows past length + left + right are clamped copies,
+    finite and meaningless. Needs length > max(left, right), as torch does.
+    """
+    i = jnp.abs(jnp.arange(x.shape[0] + left + right) - left)
+    last = length - 1
+    return jnp.take(x, last - jnp.abs(last - i), axis=0, mode="clip")
+
+
+def log_mel(wav: jnp.ndarray, length) -> jnp.ndarray:
+    """Mono audio ``wav[:length]`` (float32, 24 kHz, length > PAD) in a buffer ``wav`` [L]
+    -> log-mel [num_frames(L), 128], channels last.
+
+    The first ``num_frames(length)`` frames are the log-mel of ``wav[:length]``; the rest are meaningless.
+    """
+    y = reflect_pad(wav, PAD, PAD, length)
     t = num_frames(wav.shape[0])
     # n_fft is a whole number of hops, so frames are hop-sized blocks side by side: no gather needed.
     per_frame = N_FFT // HOP
