@@ -22,7 +22,7 @@ from qtts_jax.config import read_json
 from qtts_jax.reference_audio import SAMPLE_RATE, ReferenceAudio
 from qtts_jax.request import RequestError, VoicePrompt
 from qtts_jax.speaker.config import SpeakerEncoderConfig
-from qtts_jax.speaker.ecapa import min_samples, speaker_embedding
+from qtts_jax.speaker.ecapa import bucket_samples, min_samples, speaker_embedding
 from qtts_jax.speaker.weights import load_speaker_params, random_speaker_params
 
 
@@ -70,6 +70,25 @@ class VoiceEncoders:
             wav = np.concatenate([wav, np.zeros(round(trailing_silence_s * SAMPLE_RATE), np.float32)])
         codes = codec_encoder.encode(self.codec_encoder_params, self.codec_cfg, wav)
         return VoicePrompt(xvector=xvector, ref_codes=codes, ref_text=text)
+
+    def warmup(self, max_seconds: float, trailing_silence_s: float = 0.0) -> None:
+        """Compile both encoders for every length bucket a recording of up to ``max_seconds`` can fall in,
+        so that registering a voice never waits for a compilation (seconds on a GPU, per bucket)."""
+        rng = np.random.default_rng(0)
+        longest = int(max_seconds * SAMPLE_RATE)
+        n = min_samples(self.speaker_cfg)
+        while True:
+            speaker_embedding(self.speaker_params, self.speaker_cfg, 0.1 * rng.standard_normal(n).astype(np.float32))
+            if bucket_samples(n) >= longest:
+                break
+            n = bucket_samples(n) + 1
+        frame = self.codec_cfg.encoder.frame_size
+        frames, most = 1, -(-int((max_seconds + trailing_silence_s) * SAMPLE_RATE) // frame)
+        while True:
+            codec_encoder.encode(self.codec_encoder_params, self.codec_cfg, np.zeros(frames * frame, np.float32))
+            if frames >= most:
+                break
+            frames *= 2
 
     def fingerprint(self) -> str:
         """Identifies these weights: a voice made by other encoders would sound different."""

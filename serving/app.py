@@ -53,6 +53,7 @@ class Settings:
     voice_min_seconds: float = 1.0
     voice_max_seconds: float = 30.0
     voice_trailing_silence_ms: int = 500  # appended before encoding ICL codes, against phoneme bleed
+    warm_voice_encoders: bool = True  # after /ready: compile the encoders for every recording length bucket
 
     @classmethod
     def from_env(cls, **overrides) -> "Settings":
@@ -96,6 +97,7 @@ SOCKETS = web.AppKey("sockets", weakref.WeakSet)
 WARMUP_TASK = web.AppKey("warmup_task", asyncio.Task)
 WARMUP_ERROR = web.AppKey("warmup_error", list)
 VOICES = web.AppKey("voices", VoiceStore)  # set only for Base models
+VOICE_WARMUP = web.AppKey("voice_warmup", list)  # the background encoder compilation, once started
 
 
 def json_error(err: ApiError, request_id: str | None = None) -> web.Response:
@@ -165,6 +167,7 @@ def create_app(settings: Settings = Settings(), model=None, engine: Engine | Non
     app[METRICS] = Metrics(engine, app[SCHEDULER])
     app[SOCKETS] = weakref.WeakSet()
     app[WARMUP_ERROR] = []
+    app[VOICE_WARMUP] = []
     encoders = engine.model.voice_encoders
     if encoders is not None:
         store = VoiceStore(Path(settings.voices_dir), encoders.fingerprint(), settings.max_voices)
@@ -213,6 +216,10 @@ async def _warm_up(app: web.Application) -> None:
         return
     sched.ready = True
     log.info("ready after %.1f s (slots=%d)", time.perf_counter() - t0, engine.config.slots)
+    encoders = engine.model.voice_encoders
+    if encoders is not None and settings.warm_voice_encoders:  # in the background: serving starts now
+        app[VOICE_WARMUP].append(asyncio.get_running_loop().run_in_executor(
+            None, encoders.warmup, settings.voice_max_seconds, settings.voice_trailing_silence_ms / 1000))
 
 
 async def _close_sockets(app: web.Application) -> None:

@@ -15,7 +15,7 @@ import soundfile as sf
 from qtts_jax.engine import Engine, EngineConfig
 from qtts_jax.model import load_model
 from qtts_jax.request import Request
-from serving.app import VOICES, Settings, create_app
+from serving.app import VOICE_WARMUP, VOICES, Settings, create_app
 from serving.audio_encoders import to_s16
 from test_server import assert_same_audio, pcm, wait_ready
 
@@ -63,6 +63,7 @@ def form(name=None, audio=None, **fields) -> aiohttp.FormData:
 @pytest_asyncio.fixture
 async def make_client(aiohttp_client, engine, tmp_path):
     async def make(voices_dir=tmp_path / "voices", **overrides):
+        overrides.setdefault("warm_voice_encoders", False)  # compiled on demand; one test checks the warm-up
         settings = Settings(slots=3, context=256, ttfa_target_ms=5000, voices_dir=str(voices_dir), **overrides)
         client = await aiohttp_client(create_app(settings, engine=engine))
         await wait_ready(client)
@@ -221,3 +222,20 @@ async def test_custom_voice_server_refuses_registration(aiohttp_client, tmp_path
     r = await client.post("/v1/audio/voices", data=form("x", wav_bytes(recording(1.2))))
     body = await r.json()
     assert r.status == 400 and body["error"]["param"] == "model" and "Base" in body["error"]["message"]
+
+
+async def test_encoders_are_compiled_in_the_background_after_ready(make_client):
+    from qtts_jax.codec import encoder as codec_encoder
+    from qtts_jax.speaker import ecapa
+
+    ecapa._embed.clear_cache()
+    codec_encoder._forward.clear_cache()
+    client = await make_client(warm_voice_encoders=True, voice_max_seconds=2.5, voice_trailing_silence_ms=300)
+    (warming,) = client.app[VOICE_WARMUP]
+    await warming
+    compiled = (ecapa._embed._cache_size(), codec_encoder._forward._cache_size())
+    assert min(compiled) >= 1
+    for name, seconds in (("a", 1.1), ("b", 2.5)):
+        r = await client.post("/v1/audio/voices", data=form(name, wav_bytes(recording(seconds)), transcript="Hi."))
+        assert r.status == 201
+    assert (ecapa._embed._cache_size(), codec_encoder._forward._cache_size()) == compiled

@@ -87,3 +87,19 @@ def test_clone_refusals(base):
     assert voice.ref_codes.shape == (19, 16)
     (res,) = model.generate(Request("Short.", voice=voice, max_frames=3, greedy=True, subtalker_greedy=True))
     assert res.frames <= 3
+
+
+def test_warmup_compiles_every_bucket_so_registration_never_does():
+    from qtts_jax.codec import encoder as codec_encoder
+    from qtts_jax.speaker import ecapa
+
+    model = load_model("tiny-random-base")
+    enc = model.voice_encoders
+    ecapa._embed.clear_cache()
+    codec_encoder._forward.clear_cache()
+    enc.warmup(max_seconds=3.0, trailing_silence_s=0.5)
+    compiled = (ecapa._embed._cache_size(), codec_encoder._forward._cache_size())
+    assert compiled[0] >= 2 and compiled[1] >= 2  # 3 s spans several buckets of each encoder
+    for seconds in (1.0, 1.7, 2.2, 3.0):
+        model.clone_voice((recording(seconds, 5), 24000), REF_TEXT, trailing_silence_s=0.5)
+    assert (ecapa._embed._cache_size(), codec_encoder._forward._cache_size()) == compiled
