@@ -172,6 +172,9 @@ def bench_clone(model, args) -> dict:
             "codec_encoder_ms": round(statistics.median(enc_t[1:]) * 1e3, 2),
         })
         print(json.dumps(registration[-1]), flush=True)
+    t0 = time.perf_counter()
+    enc.warmup(30.0, 0.5)  # the server does this in the background after /ready: every remaining bucket
+    warmup_s = time.perf_counter() - t0
     slots = args.clone_slots
     config = EngineConfig(slots=slots, context=args.context, prompt_buckets=(64, 256), max_trailing=32,
                           frames_per_step=args.frames_per_step, frames_cap_base=args.context, sampler=args.sampler)
@@ -182,7 +185,8 @@ def bench_clone(model, args) -> dict:
     xvec = VoicePrompt(icl.xvector)
     prime = timed(lambda: engine._prime(icl.ref_codes), args.repeats)
     engine.prepare_voice(icl.ref_codes)
-    out = {"registration": registration, "clone_slots": slots, "icl_reference_frames": len(icl.ref_codes),
+    out = {"registration": registration, "encoder_warmup_30s_remaining_buckets_s": round(warmup_s, 1),
+           "clone_slots": slots, "icl_reference_frames": len(icl.ref_codes),
            "prime_codec_ms": round(statistics.median(prime) * 1e3, 2),
            "icl_prompt_rows": len(engine._prepare(long_request(0, 8, icl))["prompt"]),
            "xvector_prompt_rows": len(engine._prepare(long_request(0, 8, xvec))["prompt"])}
