@@ -172,6 +172,8 @@ def bench_clone(model, args) -> dict:
             "codec_encoder_ms": round(statistics.median(enc_t[1:]) * 1e3, 2),
         })
         print(json.dumps(registration[-1]), flush=True)
+    if args.registration_only:
+        return {"registration": registration}
     t0 = time.perf_counter()
     enc.warmup(30.0, 0.5)  # the server does this in the background after /ready: every remaining bucket
     warmup_s = time.perf_counter() - t0
@@ -231,6 +233,8 @@ def main() -> None:
     p.add_argument("--model", choices=MODELS, default="0.6b",
                    help="tiny-random only smoke-tests this script on a CPU; -base models add the cloning section")
     p.add_argument("--clone-slots", type=int, default=64, help="engine size for the ICL first-PCM comparison")
+    p.add_argument("--registration-only", action="store_true",
+                   help="cloning section: only the encoder times (e.g. on a CPU, where a real-size engine is too slow)")
     p.add_argument("--slots", default="1,8,32,64,128,256,512")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--frames-per-step", type=int, default=4)
