@@ -26,7 +26,9 @@ FORM_SCHEMA = {
     "required": ["name", "audio"],
     "properties": {
         "name": {"type": "string", "pattern": NAME.pattern, "description": "Voice name (lowercase) for `voice`"},
-        "audio": {"type": "string", "format": "binary", "description": "Recording: WAV/FLAC/MP3/OGG, 1-30 s"},
+        "audio": {"type": "string", "format": "binary",
+                  "description": "Recording (WAV/FLAC/MP3/OGG, 1-30 s) as a file part, or base64 / a data: URL "
+                                 "as a plain field"},
         "transcript": {"type": "string", "description": "What the recording says: enables ICL cloning"},
         "consent": {"type": "string", "description": "Consent note stored with the voice"},
         "xvector_only": {"type": "boolean", "description": "Clone from the speaker embedding only"},
@@ -102,7 +104,7 @@ async def register(request: web.Request) -> web.Response:
     return web.json_response(v.describe(), status=201, headers={"Location": f"/v1/audio/voices/{name}"})
 
 
-def _clone(app, audio: bytes, transcript, xvector_only, silence_ms, limits):
+def _clone(app, audio: bytes | str, transcript, xvector_only, silence_ms, limits):
     """Off the event loop: decode, encode, check the prompt fits, prime the codec state (ICL)."""
     model, engine = app[app_mod.MODEL], app[app_mod.ENGINE]
     ref = load_reference_audio(audio, limits)
@@ -147,7 +149,9 @@ async def _read_form(request: web.Request, max_audio_bytes: int) -> dict:
             if field in form:
                 raise bad(field, "is given twice", "duplicate_field")
             if field == "audio":
-                form["audio"] = await _read_part(part, max_audio_bytes, field)
+                data = await _read_part(part, max_audio_bytes, field)
+                # a file part is the recording's bytes; a plain field is base64 or a data: URL of it
+                form["audio"] = data if part.filename is not None else data.decode("ascii", "replace").strip()
             elif field in TEXT_FIELDS:
                 raw = await _read_part(part, TEXT_FIELDS[field] * 4, field)
                 try:

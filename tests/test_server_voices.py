@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import json
 
@@ -110,6 +111,13 @@ async def test_register_use_list_show_delete_and_reload(make_client, model, tmp_
     listed = (await (await client.get("/v1/audio/voices")).json())["voices"]
     assert [v["id"] for v in listed] == ["alice", "bob"] and all("fingerprint" not in v for v in listed)
     assert (await (await client.get("/v1/audio/voices/BOB")).json())["mode"] == "xvector"
+    # base64 (here a data: URL) in a plain field instead of a file part: the same voice
+    b64 = aiohttp.FormData({"name": "alice2", "transcript": "Hello, it is me.",
+                            "audio": "data:audio/wav;base64," + base64.b64encode(wav_bytes(audio)).decode()},
+                           default_to_multipart=True)
+    assert (await client.post("/v1/audio/voices", data=b64)).status == 201
+    np.testing.assert_array_equal(client.app[VOICES].get("alice2").prompt.ref_codes, stored.ref_codes)
+    assert (await client.delete("/v1/audio/voices/alice2")).status == 200
 
     # a fresh server on the same directory has both voices, and they give the same audio
     files = sorted(p.name for p in (tmp_path / "voices").iterdir())
