@@ -1,8 +1,9 @@
 """Capacity study on the GPU without the notebook toolchain: a batched and a serialised local server of the
 same model, each swept in closed loop with the studies library, side by side in one JSON.
 
-Same method as `qtts-jax study capacity` (SLOs, zero-buffer starvation, safe capacity, fleet); the records
-can be fed to the capacity notebook later. Random weights force frame counts via ``max_frames``.
+Same method and library as `qtts-jax study capacity` (SLOs, zero-buffer starvation, safe capacity, fleet),
+with JSON instead of the HTML report: the GPU machine has no papermill/nbconvert. Random weights force
+frame counts via ``max_frames``.
 
     python bench/capacity.py --model 0.6b --slots 64 --loads 1,2,4,8,16,32,64 --serialised-loads 1,2,4 \
         --out runs/capacity-0.6b
