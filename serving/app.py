@@ -200,8 +200,8 @@ async def _warm_up(app: web.Application) -> None:
         await app[BRIDGE].start(warmup=settings.warmup)
         cfg = engine.model.cfg
         speaker = sorted(cfg.speakers)[0] if cfg.model_type == "custom_voice" else None
-        voices = app.get(VOICES)
-        voice = voices.first().prompt if voices else None  # a Base model calibrates once it has a voice
+        stored = app[VOICES].voices() if VOICES in app else []
+        voice = stored[0].prompt if stored else None  # a Base model calibrates once it has a voice
         if cfg.model_type != "base" or voice is not None:
             req = Request("Warm up.", speaker=speaker, voice=voice, max_frames=4, greedy=True, subtalker_greedy=True)
             stream = app[BRIDGE].submit(req)
@@ -216,10 +216,19 @@ async def _warm_up(app: web.Application) -> None:
         return
     sched.ready = True
     log.info("ready after %.1f s (slots=%d)", time.perf_counter() - t0, engine.config.slots)
-    encoders = engine.model.voice_encoders
-    if encoders is not None and settings.warm_voice_encoders:  # in the background: serving starts now
-        app[VOICE_WARMUP].append(asyncio.get_running_loop().run_in_executor(
-            None, encoders.warmup, settings.voice_max_seconds, settings.voice_trailing_silence_ms / 1000))
+    if VOICES in app and settings.warm_voice_encoders:  # in the background: serving starts now
+        app[VOICE_WARMUP].append(asyncio.get_running_loop().run_in_executor(None, _warm_voices, app))
+
+
+def _warm_voices(app: web.Application) -> None:
+    """Compile the encoders for every recording length bucket (so registering never waits for XLA), then
+    prepare the codec state of stored ICL voices (so their first request does not stall the engine)."""
+    engine, settings = app[ENGINE], app[SETTINGS]
+    engine.model.voice_encoders.warmup(settings.voice_max_seconds, settings.voice_trailing_silence_ms / 1000)
+    icl = [v.prompt.ref_codes for v in app[VOICES].voices() if v.prompt.ref_codes is not None]
+    for codes in icl[: engine.config.cached_voices]:
+        engine.prepare_voice(codes)
+    log.info("voice encoders compiled; %d stored ICL voices prepared", min(len(icl), engine.config.cached_voices))
 
 
 async def _close_sockets(app: web.Application) -> None:

@@ -68,8 +68,8 @@ class VoiceStore:
     def get(self, name: str) -> Voice | None:
         return self._voices.get(name)
 
-    def first(self) -> Voice | None:
-        return min(self._voices.values(), key=lambda v: v.name, default=None)
+    def voices(self) -> list[Voice]:
+        return [self._voices[n] for n in sorted(self._voices)]
 
     def names(self) -> list[str]:
         return sorted(self._voices)
@@ -81,7 +81,7 @@ class VoiceStore:
         return len(self._voices)
 
     def describe(self) -> list[dict]:
-        return [v.describe() for v in sorted(self._voices.values(), key=lambda v: v.name)]
+        return [v.describe() for v in self.voices()]
 
     def save(self, voice: Voice) -> None:
         """Write atomically, then make it visible (replacing a voice of the same name)."""

@@ -16,7 +16,7 @@ import soundfile as sf
 from qtts_jax.engine import Engine, EngineConfig
 from qtts_jax.model import load_model
 from qtts_jax.request import Request
-from serving.app import VOICE_WARMUP, VOICES, Settings, create_app
+from serving.app import ENGINE, VOICE_WARMUP, VOICES, Settings, create_app
 from serving.audio_encoders import to_s16
 from test_server import assert_same_audio, pcm, wait_ready
 
@@ -247,3 +247,10 @@ async def test_encoders_are_compiled_in_the_background_after_ready(make_client):
         r = await client.post("/v1/audio/voices", data=form(name, wav_bytes(recording(seconds)), transcript="Hi."))
         assert r.status == 201
     assert (ecapa._embed._cache_size(), codec_encoder._forward._cache_size()) == compiled
+    # a restart prepares the stored ICL voices' codec state in the same background pass
+    await client.close()
+    engine = client.app[ENGINE]
+    engine._primed.clear()
+    again = await make_client(warm_voice_encoders=True, voice_max_seconds=2.5, voice_trailing_silence_ms=300)
+    await again.app[VOICE_WARMUP][0]
+    assert len(engine._primed) == 2
