@@ -22,7 +22,7 @@ import numpy as np
 
 from qtts_jax.checkpoint import AS_IS, CONV, LINEAR, Entry, load_table, read_safetensors, unflatten
 from qtts_jax.codec.config import CodecConfig
-from qtts_jax.codec.weights import CODEBOOK_EPS, _listify, _Table
+from qtts_jax.codec.weights import CODEBOOK_EPS, _listify, _Table, attention_rows, layer_scale_rows
 
 _RVQ = {"semantic": "encoder.quantizer.semantic_residual_vector_quantizer",
         "acoustic": "encoder.quantizer.acoustic_residual_vector_quantizer"}
@@ -50,18 +50,14 @@ def codec_encoder_table(cfg: CodecConfig) -> tuple[list[Entry], dict[str, tuple[
     h, L = e.hidden_size, e.num_hidden_layers
     q_dim, kv_dim = e.num_attention_heads * e.head_dim, e.num_key_value_heads * e.head_dim
     for hf, ours, shape, layout in [
-        ("self_attn.q_proj.weight", "q", (h, q_dim), LINEAR),
-        ("self_attn.k_proj.weight", "k", (h, kv_dim), LINEAR),
-        ("self_attn.v_proj.weight", "v", (h, kv_dim), LINEAR),
-        ("self_attn.o_proj.weight", "o", (q_dim, h), LINEAR),
+        *attention_rows(h, q_dim, kv_dim),
         ("mlp.fc1.weight", "fc1", (h, e.intermediate_size), LINEAR),
         ("mlp.fc2.weight", "fc2", (e.intermediate_size, h), LINEAR),
         ("input_layernorm.weight", "attn_norm/scale", (h,), AS_IS),
         ("input_layernorm.bias", "attn_norm/bias", (h,), AS_IS),
         ("post_attention_layernorm.weight", "mlp_norm/scale", (h,), AS_IS),
         ("post_attention_layernorm.bias", "mlp_norm/bias", (h,), AS_IS),
-        ("self_attn_layer_scale.scale", "attn_scale", (h,), AS_IS),
-        ("mlp_layer_scale.scale", "mlp_scale", (h,), AS_IS),
+        *layer_scale_rows(h),
     ]:
         t.add(f"encoder.encoder_transformer.layers.{{i}}.{hf}", f"transformer/layers/{ours}", (L, *shape), layout)
     t.add("encoder.downsample.conv.weight", "downsample/w", (e.downsample_kernel, h, h), CONV)

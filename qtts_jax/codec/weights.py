@@ -50,6 +50,21 @@ class _Table:
         self.add(f"{hf}.beta", f"{ours}/beta", (dim,))
 
 
+def attention_rows(h: int, q_dim: int, kv_dim: int) -> list[tuple]:
+    """(hf, ours, shape, layout) rows of a bias-free attention block's projections, per layer."""
+    return [
+        ("self_attn.q_proj.weight", "q", (h, q_dim), LINEAR),
+        ("self_attn.k_proj.weight", "k", (h, kv_dim), LINEAR),
+        ("self_attn.v_proj.weight", "v", (h, kv_dim), LINEAR),
+        ("self_attn.o_proj.weight", "o", (q_dim, h), LINEAR),
+    ]
+
+
+def layer_scale_rows(h: int) -> list[tuple]:
+    """The two LayerScale vectors of a transformer layer (Mimi-style, decoder and encoder alike)."""
+    return [("self_attn_layer_scale.scale", "attn_scale", (h,), AS_IS), ("mlp_layer_scale.scale", "mlp_scale", (h,), AS_IS)]
+
+
 def codec_decoder_table(cfg: CodecConfig) -> tuple[list[Entry], dict[str, tuple[int, ...]]]:
     """The decoder's name table and our shape for every leaf (before the codebook tables are combined)."""
     d = cfg.decoder
@@ -72,17 +87,13 @@ def codec_decoder_table(cfg: CodecConfig) -> tuple[list[Entry], dict[str, tuple[
     q_dim, kv_dim = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
     layer = f"{tr}.layers.{{i}}"
     for hf, ours, shape, layout in [
-        ("self_attn.q_proj.weight", "q", (h, q_dim), LINEAR),
-        ("self_attn.k_proj.weight", "k", (h, kv_dim), LINEAR),
-        ("self_attn.v_proj.weight", "v", (h, kv_dim), LINEAR),
-        ("self_attn.o_proj.weight", "o", (q_dim, h), LINEAR),
+        *attention_rows(h, q_dim, kv_dim),
         ("mlp.gate_proj.weight", "gate", (h, d.intermediate_size), LINEAR),
         ("mlp.up_proj.weight", "up", (h, d.intermediate_size), LINEAR),
         ("mlp.down_proj.weight", "down", (d.intermediate_size, h), LINEAR),
         ("input_layernorm.weight", "attn_norm", (h,), AS_IS),
         ("post_attention_layernorm.weight", "mlp_norm", (h,), AS_IS),
-        ("self_attn_layer_scale.scale", "attn_scale", (h,), AS_IS),
-        ("mlp_layer_scale.scale", "mlp_scale", (h,), AS_IS),
+        *layer_scale_rows(h),
     ]:
         t.add(f"{layer}.{hf}", f"transformer/layers/{ours}", (L, *shape), layout)
 
