@@ -106,7 +106,7 @@ class Engine:
             lambda st, one, slot: _set_slot(st, slot, jax.tree.map(lambda v: v[0], one)), donate_argnums=(0,))
         self._primed: collections.OrderedDict[bytes, codec_streaming.StreamState] = collections.OrderedDict()
         self._primed_lock = threading.Lock()
-        self.state = _init_state(model, c)
+        self.state = init_state(model, c)
         self.codec_state = codec_streaming.init_state(model.codec_cfg, c.slots)
         self.slots: list[Stream | None] = [None] * c.slots
         self.queue: collections.deque[Stream] = collections.deque()
@@ -391,7 +391,7 @@ def _blank_prompt(cfg, length: int):
     )
 
 
-def _init_state(model: Model, c: EngineConfig) -> EngineState:
+def init_state(model: Model, c: EngineConfig) -> EngineState:
     """Every slot empty and done; shapes fixed for the engine's life."""
     cfg, b = model.cfg, c.slots
     dtype = model.params["codec_embedding"].dtype
