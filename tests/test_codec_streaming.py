@@ -14,7 +14,7 @@ import pytest
 
 from qtts_jax.codec.config import CodecConfig, tiny_config_dict
 from qtts_jax.codec.decoder import decode
-from qtts_jax.codec.streaming import decode_step, init_state, reset_slots
+from qtts_jax.codec.streaming import decode_step, init_state
 from qtts_jax.codec.weights import load_codec_params, random_codec_params
 
 TOL = 1e-5
@@ -57,10 +57,10 @@ def stream(params, cfg, codes: np.ndarray, n: int) -> np.ndarray:
     extra audio dropped (the decoder is causal, so padding cannot reach earlier samples)."""
     frames = codes.shape[1]
     padded = np.pad(codes, ((0, 0), (0, -frames % n), (0, 0)))
-    state, active = init_state(cfg, codes.shape[0]), jnp.ones(codes.shape[0], bool)
+    state, count = init_state(cfg, codes.shape[0]), jnp.full(codes.shape[0], n, jnp.int32)
     pieces = []
     for start in range(0, padded.shape[1], n):
-        audio, state = decode_step(params, cfg, state, padded[:, start : start + n], active)
+        audio, state = decode_step(params, cfg, state, padded[:, start : start + n], count)
         pieces.append(np.asarray(audio))
     np.testing.assert_array_equal(state.position, padded.shape[1])
     return np.concatenate(pieces, axis=1)[:, : frames * SPF]
@@ -89,7 +89,8 @@ def test_slots_at_different_offsets(params, cfg, codes, full):
     for step in range(60):
         if step in (5, 15):
             joining = 1 if step == 5 else 2
-            before, state = state, reset_slots(state, jnp.arange(SLOTS) == joining)
+            fresh = init_state(cfg, 1)
+            before, state = state, jax.tree.map(lambda a, z: a.at[joining].set(z[0]), state, fresh)
             assert all(not leaf.any() for leaf in slot(state, joining))
             for other in set(range(SLOTS)) - {joining}:
                 for a, b in zip(slot(before, other), slot(state, other)):
@@ -102,7 +103,7 @@ def test_slots_at_different_offsets(params, cfg, codes, full):
             chunk[s] = codes[stream_of[s], cursor[s] : cursor[s] + n]
             cursor[s] += n
         before = state
-        audio, state = decode_step(params, cfg, state, chunk, jnp.asarray(active))
+        audio, state = decode_step(params, cfg, state, chunk, jnp.asarray(active * n, jnp.int32))
         assert jax.tree.map(lambda a: (a.shape, a.dtype), state) == layout  # else the next call recompiles
         for s in range(SLOTS):
             if active[s]:
@@ -115,6 +116,27 @@ def test_slots_at_different_offsets(params, cfg, codes, full):
     assert not any(leaf.any() for leaf in slot(state, 3))
     for s, frames in [(0, 100), (1, 100), (2, 30), (3, 90)]:
         assert rel_err(np.concatenate(heard[s]), full[s, : frames * SPF]) <= TOL, f"stream {s}"
+
+
+def test_slots_decode_different_chunk_sizes_in_one_call(params, cfg, codes, full):
+    """One call per step of at most 4 frames, each slot taking its own 0-4 (the engine's one codec call per
+    iteration): the frames past a slot's count are junk and must not reach its audio or its state."""
+    rng = np.random.default_rng(2)
+    n, cursor = 4, np.zeros(SLOTS, int)
+    heard = {s: [] for s in range(SLOTS)}
+    state = init_state(cfg, SLOTS)
+    while (cursor < FRAMES).any():
+        count = np.minimum(rng.integers(0, n + 1, SLOTS), FRAMES - cursor)
+        chunk = rng.integers(0, 2048, size=(SLOTS, n, 16), dtype=np.int32)
+        for s in range(SLOTS):
+            chunk[s, : count[s]] = codes[s, cursor[s] : cursor[s] + count[s]]
+        audio, state = decode_step(params, cfg, state, chunk, jnp.asarray(count, jnp.int32))
+        for s in range(SLOTS):
+            heard[s].append(np.asarray(audio[s, : count[s] * SPF]))
+        cursor += count
+    np.testing.assert_array_equal(state.position, FRAMES)
+    for s in range(SLOTS):
+        assert rel_err(np.concatenate(heard[s]), full[s]) <= TOL, f"slot {s}"
 
 
 def test_streaming_matches_reference_full_decode(tmp_path_factory, codes):

@@ -89,33 +89,33 @@ def init_state(cfg: CodecConfig, num_slots: int, dtype=jnp.float32) -> StreamSta
     )
 
 
-@jax.jit
-def reset_slots(state: StreamState, mask: jax.Array) -> StreamState:
-    """Start a new stream in the slots where ``mask`` [B] is true: zero history, position 0."""
-    return jax.tree.map(lambda leaf: jnp.where(_rows(mask, leaf), jnp.zeros_like(leaf), leaf), state)
-
-
 @functools.partial(jax.jit, static_argnums=1)
 def decode_step(
-    params: dict, cfg: CodecConfig, state: StreamState, codes: jax.Array, active: jax.Array
+    params: dict, cfg: CodecConfig, state: StreamState, codes: jax.Array, count: jax.Array
 ) -> tuple[jax.Array, StreamState]:
-    """Decode the next n frames of every slot: codes [B, n, Q] int -> (audio [B, n * 1920] in [-1, 1], state).
+    """Decode the next ``count[b]`` frames of every slot: codes [B, n, Q] int -> (audio [B, n * 1920] in
+    [-1, 1], state).
 
-    Slots where ``active`` [B] is false keep their state unchanged (their audio is meaningless). One
-    compilation per chunk size n. The engine may wrap this with ``donate_argnums=2``.
+    Slot b decodes its first ``count[b]`` <= n frames; the rest of its row is ignored, so slots with chunks of
+    different sizes share one call (compiled once per n). Its audio is valid for ``count[b] * 1920`` samples;
+    with ``count[b] == 0`` its state is unchanged. Every layer is causal, so the ignored frames cannot
+    change the valid samples; the state keeps the history as of frame ``count[b]``.
     """
     d = cfg.decoder
+    n = codes.shape[1]
     tails = {}
 
     def with_history(name: str, x: jax.Array) -> tuple[jax.Array, int]:
-        """x prefixed by the layer's stored inputs; records the last ones (the next tail) as a side effect."""
+        """x prefixed by the layer's stored inputs; records the inputs up to each slot's last valid frame
+        (the next tail) as a side effect."""
+        kept = state.tails[name].shape[1]
         extended = jnp.concatenate([state.tails[name], x], axis=1)
-        tails[name] = extended[:, x.shape[1] :]
-        return extended, state.tails[name].shape[1]
+        tails[name] = _window(extended, count * (x.shape[1] // n), kept)
+        return extended, kept
 
     x, history = with_history("pre_conv", _dequantize(params["quantizer"], codes))
     x = _causal_conv(x, params["pre_conv"], history=history)
-    x, keys, values = _transformer_step(params["transformer"], d, x, state)
+    x, keys, values = _transformer_step(params["transformer"], d, x, state, count)
     for s, (stage, factor) in enumerate(zip(params["upsample"], d.upsampling_ratios)):
         x = _causal_conv_transpose(x, stage["conv"], factor)  # kernel == stride (weights.py): no history
         x, history = with_history(f"upsample/{s}/convnext", x)
@@ -134,14 +134,19 @@ def decode_step(
     x = _causal_conv(_snake(x, voc["snake_out"]), voc["conv_out"], history=history)
     audio = jnp.clip(x[..., 0], -1.0, 1.0).astype(jnp.float32)
 
-    new = StreamState(state.position + codes.shape[1], keys, values, tails)
-    new = jax.tree.map(lambda n, old: jnp.where(_rows(active, old), n.astype(old.dtype), old), new, state)
+    new = StreamState(state.position + count, keys, values, tails)
+    new = jax.tree.map(lambda n, old: n.astype(old.dtype), new, state)
     return audio, new
 
 
-def _transformer_step(p: dict, d: CodecDecoderConfig, x: jax.Array, state: StreamState):
+def _window(x: jax.Array, start: jax.Array, length: int) -> jax.Array:
+    """Per slot b, x[b, start[b] : start[b] + length] (x [B, T, ...], start [B])."""
+    return jax.vmap(lambda row, s: lax.dynamic_slice_in_dim(row, s, length, axis=0))(x, start)
+
+
+def _transformer_step(p: dict, d: CodecDecoderConfig, x: jax.Array, state: StreamState, count: jax.Array):
     """The pre-transformer on one chunk, attending over each slot's cached window; returns the output and
-    the updated caches. Key j of the concatenated [cache, chunk] sits at position ``position - (W-1) + j``;
+    the caches as of each slot's frame ``count``. Key j of the concatenated [cache, chunk] sits at position ``position - (W-1) + j``;
     the mask is the full decode's sliding window (0 <= query - key < W) plus "key position >= 0", which
     hides the cache's empty entries at the start of a stream."""
     n, past = x.shape[1], d.sliding_window - 1
@@ -156,14 +161,9 @@ def _transformer_step(p: dict, d: CodecDecoderConfig, x: jax.Array, state: Strea
         layer, past_k, past_v = xs
         past_kv = (past_k.astype(h.dtype), past_v.astype(h.dtype))
         h, (k, v) = _transformer_layer(h, layer, d, cos, sin, mask, past_kv)
-        return h, (k[:, n:], v[:, n:])
+        return h, (_window(k, count, past), _window(v, count, past))  # the window ending at frame count
 
     caches = (jnp.moveaxis(state.keys, 1, 0), jnp.moveaxis(state.values, 1, 0))  # scan over layers
     x, (keys, values) = lax.scan(layer_step, _linear(x, p["input_proj"]), (p["layers"], *caches))
     x = _linear(rms_norm(x, p["norm"], d.rms_norm_eps), p["output_proj"])
     return x, jnp.moveaxis(keys, 0, 1), jnp.moveaxis(values, 0, 1)
-
-
-def _rows(mask: jax.Array, leaf: jax.Array) -> jax.Array:
-    """A [B] mask shaped to broadcast over ``leaf``'s trailing axes."""
-    return mask.reshape(mask.shape + (1,) * (leaf.ndim - 1))
