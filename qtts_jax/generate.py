@@ -25,9 +25,8 @@ from qtts_jax.transformer import KVCache
 
 
 class RowState(NamedTuple):
-    """Everything one row carries from frame to frame."""
+    """What each row carries from frame to frame, besides its keys/values in the shared cache."""
 
-    cache: KVCache
     key_valid: jax.Array  # [S] cache rows that hold real tokens
     logits: jax.Array  # [V] float32, for the next code0
     hidden: jax.Array  # [H] final-normed talker state that produced `logits`
@@ -61,11 +60,9 @@ def row_settings(req: Request, prompt_len: int, trailing: jax.Array) -> RowSetti
     )
 
 
-def frame_step(
-    params: dict, cfg: ModelConfig, state: RowState, s: RowSettings, k: jax.Array, row: jax.Array,
-    choose=sampling.choose,
-):
-    """Advance one row by frame k (written at cache row `row`). Returns (state, frame codes [16]).
+def frame_codes(params: dict, cfg: ModelConfig, state: RowState, s: RowSettings, k: jax.Array,
+                choose=sampling.choose):
+    """Frame k of ONE row: its 16 codes, the talker input they make, and whether the row is now done.
 
     `choose` picks a token from processed logits (the jnp reference or the Pallas kernel's row form).
     """
@@ -79,10 +76,24 @@ def frame_step(
     rest, _ = code_predictor.predict(params, cfg, state.hidden, token, key_predictor, s.predictor, choose)
     frame = jnp.concatenate([token[None], rest])
     x = talker.embed_codes(params, frame) + s.trailing[jnp.minimum(k, s.trailing.shape[0] - 1)]
-    key_valid = state.key_valid.at[row].set(True)
-    logits, hidden, cache = talker.decode_step(params, cfg, x, state.cache, row, s.position0 + k, key_valid)
-    new = RowState(cache, key_valid, logits, hidden, state.seen.at[token].set(True), done)
-    return new, frame
+    return frame, x, done
+
+
+def frame_step(
+    params: dict, cfg: ModelConfig, state: RowState, cache: KVCache, slots: jax.Array, s: RowSettings,
+    k: jax.Array, row: jax.Array, choose=sampling.choose,
+):
+    """Advance B rows by one frame each: row b is slot `slots[b]` of `cache`, at frame k[b], written at cache
+    row `row[b]`. Returns (state, cache, frame codes [B, 16]).
+
+    The codes of a frame are chosen per row (`frame_codes`, `vmap`-ed); the talker step that follows is one
+    batched call against the shared cache. Nothing mixes rows, so a row's codes do not depend on the batch.
+    """
+    frame, x, done = jax.vmap(partial(frame_codes, params, cfg, choose=choose))(state, s, k)
+    key_valid = state.key_valid.at[jnp.arange(row.shape[0]), row].set(True)
+    logits, hidden, cache = talker.decode_rows(params, cfg, x, cache, slots, row, s.position0 + k, key_valid)
+    seen = state.seen.at[jnp.arange(row.shape[0]), frame[:, 0]].set(True)
+    return RowState(key_valid, logits, hidden, seen, done), cache, frame
 
 
 def _bucket(n: int, smallest: int = 16) -> int:
@@ -97,21 +108,22 @@ class Generator:
         self.params = params
         self.cfg = cfg
         self._prefill = jax.jit(partial(self._prefill_batch, cfg=cfg), static_argnames="capacity")
-        self._step = jax.jit(partial(self._step_batch, cfg=cfg), donate_argnums=(1,))
+        self._step = jax.jit(partial(self._step_batch, cfg=cfg), donate_argnums=(1, 2))
 
     @staticmethod
     def _prefill_batch(params, text, codec, frames, speaker_row, speaker, valid, trailing_ids, *, cfg, capacity):
         x = jax.vmap(partial(embed_prompt, params))(text, codec, frames, speaker_row, speaker)
         logits, hidden, cache = jax.vmap(lambda x, v: talker.prefill(params, cfg, x, v, capacity))(x, valid)
+        cache = KVCache(jnp.moveaxis(cache.k, 0, 1), jnp.moveaxis(cache.v, 0, 1))  # slot-major: [L, B, ...]
         key_valid = jnp.zeros((x.shape[0], capacity), bool).at[:, : x.shape[1]].set(valid)
         seen = jnp.zeros(logits.shape, bool)
-        state = RowState(cache, key_valid, logits, hidden, seen, jnp.zeros(x.shape[0], bool))
-        return state, talker.embed_text(params, trailing_ids)
+        state = RowState(key_valid, logits, hidden, seen, jnp.zeros(x.shape[0], bool))
+        return state, cache, talker.embed_text(params, trailing_ids)
 
     @staticmethod
-    def _step_batch(params, state, settings, k, row, *, cfg):
-        step = partial(frame_step, params, cfg)
-        return jax.vmap(step, in_axes=(0, 0, None, None))(state, settings, k, row)
+    def _step_batch(params, state, cache, settings, k, row, *, cfg):
+        b = state.done.shape[0]
+        return frame_step(params, cfg, state, cache, jnp.arange(b), settings, jnp.full(b, k), jnp.full(b, row))
 
     def run(self, prompts: list[Prompt], requests: list[Request]) -> list[np.ndarray]:
         """Codes [frames, 16] per request (EOS and everything after it cut)."""
@@ -124,14 +136,14 @@ class Generator:
         trailing_ids = np.full((len(prompts), trailing_len), cfg.text.tts_pad, np.int32)
         for i, p in enumerate(prompts):
             trailing_ids[i, : len(p.trailing)] = p.trailing
-        state, trailing = self._prefill(self.params, *batch, trailing_ids, capacity=capacity)
+        state, cache, trailing = self._prefill(self.params, *batch, trailing_ids, capacity=capacity)
         settings = jax.tree.map(
             lambda *xs: jnp.stack(xs),
             *[row_settings(r, len(p), t) for r, p, t in zip(requests, prompts, trailing)],
         )
         frames = []
         for k in range(horizon):
-            state, frame = self._step(self.params, state, settings, jnp.int32(k), jnp.int32(length + k))
+            state, cache, frame = self._step(self.params, state, cache, settings, jnp.int32(k), jnp.int32(length + k))
             frames.append(frame)
             if bool(state.done.all()):
                 break

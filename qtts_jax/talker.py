@@ -44,17 +44,17 @@ def prefill(
     return (h[-1] @ params["codec_head"]).astype(jnp.float32), h[-1], cache
 
 
-def decode_step(
+def decode_rows(
     params: dict,
     cfg: ModelConfig,
     x: jax.Array,
     cache: KVCache,
-    row: jax.Array,
-    position: jax.Array,
+    slots: jax.Array,
+    rows: jax.Array,
+    positions: jax.Array,
     key_valid: jax.Array,
 ) -> tuple[jax.Array, jax.Array, KVCache]:
-    """One input vector x [H] written at cache row `row` with RoPE `position`; key_valid must include row."""
-    h, cache = transformer.forward(
-        params["talker"], cfg.talker, x[None], position[None], cache, row, key_valid
-    )
-    return (h[0] @ params["codec_head"]).astype(jnp.float32), h[0], cache
+    """One input vector per sequence, x [B, H], for B sequences in a shared slot-major cache: sequence b is
+    slot `slots[b]`, written at cache row `rows[b]` with RoPE `positions[b]` (see `transformer.forward_rows`)."""
+    h, cache = transformer.forward_rows(params["talker"], cfg.talker, x, positions, cache, slots, rows, key_valid)
+    return (h @ params["codec_head"]).astype(jnp.float32), h, cache

@@ -111,3 +111,56 @@ def forward(
 
     (h, cache), _ = jax.lax.scan(layer, (x, cache), (params["layers"], jnp.arange(cfg.num_layers)))
     return rms_norm(h, params["norm"], eps), cache
+
+
+def forward_rows(
+    params: dict,
+    cfg: DecoderConfig,
+    x: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    slots: jax.Array,
+    rows: jax.Array,
+    key_valid: jax.Array,
+) -> tuple[jax.Array, KVCache]:
+    """One new token for each of B sequences that live in a shared, slot-major cache.
+
+    x [B, hidden]; positions [B] RoPE positions; cache k/v [layers, slots, capacity, kv_heads, head_dim];
+    sequence b is slot `slots[b]` and writes its key/value at row `rows[b]`; key_valid [B, capacity].
+    A slot index past the cache's end marks a padding row: its writes are dropped.
+
+    Each row's arithmetic is `forward`'s for T = 1 (the same projections, norms and softmax, per row), so
+    rows stay independent. Written batched rather than `vmap`-ed so that the cache is touched only where it
+    is read (the rows' keys/values) and written (one row per sequence and layer): the whole cache stays in
+    its one layout in the loop carry, with no per-call copy or transpose of it.
+    """
+    b = x.shape[0]
+    capacity = cache.k.shape[2]
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, x.dtype)  # [B, D]: row b's own position
+    mask = key_valid & (jnp.arange(capacity)[None, :] <= rows[:, None])  # [B, S]
+    scale = cfg.head_dim**-0.5
+    eps = cfg.rms_norm_eps
+
+    def layer(carry, xs):
+        h, cache = carry
+        p, i = xs
+        a = rms_norm(h, p["ln1"], eps)
+        q = (a @ p["wq"]).reshape(b, cfg.num_heads, cfg.head_dim)
+        k = (a @ p["wk"]).reshape(b, cfg.num_kv_heads, cfg.head_dim)
+        v = (a @ p["wv"]).reshape(b, cfg.num_kv_heads, cfg.head_dim)
+        q = apply_rope(rms_norm(q, p["q_norm"], eps), cos, sin)
+        k = apply_rope(rms_norm(k, p["k_norm"], eps), cos, sin)
+        cache = KVCache(
+            cache.k.at[i, slots, rows].set(k.astype(cache.k.dtype), mode="drop"),
+            cache.v.at[i, slots, rows].set(v.astype(cache.v.dtype), mode="drop"),
+        )
+        keys = jnp.take(cache.k[i], slots, axis=0, mode="clip")  # [B, S, KVH, D]: only these rows are read
+        values = jnp.take(cache.v[i], slots, axis=0, mode="clip")
+        attn = jax.vmap(_attention, in_axes=(0, 0, 0, 0, None))(q[:, None], keys, values, mask[:, None], scale)
+        h = h + attn[:, 0] @ p["wo"]
+        m = rms_norm(h, p["ln2"], eps)
+        h = h + (jax.nn.silu(m @ p["gate"]) * (m @ p["up"])) @ p["down"]
+        return (h, cache), None
+
+    (h, cache), _ = jax.lax.scan(layer, (x, cache), (params["layers"], jnp.arange(cfg.num_layers)))
+    return rms_norm(h, params["norm"], eps), cache

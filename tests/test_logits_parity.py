@@ -63,7 +63,8 @@ def test_talker_and_predictor_logits_every_step(reference_checkpoint, shape):
     np.testing.assert_allclose(np.asarray(hidden), past_hidden[0, 0].numpy(), rtol=0, atol=1e-5)
 
     predict = jax.jit(code_predictor.predict, static_argnums=1)
-    step = jax.jit(talker.decode_step, static_argnums=1)
+    step = jax.jit(talker.decode_rows, static_argnums=1)
+    cache = type(cache)(cache.k[:, None], cache.v[:, None])  # the engine's slot-major layout, one slot
     key_valid = jnp.zeros(n + STEPS, bool).at[:n].set(True)
     for k in range(STEPS):
         token = jnp.argmax(logits[:2048]).astype(jnp.int32)  # any code; the processors are tested elsewhere
@@ -81,7 +82,9 @@ def test_talker_and_predictor_logits_every_step(reference_checkpoint, shape):
         frame = jnp.concatenate([token[None], codes])
         x_k = talker.embed_codes(params, frame) + trailing[min(k, trailing.shape[0] - 1)]
         key_valid = key_valid.at[n + k].set(True)
-        logits, hidden, cache = step(params, cfg, x_k, cache, jnp.int32(n + k), jnp.int32(n + k), key_valid)
+        at = jnp.full(1, n + k, jnp.int32)
+        logits, hidden, cache = step(params, cfg, x_k[None], cache, jnp.zeros(1, jnp.int32), at, at, key_valid[None])
+        logits, hidden = logits[0], hidden[0]
         with torch.no_grad():
             out = ref.talker(
                 input_ids=torch.tensor([[int(token)]]), attention_mask=torch.ones(1, n + k + 1, dtype=torch.long),
