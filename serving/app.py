@@ -17,6 +17,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from qtts_jax import compile_cache, sizing
 from qtts_jax.bridge import AsyncEngine
 from qtts_jax.engine import Engine, EngineConfig
 from qtts_jax.request import Request
@@ -33,7 +34,7 @@ class Settings:
     model: str = "tiny-random"
     host: str = "127.0.0.1"
     port: int = 8000
-    slots: int = 8
+    slots: int | str = 8  # or "auto": as many as the accelerator's free memory holds (qtts_jax/sizing.py)
     context: int = 1024
     frames_per_step: int = 4
     dtype: str = "float32"
@@ -54,6 +55,7 @@ class Settings:
     voice_max_seconds: float = 30.0
     voice_trailing_silence_ms: int = 500  # appended before encoding ICL codes, against phoneme bleed
     warm_voice_encoders: bool = True  # after /ready: compile the encoders for every recording length bucket
+    compile_cache: str = "default"  # persistent XLA cache (`run` only): "default", "off" or a directory
 
     @classmethod
     def from_env(cls, **overrides) -> "Settings":
@@ -64,7 +66,9 @@ class Settings:
             if raw is None:
                 continue
             kind = f.type if isinstance(f.type, str) else f.type.__name__
-            if "int" in kind and "None" in kind:
+            if kind == "int | str":  # a count or a word (slots: "auto")
+                values[f.name] = int(raw) if raw.isdigit() else raw
+            elif "int" in kind and "None" in kind:
                 values[f.name] = None if raw.lower() in ("", "none") else int(raw)
             elif kind.startswith("int"):
                 values[f.name] = int(raw)
@@ -156,6 +160,10 @@ def create_app(settings: Settings = Settings(), model=None, engine: Engine | Non
             from qtts_jax.model import load_model
 
             model = load_model(settings.model, dtype=jnp.dtype(settings.dtype))
+        # raises SlotsDoNotFit (before any state is allocated) when the asked-for count does not fit
+        slots, fit = sizing.resolve_slots(model, dataclasses.replace(settings, slots=1).engine_config(), settings.slots)
+        log.info("slots: %d (%s)", slots, fit.describe())
+        settings = dataclasses.replace(settings, slots=slots)
         engine = Engine(model, settings.engine_config())
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware],
                           handler_args={"max_field_size": 16384})
@@ -215,7 +223,8 @@ async def _warm_up(app: web.Application) -> None:
         app[WARMUP_ERROR].append(str(exc))
         return
     sched.ready = True
-    log.info("ready after %.1f s (slots=%d)", time.perf_counter() - t0, engine.config.slots)
+    log.info("ready after %.1f s (slots=%d; %s)", time.perf_counter() - t0, engine.config.slots,
+             compile_cache.summary())
     if VOICES in app and settings.warm_voice_encoders:  # in the background: serving starts now
         app[VOICE_WARMUP].append(asyncio.get_running_loop().run_in_executor(None, _warm_voices, app))
 
@@ -247,13 +256,20 @@ async def drain(app: web.Application, timeout_s: float | None = None) -> bool:
 
 
 def run(settings: Settings) -> int:
-    """Serve until SIGTERM/SIGINT; then drain (no new work, in-flight streams finish) and exit 0."""
+    """Serve until SIGTERM/SIGINT; then drain (no new work, in-flight streams finish) and exit 0.
+    Exits 2 without listening when the slots do not fit, and 1 when the warm-up fails (rather than
+    answering 503 for ever)."""
     import signal
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info("XLA compilation cache: %s", compile_cache.enable(settings.compile_cache) or "off")
 
-    async def main() -> None:
-        app = create_app(settings)
+    async def main() -> int:
+        try:
+            app = create_app(settings)
+        except sizing.SlotsDoNotFit as exc:
+            log.error("not starting: %s", exc)
+            return 2
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.port)
@@ -263,11 +279,16 @@ def run(settings: Settings) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        app[WARMUP_TASK].add_done_callback(lambda _: app[WARMUP_ERROR] and stop.set())
         await stop.wait()
+        if app[WARMUP_ERROR]:
+            log.error("warm-up failed, exiting: %s", app[WARMUP_ERROR][0])
+            await runner.cleanup()
+            return 1
         log.info("draining (up to %.0f s)", settings.drain_timeout_s)
         finished = await drain(app)
         log.info("drain %s; shutting down", "complete" if finished else "timed out")
         await runner.cleanup()
+        return 0
 
-    asyncio.run(main())
-    return 0
+    return asyncio.run(main())

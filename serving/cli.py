@@ -12,7 +12,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--model", help="checkpoint directory, tiny-random or tiny-random-base (QTTS_MODEL; default tiny-random)")
     s.add_argument("--host", help="bind address (QTTS_HOST; default 127.0.0.1)")
     s.add_argument("--port", type=int, help="port (QTTS_PORT; default 8000)")
-    s.add_argument("--slots", type=int, help="concurrent streams compiled into the engine (QTTS_SLOTS; default 8)")
+    s.add_argument("--slots", type=_slots, help="concurrent streams compiled into the engine, or auto: as many as "
+                                                 "the accelerator's free memory holds (8 on a CPU); a count that "
+                                                 "does not fit is refused at start (QTTS_SLOTS; default 8)")
     s.add_argument("--context", type=int, help="KV rows per slot (QTTS_CONTEXT; default 1024)")
     s.add_argument("--frames-per-step", type=int, help="frames per engine step (QTTS_FRAMES_PER_STEP)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"], help="weights dtype (QTTS_DTYPE)")
@@ -23,13 +25,24 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--drain-timeout-s", type=float, help="SIGTERM: how long in-flight streams may finish")
     s.add_argument("--voices-dir", help="Base models: where registered voices are kept (QTTS_VOICES_DIR; "
                                         "default ./voices)")
+    s.add_argument("--compile-cache", metavar="DIR|off",
+                   help="persistent XLA compilation cache, so a restart skips compiling (QTTS_COMPILE_CACHE; "
+                        "default $XDG_CACHE_HOME/qtts-jax/xla, else ~/.cache/qtts-jax/xla)")
     return s
+
+
+def _slots(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected a positive count or auto, got {text!r}")
 
 
 def serve(args) -> int:
     from serving.app import Settings, run
 
     keys = ("model", "host", "port", "slots", "context", "frames_per_step", "dtype", "ttfa_target_ms",
-            "starvation_ms", "max_queue", "max_input_chars", "drain_timeout_s", "voices_dir")
+            "starvation_ms", "max_queue", "max_input_chars", "drain_timeout_s", "voices_dir", "compile_cache")
     settings = Settings.from_env(**{k: getattr(args, k) for k in keys})
     return run(settings)

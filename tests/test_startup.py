@@ -1,0 +1,160 @@
+"""Start-up: slots sized to free memory (auto, or refused when too many), exit on a failed warm-up, and the
+persistent compilation cache filled by one start and read by the next."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import jax
+import pytest
+
+from qtts_jax import compile_cache, sizing
+from qtts_jax.codec import streaming as codec_streaming
+from qtts_jax.engine import EngineConfig, init_state
+from qtts_jax.model import load_model
+from serving.app import ENGINE, SETTINGS, Settings, create_app, run
+
+CONFIG = EngineConfig(slots=1, context=128, prompt_buckets=(32, 64), max_trailing=64)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny-random")
+
+
+@dataclasses.dataclass
+class Gpu:
+    """A device as jax reports an accelerator: allocator statistics, platform and id."""
+
+    bytes_limit: int
+    bytes_in_use: int
+    platform: str = "gpu"
+    id: int = 0
+
+    def memory_stats(self):
+        return {"bytes_limit": self.bytes_limit, "bytes_in_use": self.bytes_in_use}
+
+
+def nbytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def test_slot_bytes_are_one_more_slot_of_engine_and_codec_state_plus_workspace(model):
+    plan = sizing.plan(model, CONFIG, Gpu(bytes_limit=10 * 2**30, bytes_in_use=2**30))
+    engine_slot = (nbytes(init_state(model, dataclasses.replace(CONFIG, slots=3)))
+                   - nbytes(init_state(model, dataclasses.replace(CONFIG, slots=2))))
+    assert plan.state_bytes == engine_slot + nbytes(codec_streaming.init_state(model.codec_cfg, 1))
+    assert plan.workspace_bytes > 0 and plan.slot_bytes == plan.state_bytes + plan.workspace_bytes
+    assert plan.free_bytes == 9 * 2**30 and plan.fixed_bytes == int(sizing.RESERVE_FRACTION * 9 * 2**30)
+    assert plan.fit == (plan.free_bytes - plan.fixed_bytes) // plan.slot_bytes
+    longer = sizing.plan(model, dataclasses.replace(CONFIG, context=256), Gpu(10 * 2**30, 2**30))
+    assert longer.state_bytes > plan.state_bytes  # the KV cache grows with the context
+
+
+def test_auto_takes_every_slot_that_fits_and_a_larger_count_is_refused_with_what_fits(model):
+    gpu = Gpu(bytes_limit=2**30, bytes_in_use=2**28)
+    slots, plan = sizing.resolve_slots(model, CONFIG, "auto", gpu)
+    assert slots == plan.fit > sizing.CPU_SLOTS
+    assert sizing.resolve_slots(model, CONFIG, slots, gpu)[0] == slots
+    with pytest.raises(sizing.SlotsDoNotFit, match=rf"{slots + 1} slots do not fit: {slots} slots fit .* per slot"):
+        sizing.resolve_slots(model, CONFIG, slots + 1, gpu)
+    with pytest.raises(sizing.SlotsDoNotFit, match="not even one slot fits"):
+        sizing.resolve_slots(model, CONFIG, "auto", Gpu(bytes_limit=2**20, bytes_in_use=0))
+
+
+def test_auto_on_a_cpu_is_a_few_slots_and_host_ram_bounds_a_count(model):
+    slots, plan = sizing.resolve_slots(model, CONFIG, "auto")
+    assert jax.devices()[0].platform == "cpu" and plan.source == "of available host RAM"
+    assert slots == min(sizing.CPU_SLOTS, plan.fit) == sizing.CPU_SLOTS
+    with pytest.raises(sizing.SlotsDoNotFit):
+        sizing.resolve_slots(model, CONFIG, plan.fit + 1)
+
+
+def test_settings_take_slots_auto_and_the_compile_cache_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("QTTS_SLOTS", "auto")
+    monkeypatch.setenv("QTTS_COMPILE_CACHE", "off")
+    assert (Settings.from_env().slots, Settings.from_env().compile_cache) == ("auto", "off")
+    monkeypatch.setenv("QTTS_SLOTS", "16")
+    assert Settings.from_env().slots == 16 and Settings().compile_cache == "default"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert compile_cache.default_dir() == tmp_path / "qtts-jax" / "xla"
+
+
+def test_create_app_sizes_auto_slots_and_refuses_a_count_that_does_not_fit(model):
+    app = create_app(Settings(slots="auto", context=128), model=model)
+    assert app[ENGINE].config.slots == app[SETTINGS].slots == sizing.CPU_SLOTS
+    with pytest.raises(sizing.SlotsDoNotFit, match="slots do not fit"):
+        create_app(Settings(slots=10**9, context=128), model=model)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_and_stop(tmp_path, *args: str) -> tuple[int, str, float]:
+    """Runs `qtts-jax serve` until /ready is 200, then SIGTERM; returns (exit code, log, seconds to ready).
+    QTTS_WARMUP=0: only the calibration request's programs compile, which keeps the starts short on a CPU."""
+    port = free_port()
+    log_path = tmp_path / f"serve-{time.monotonic_ns()}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "qtts_jax.cli", "serve", "--model", "tiny-random", "--port",
+                                 str(port), "--frames-per-step", "1", *args], stdout=log, stderr=log,
+                                env={**os.environ, "JAX_PLATFORMS": "cpu", "QTTS_DRAIN_TIMEOUT_S": "1",
+                                     "QTTS_WARMUP": "0"})
+        t0 = time.monotonic()
+        try:
+            while proc.poll() is None and time.monotonic() - t0 < 120:
+                try:
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2)
+                    break
+                except (urllib.error.URLError, ConnectionError):
+                    time.sleep(0.2)
+            elapsed = time.monotonic() - t0
+            proc.terminate()
+            code = proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    return code, log_path.read_text(), elapsed
+
+
+def test_run_refuses_slots_that_do_not_fit_before_listening(caplog):
+    caplog.set_level(logging.INFO)
+    settings = Settings(slots=10**9, port=free_port(), compile_cache="off")
+    assert run(settings) == 2
+    assert re.search(r"not starting: 1000000000 slots do not fit: \d+ slots fit .* MiB per slot", caplog.text)
+    assert "listening" not in caplog.text
+
+
+def test_run_exits_1_with_the_reason_when_warm_up_fails(caplog):
+    caplog.set_level(logging.INFO)
+    # a 24-row context leaves a 12-token prompt bucket: the calibration request cannot be prefilled
+    settings = Settings(slots=1, context=24, port=free_port(), warmup=False, compile_cache="off")
+    assert run(settings) == 1
+    assert "listening" in caplog.text
+    assert re.search(r"warm-up failed, exiting: .*prompt of \d+ tokens exceeds the largest bucket", caplog.text)
+
+
+def test_a_second_start_loads_every_program_from_the_compile_cache(tmp_path):
+    cache = tmp_path / "xla"
+    args = ("--slots", "1", "--context", "128", "--compile-cache", str(cache))
+    code1, log1, ready1 = start_and_stop(tmp_path, *args)
+    entries = len(list(cache.iterdir()))
+    code2, log2, ready2 = start_and_stop(tmp_path, *args)
+    assert code1 == code2 == 0
+    (total,) = re.findall(rf"ready after .* 0 of (\d+) compiled programs loaded from the compilation cache {cache}",
+                          log1)
+    assert entries == int(total) > 0  # one file per program
+    assert re.search(rf"ready after .* {total} of {total} compiled programs loaded from the compilation cache", log2)
+    assert ready2 < ready1
