@@ -1,27 +1,40 @@
-"""Continuous-batching streaming engine: every live stream advances in one compiled step.
+"""Continuous-batching streaming engine: a playback-deadline loop over one compiled step per live-batch size.
 
-A fixed number of slots (compiled once). All per-slot state is one donated pytree: the talker KV
-cache, logits/hidden state, seen-code mask, done flag, sampling settings and trailing text vectors,
-frame counter and cache offset. `insert` prefills one request (prompt padded to a power-of-two
-bucket) into a free slot; `step` runs `n` frames for every slot in one `lax.scan` (the frame step is
-`generate.frame_step`, written for one stream and `vmap`-ed over slots, so each slot keeps its own
-position and cache and a seeded request gives the same codes alone or beside others). Frames are read
-back once per step call; each stream's frames go through the batched streaming codec decoder in
-chunks of 1, 2, 4, 8 … frames, so its first audio leaves after one frame.
+A fixed number of slots holds the per-stream state (one donated pytree): the talker KV cache, slot-major
+[layers, slots, rows, kv heads, head dim], and per-slot logits/hidden state, seen-code mask, done flag,
+sampling settings, trailing text vectors, frame counter and cache offset. Cost follows the live load:
+every program is compiled for a ladder of batch sizes, and each call takes only the live slots' rows
+(gathered by index, padded to the next rung with rows whose writes are dropped), so a large engine with
+few live streams steps as fast as a small one, and the cache is only touched where it is read and written.
 
-An ICL voice's audio continues its reference recording, as the reference decodes reference + new codes
-and cuts the reference's share: the slot's codec state starts from the state after the reference codes
-(computed once per voice and cached), so only the new frames are decoded and sent.
+One iteration of the loop (`run_once`):
+1. every waiting request that has a free slot is prefilled, all of them in one call per prompt bucket, so a
+   burst of N arrivals costs about one prefill;
+2. the live rows step `n` frames in one `lax.scan`: one frame when a stream has just joined (its first
+   audio leaves after one frame), else the most frames whose measured cost fits inside every playing
+   stream's playback headroom (audio handed out minus audio a zero-buffer listener has played);
+3. while that step runs on the device, the host hands out the audio of the previous codec call;
+4. each stream's new frames become audio in ONE codec call for all rows with a chunk due, each row with its
+   own frame count: a chunk follows the stream's schedule (1, 2, 4, 8 ... frames) unless its headroom
+   would not last another iteration, when it goes out at once.
 
-Everything the loop calls is compiled by `warmup`; nothing compiles in steady state.
+The frame step is `generate.frame_step`, shared with `Model.generate`: codes chosen per row (`vmap`), one
+batched talker call; nothing mixes rows, so a seeded request gives the same codes alone or beside others.
+An ICL voice's audio continues its reference recording, as the reference decodes reference + new codes and
+cuts the reference's share: the slot's codec state starts from the state after the reference codes
+(computed once per voice and cached). Everything the loop calls is compiled by `warmup` (in parallel, and
+timed: the costs drive step sizes and admission); nothing compiles in steady state.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
+import concurrent.futures
 import dataclasses
 import hashlib
 import logging
+import os
 import threading
 import time
 from functools import partial
@@ -37,10 +50,19 @@ from qtts_jax.generate import RowSettings, RowState, frame_step
 from qtts_jax.model import Model
 from qtts_jax.prompt import build_prompt, embed_prompt
 from qtts_jax.request import Request, RequestError
-from qtts_jax.stream import DEFAULT_SCHEDULE, Chunk, Stream
+from qtts_jax.stream import DEFAULT_SCHEDULE, FRAME_SECONDS, Chunk, Stream
 from qtts_jax.transformer import KVCache
 
 log = logging.getLogger(__name__)
+
+
+def _powers_of_two(low: int, high: int) -> tuple[int, ...]:
+    """low, 2·low, 4·low ... below high, then high itself."""
+    sizes, n = [], max(1, low)
+    while n < high:
+        sizes.append(n)
+        n *= 2
+    return (*sizes, high)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +71,7 @@ class EngineConfig:
     context: int = 1024  # KV-cache rows per slot: prompt bucket + frames
     prompt_buckets: tuple[int, ...] = (32, 64, 128, 256)
     max_trailing: int = 256  # text tokens fed one per frame (streaming-text layout)
-    frames_per_step: int = 4  # frames per step call once every live stream has its first frame
+    frames_per_step: int = 4  # the most frames one step call runs (playback headroom permitting)
     schedule: tuple[int, ...] = DEFAULT_SCHEDULE  # frames per audio chunk: 1, 2, 4, 8, 8, ...
     frames_per_text_token: int = 8  # runaway guard: cap = base + this x text tokens
     frames_cap_base: int = 24
@@ -57,6 +79,12 @@ class EngineConfig:
     # "jnp" (the reference), or "auto": the kernel on GPU, the reference elsewhere (no Triton on CPU).
     sampler: str = "auto"
     cached_voices: int = 64  # ICL voices whose primed codec state stays on the device (LRU)
+    # Live-batch ladder of the step and the codec: powers of two from `min_batch` up to `slots` (below 8
+    # rows a call costs the same as 8: launch overhead, not arithmetic), or explicit sizes.
+    batch_sizes: tuple[int, ...] | None = None
+    min_batch: int = 8
+    max_prefill: int = 32  # requests per prefill call; a prefill ladder of powers of two up to this
+    headroom_margin_s: float = 0.02  # playback headroom kept in hand beyond an iteration's predicted cost
 
     @property
     def codec_sizes(self) -> tuple[int, ...]:
@@ -64,16 +92,74 @@ class EngineConfig:
         top = max(self.schedule)
         return tuple(sorted(set(self.schedule) | {1 << i for i in range(top.bit_length()) if 1 << i <= top}))
 
+    @property
+    def ladder(self) -> tuple[int, ...]:
+        if self.batch_sizes is not None:
+            return tuple(sorted(set(self.batch_sizes) | {self.slots}))
+        return _powers_of_two(min(self.min_batch, self.slots), self.slots)
+
+    @property
+    def prefill_sizes(self) -> tuple[int, ...]:
+        return _powers_of_two(1, min(self.max_prefill, self.slots))
+
+    @property
+    def step_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted({1, self.frames_per_step}))
+
+
+def rung(sizes: tuple[int, ...], n: int) -> int:
+    """The smallest size in the ascending ladder `sizes` that holds n."""
+    return sizes[min(bisect.bisect_left(sizes, n), len(sizes) - 1)]
+
 
 class EngineState(NamedTuple):
     rows: RowState  # each leaf [slots, ...]
+    cache: KVCache  # [layers, slots, context, kv_heads, head_dim] each
     settings: RowSettings  # each leaf [slots, ...]
     k: jax.Array  # [slots] frames produced so far
     row0: jax.Array  # [slots] cache row of frame 0 (= the slot's prompt bucket)
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """What the engine publishes after every iteration (under its lock) for admission and metrics, so
+    nothing outside the engine thread reads its slots or queue."""
+
+    slots: int
+    live: int  # streams holding a slot
+    queued: int  # requests waiting for one
+    oldest_wait_s: float  # how long the first of them has waited
+    frames_left: tuple[int, ...]  # per stream in a slot: frames it may still produce (0 once its LM is done)
+    queued_frames: tuple[int, ...]  # per waiting request: its frame cap
+    ladder: tuple[int, ...]
+    prefill_sizes: tuple[int, ...]
+    frames_per_step: int
+    step_costs: dict  # (rung, frames) -> seconds of one iteration stepping that many frames (step + codec)
+    prefill_costs: dict  # requests per call -> seconds (largest prompt bucket)
+    iteration_s: float  # recent iteration time (EMA)
+    min_headroom_s: float | None  # least playback headroom among playing streams
+    iterations: int
+    recent_frame_s: tuple[float, ...]  # seconds per frame of recent step calls (for histograms)
+
+    def step_cost(self, live: int, frames: int) -> float:
+        return self.step_costs[(rung(self.ladder, max(live, 1)), frames)]
+
+    def prefill_cost(self, requests: int) -> float:
+        return self.prefill_costs[rung(self.prefill_sizes, max(requests, 1))]
+
+
 class PromptTooLong(RequestError):
     """The request cannot fit this engine's cache (a clean refusal, not a crash)."""
+
+
+def _take(tree, idx):
+    """Rows `idx` of every leaf (indices past the end read the last row: padding, never written back)."""
+    return jax.tree.map(lambda a: jnp.take(a, idx, axis=0, mode="clip"), tree)
+
+
+def _put(tree, idx, value):
+    """Write rows `idx` of every leaf, dropping padding rows (indices past the end); in place under donation."""
+    return jax.tree.map(lambda a, v: a.at[idx].set(v.astype(a.dtype), mode="drop"), tree, value)
 
 
 def _set_slot(tree, slot, value):
@@ -90,20 +176,18 @@ class Engine:
         cfg, c = model.cfg, config
         if max(c.prompt_buckets) >= c.context:
             raise ValueError("the largest prompt bucket must leave room for frames in the context")
-        self._insert = jax.jit(partial(_insert, cfg=cfg), donate_argnums=(1,))
-        self._step = jax.jit(partial(_step, cfg=cfg, choose=_chooser(c.sampler)), donate_argnums=(1,), static_argnames="n")
         codec_cfg = model.codec_cfg
-        self._codec = jax.jit(
-            lambda p, st, codes, active: codec_streaming.decode_step(p, codec_cfg, st, codes, active),
-            donate_argnums=(1,),
-        )
-        self._codec_reset = jax.jit(codec_streaming.reset_slots, donate_argnums=(0,))
+        self._jit_insert = jax.jit(partial(_insert, cfg=cfg), donate_argnums=(1,))
+        self._jit_step = jax.jit(partial(_step, cfg=cfg, choose=_chooser(c.sampler)), donate_argnums=(1,),
+                                 static_argnames="n")
+        self._jit_codec = jax.jit(partial(_codec, cfg=codec_cfg), donate_argnums=(1,))
         self._codec_one = jax.jit(
-            lambda p, st, codes: codec_streaming.decode_step(p, codec_cfg, st, codes, jnp.ones(1, bool))[1],
+            lambda p, st, codes: codec_streaming.decode_step(p, codec_cfg, st, codes, jnp.full(1, codes.shape[1]))[1],
             donate_argnums=(1,),
         )
         self._codec_load = jax.jit(  # a one-slot state into slot `slot` of the batched one
             lambda st, one, slot: _set_slot(st, slot, jax.tree.map(lambda v: v[0], one)), donate_argnums=(0,))
+        self._programs: dict = {}  # ("insert", bucket, requests) | ("step"|"codec", rung, frames) -> compiled
         self._primed: collections.OrderedDict[bytes, codec_streaming.StreamState] = collections.OrderedDict()
         self._primed_lock = threading.Lock()
         self.state = init_state(model, c)
@@ -114,14 +198,21 @@ class Engine:
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._running = False
-        self.steps = 0
-        self.step_seconds: collections.deque[float] = collections.deque(maxlen=512)
+        self._audio = None  # (device audio, [(stream, frames)]) of the codec call in flight
+        self.step_costs: dict = {}  # (rung, frames) -> seconds per iteration, measured
+        self.prefill_costs: dict = {}  # requests -> seconds, measured
+        self._iteration_s = 0.0
+        self._recent_frame_s: collections.deque[float] = collections.deque(maxlen=64)
+        self.iterations = 0
+        self.clock = time.perf_counter  # see `set_clock`
+        self._stats: EngineStats = self._snapshot()
 
     # ---- public API -------------------------------------------------------------------------
 
     def submit(self, request: Request, on_chunk, schedule=None) -> Stream:
         """Validate and queue a request; raises `RequestError` (incl. `PromptTooLong`) at once."""
         stream = Stream(request, on_chunk, schedule or self.config.schedule)
+        stream.timings.submitted = self.clock()
         stream.prepared = self._prepare(request)  # raises before anything is queued
         with self._wake:
             self.queue.append(stream)
@@ -129,21 +220,24 @@ class Engine:
         return stream
 
     def warmup(self) -> None:
-        """Compile every prompt bucket, both step sizes and every codec chunk size, then reset."""
-        for bucket in self.config.prompt_buckets:
-            self.state = self._insert(self.model.params, self.state, *self._dummy_insert(bucket))
-        for n in sorted({1, self.config.frames_per_step}):
-            self.state, out = self._step(self.model.params, self.state, np.zeros(self.config.slots, bool), n=n)
-        mask = np.zeros(self.config.slots, bool)
-        self.codec_state = self._codec_reset(self.codec_state, mask)
-        for n in self.config.codec_sizes:
-            codes = np.zeros((self.config.slots, n, self.model.cfg.num_code_groups), np.int32)
-            audio, self.codec_state = self._codec(self.model.codec_params, self.codec_state, codes, mask)
-        if self.model.cfg.model_type == "base":  # ICL voices: one-slot priming at every chunk size, and loading
-            primed = self._prime(np.zeros((sum(self.config.codec_sizes), self.model.cfg.num_code_groups), np.int32))
+        """Compile every program the loop calls (in parallel: XLA compiles off the GIL), then time each once
+        on the idle engine: those costs seed the step-size choice and admission until live ones replace them."""
+        c, cfg = self.config, self.model.cfg
+        t0 = time.perf_counter()
+        keys = [("insert", bucket, r) for bucket in c.prompt_buckets for r in c.prefill_sizes]
+        keys += [("step", b, n) for b in c.ladder for n in c.step_sizes]
+        keys += [("codec", b, n) for b in c.ladder for n in c.codec_sizes]
+        lowered = [self._lower(*key) for key in keys]  # tracing holds the GIL; compiling does not
+        with concurrent.futures.ThreadPoolExecutor(min(len(keys), os.cpu_count() or 1)) as pool:
+            for key, exe in zip(keys, pool.map(lambda low: low.compile(), lowered)):
+                self._programs[key] = exe
+        if cfg.model_type == "base":  # ICL voices: one-slot priming at every chunk size, and loading
+            primed = self._prime(np.zeros((sum(c.codec_sizes), cfg.num_code_groups), np.int32))
             self.codec_state = self._codec_load(self.codec_state, primed, np.int32(0))
-            self.codec_state = self._codec_reset(self.codec_state, np.ones(self.config.slots, bool))
-        jax.block_until_ready((out, audio, self.codec_state))
+        log.info("compiled %d engine programs in %.1f s", len(keys), time.perf_counter() - t0)
+        self._calibrate()
+        with self._lock:
+            self._stats = self._snapshot()
 
     def check(self, request: Request) -> None:
         """Raise the `RequestError` (incl. `PromptTooLong`) that `submit` would, without queueing anything."""
@@ -154,35 +248,66 @@ class Engine:
         calls it when a voice is registered, so the first request with it does not pay for it)."""
         self._primed_state(ref_codes)
 
+    def set_clock(self, clock) -> None:
+        """Time the loop's decisions and every stream timestamp by `clock` (tests simulate playback with it);
+        iteration times measured by the old clock are dropped."""
+        self.clock = clock
+        self._iteration_s = 0.0
+
+    def stats(self) -> EngineStats:
+        """The latest published snapshot (safe from any thread)."""
+        with self._lock:
+            return self._stats
+
     def run_once(self) -> bool:
-        """One loop iteration: cancels, admissions, one step, codec chunks. False when idle."""
+        """One loop iteration (see the module docstring). False when there is nothing to do."""
+        t0 = self.clock()
         self._reap_cancelled()
-        self._admit()
-        live = [s is not None and not s.lm_done for s in self.slots]
-        if not any(live):
+        joined, prefill_done = self._admit()
+        live = [i for i, s in enumerate(self.slots) if s is not None and not s.lm_done]
+        if not live and self._audio is None and not any(s is not None and s.pending for s in self.slots):
             return False
-        n = self.config.frames_per_step
-        if any(s is not None and s.timings.first_frame is None for s in self.slots):
-            n = 1
-        t0 = time.perf_counter()
-        self.state, (frames, valid) = self._step(self.model.params, self.state, np.asarray(live), n=n)
-        frames, valid = np.asarray(frames), np.asarray(valid)  # the one host sync per step call
-        now = time.perf_counter()
-        self.step_seconds.append((now - t0) / n)
-        self.steps += 1
-        for slot, stream in enumerate(self.slots):
-            if stream is None or not live[slot]:
-                continue
-            good = valid[:, slot]
-            count = int(good.sum()) if good.all() else int(np.argmin(good))
-            if count:
-                stream.codes.extend(frames[:count, slot])
-                stream.pending += count
-                if stream.timings.first_frame is None:
-                    stream.timings.first_frame = now
-            if count < n or len(stream.codes) >= stream.frames_cap:
-                stream.lm_done = True
-        self._decode_audio()
+        out, n = None, 0
+        if live:
+            n = self._frames_for(live, joined, t0)
+            b = rung(self.config.ladder, len(live))
+            idx = np.full(b, self.config.slots, np.int32)
+            idx[: len(live)] = live
+            mask = np.zeros(b, bool)
+            mask[: len(live)] = True
+            self.state, out = self._program("step", b, n)(self.model.params, self.state, idx, mask)
+        self._hand_out_audio()  # the step above runs on the device meanwhile
+        if prefill_done is not None:
+            np.asarray(prefill_done)
+            now = self.clock()
+            for s in joined:
+                s.timings.prefilled = now
+        if out is not None:
+            frames, valid = np.asarray(out[0]), np.asarray(out[1])  # the one host sync per step call
+            now = self.clock()
+            self._recent_frame_s.append((now - t0) / n)
+            for j, slot in enumerate(live):
+                stream = self.slots[slot]
+                good = valid[:, j]
+                count = int(good.sum()) if good.all() else int(np.argmin(good))
+                if count:
+                    stream.codes.extend(frames[:count, j])
+                    stream.pending += count
+                    if stream.timings.first_frame is None:
+                        stream.timings.first_frame = now
+                if count < n or len(stream.codes) >= stream.frames_cap:
+                    stream.lm_done = True
+                    if stream.pending == 0 and stream.inflight == 0:  # ended with nothing left to decode
+                        self._finish(stream)
+        self._decode_audio(self.clock())
+        elapsed = self.clock() - t0
+        self._iteration_s = elapsed if not self.iterations else 0.8 * self._iteration_s + 0.2 * elapsed
+        if out is not None and not joined:  # an iteration's own cost, without a prefill in it
+            key = (rung(self.config.ladder, len(live)), n)
+            self.step_costs[key] = 0.8 * self.step_costs.get(key, elapsed) + 0.2 * elapsed
+        self.iterations += 1
+        with self._lock:
+            self._stats = self._snapshot()
         return True
 
     def start(self) -> None:
@@ -217,6 +342,33 @@ class Engine:
                     if self._running and not self.queue:
                         self._wake.wait(timeout=0.05)
 
+    def _snapshot(self) -> EngineStats:
+        c, now = self.config, self.clock()
+        in_slots = [s for s in self.slots if s is not None]
+        queued = list(self.queue)
+        headrooms = [h for s in in_slots if (h := s.buffered(now)) is not None and not s.lm_done]
+        return EngineStats(
+            slots=c.slots, live=len(in_slots), queued=len(queued),
+            oldest_wait_s=now - queued[0].timings.submitted if queued else 0.0,
+            frames_left=tuple(0 if s.lm_done else max(s.frames_cap - len(s.codes), 0) for s in in_slots),
+            queued_frames=tuple(s.prepared["cap"] for s in queued),
+            ladder=c.ladder, prefill_sizes=c.prefill_sizes, frames_per_step=c.frames_per_step,
+            step_costs=dict(self.step_costs), prefill_costs=dict(self.prefill_costs),
+            iteration_s=self._iteration_s, min_headroom_s=min(headrooms) if headrooms else None,
+            iterations=self.iterations, recent_frame_s=tuple(self._recent_frame_s),
+        )
+
+    def _frames_for(self, live: list[int], joined: list[Stream], now: float) -> int:
+        """Frames this step runs: one while any live stream has no audio yet (its first chunk is one frame),
+        else the most whose iteration cost fits inside every playing stream's headroom."""
+        streams = [self.slots[i] for i in live]
+        if joined or any(s.timings.first_chunk is None for s in streams):
+            return 1
+        budget = min(s.buffered(now) for s in streams) - self.config.headroom_margin_s
+        b = rung(self.config.ladder, len(live))
+        fits = [n for n in self.config.step_sizes if self.step_costs.get((b, n), 0.0) <= budget]
+        return max(fits, default=1)
+
     def _prepare(self, request: Request) -> dict:
         """Resolve, lay out and bucket the prompt now, so a request that cannot fit is refused at once."""
         model, c = self.model, self.config
@@ -230,67 +382,135 @@ class Engine:
         cap = min(req.max_frames, prompt.frame_cap(c.frames_cap_base, c.frames_per_text_token), c.context - bucket)
         return {"request": req, "prompt": prompt, "bucket": bucket, "cap": cap}
 
-    def _admit(self) -> None:
-        while True:
-            with self._lock:
-                free = next((i for i, s in enumerate(self.slots) if s is None), None)
-                if free is None or not self.queue:
-                    return
+    def _admit(self) -> tuple[list[Stream], jax.Array | None]:
+        """Give every waiting request that fits a free slot and prefill them together: one call per prompt
+        bucket (up to `max_prefill` requests each). Returns the admitted streams and a small output of the
+        last prefill to wait on (the state itself goes on to the step, donated)."""
+        c = self.config
+        joined = []
+        with self._lock:
+            free = [i for i, s in enumerate(self.slots) if s is None]
+            while free and self.queue:
                 stream = self.queue.popleft()
-            if stream.cancelled:
-                self._finish(stream, error="cancelled")
-                continue
-            stream.slot = free
+                if stream.cancelled:
+                    self._finish(stream, error="cancelled")
+                    continue
+                stream.slot = free.pop(0)
+                joined.append(stream)
+        if not joined:
+            return [], None
+        now = self.clock()
+        groups = collections.defaultdict(list)
+        for stream in joined:
             stream.frames_cap = stream.prepared["cap"]
-            self.slots[free] = stream
-            stream.timings.admitted = time.perf_counter()
-            self.state = self._insert(self.model.params, self.state, *self._insert_args(free, stream.prepared))
+            self.slots[stream.slot] = stream
+            stream.timings.admitted = now
+            groups[stream.prepared["bucket"]].append(stream)
             voice = stream.prepared["request"].voice
             if voice is not None and voice.ref_codes is not None:
                 self.codec_state = self._codec_load(self.codec_state, self._primed_state(voice.ref_codes),
-                                                    np.int32(free))
-            else:
-                mask = np.zeros(self.config.slots, bool)
-                mask[free] = True
-                self.codec_state = self._codec_reset(self.codec_state, mask)
-            jax.block_until_ready(self.state.k)
-            stream.timings.prefilled = time.perf_counter()
+                                                    np.int32(stream.slot))
+                stream.fresh_codec = False
+        done = None
+        for bucket, streams in groups.items():
+            for at in range(0, len(streams), c.max_prefill):
+                part = streams[at : at + c.max_prefill]
+                r = rung(c.prefill_sizes, len(part))
+                args = self._insert_args([(s.slot, s.prepared) for s in part], r)
+                self.state, done = self._program("insert", bucket, r)(self.model.params, self.state, *args)
+        return joined, done
 
-    def _insert_args(self, slot: int, prepared: dict) -> tuple:
+    def _insert_args(self, items: list[tuple[int, dict]], size: int) -> tuple:
+        """Stacked prefill inputs for `items` (slot, prepared), padded to `size` rows aimed past the last slot."""
         cfg, c = self.model.cfg, self.config
-        req, p, bucket = prepared["request"], prepared["prompt"], prepared["bucket"]
-        pad = bucket - len(p)
-        text = np.concatenate([np.full(pad, -1, np.int32), p.text])
-        codec = np.concatenate([np.full(pad, -1, np.int32), p.codec])
-        frames = np.concatenate([np.full((pad, cfg.num_code_groups), -1, np.int32), p.frames])
-        valid = np.arange(bucket) >= pad
-        speaker = np.zeros(cfg.talker.hidden_size, np.float32) if p.speaker is None else p.speaker
-        speaker_row = np.int32(p.speaker_row + pad if p.speaker is not None else -1)
-        trailing = np.full(c.max_trailing + 1, cfg.text.tts_pad, np.int32)
-        trailing[: len(p.trailing)] = p.trailing
-        knobs = np.array(
-            [req.temperature, req.top_p, req.repetition_penalty, req.subtalker_temperature, req.subtalker_top_p],
-            np.float32,
-        )
-        ints = np.array(
-            [req.seed & 0xFFFFFFFF, req.top_k, req.subtalker_top_k, prepared["cap"], len(p), int(req.greedy),
-             int(req.subtalker_greedy)],
-            np.int64,
-        ).astype(np.uint32)
-        return (np.int32(slot), text, codec, frames, speaker_row, speaker, valid, trailing, knobs, ints)
+        bucket = items[0][1]["bucket"]
+        h, groups = cfg.talker.hidden_size, cfg.num_code_groups
+        slots = np.full(size, c.slots, np.int32)
+        text = np.full((size, bucket), -1, np.int32)
+        codec = np.full((size, bucket), -1, np.int32)
+        frames = np.full((size, bucket, groups), -1, np.int32)
+        speaker_row = np.full(size, -1, np.int32)
+        speaker = np.zeros((size, h), np.float32)
+        valid = np.zeros((size, bucket), bool)
+        valid[:, -1] = True  # padding rows attend to one (empty) row, not none
+        trailing = np.full((size, c.max_trailing + 1), cfg.text.tts_pad, np.int32)
+        knobs = np.ones((size, 5), np.float32)
+        ints = np.zeros((size, 7), np.uint32)
+        for i, (slot, prepared) in enumerate(items):
+            req, p = prepared["request"], prepared["prompt"]
+            pad = bucket - len(p)
+            slots[i] = slot
+            text[i, pad:], codec[i, pad:], frames[i, pad:] = p.text, p.codec, p.frames
+            valid[i] = np.arange(bucket) >= pad
+            if p.speaker is not None:
+                speaker_row[i], speaker[i] = p.speaker_row + pad, p.speaker
+            trailing[i, : len(p.trailing)] = p.trailing
+            knobs[i] = [req.temperature, req.top_p, req.repetition_penalty, req.subtalker_temperature,
+                        req.subtalker_top_p]
+            ints[i] = np.array([req.seed & 0xFFFFFFFF, req.top_k, req.subtalker_top_k, prepared["cap"], len(p),
+                                int(req.greedy), int(req.subtalker_greedy)], np.int64).astype(np.uint32)
+        return (slots, text, codec, frames, speaker_row, speaker, valid, trailing, knobs, ints)
 
-    def _dummy_insert(self, bucket: int) -> tuple:
-        cfg = self.model.cfg
-        prepared = {
-            "request": Request(
-                "warmup", greedy=True, subtalker_greedy=True, temperature=1.0, top_p=1.0, repetition_penalty=1.0,
-                subtalker_temperature=1.0, subtalker_top_p=1.0, top_k=0, subtalker_top_k=0, max_frames=1,
-            ),
-            "prompt": _blank_prompt(cfg, bucket),
-            "bucket": bucket,
-            "cap": 1,
-        }
-        return self._insert_args(0, prepared)
+    def _dummy_inserts(self, bucket: int, size: int) -> tuple:
+        """Prefill inputs of `size` padding rows (every write dropped): for compiling and timing."""
+        prepared = {"request": _WARMUP, "prompt": _blank_prompt(self.model.cfg, bucket), "bucket": bucket, "cap": 1}
+        return self._insert_args([(self.config.slots, prepared)], size)
+
+    def _lower(self, kind: str, a: int, b: int):
+        """The program `kind` for one ladder rung, lowered on padding inputs (the shapes the loop passes)."""
+        c, cfg = self.config, self.model.cfg
+        if kind == "insert":
+            return self._jit_insert.lower(self.model.params, self.state, *self._dummy_inserts(a, b))
+        idx, zeros = np.full(a, c.slots, np.int32), np.zeros(a, bool)
+        if kind == "step":
+            return self._jit_step.lower(self.model.params, self.state, idx, zeros, n=b)
+        codes = np.zeros((a, b, cfg.num_code_groups), np.int32)
+        return self._jit_codec.lower(self.model.codec_params, self.codec_state, idx, zeros, codes,
+                                     np.zeros(a, np.int32))
+
+    def _program(self, kind: str, a: int, b: int):
+        """A compiled program; `warmup` compiles them all, and an engine used without it compiles on demand."""
+        exe = self._programs.get((kind, a, b))
+        if exe is None:
+            exe = self._programs[kind, a, b] = self._lower(kind, a, b).compile()
+        return exe
+
+    def _calibrate(self) -> None:
+        """Time every step and prefill program once, on padding rows (writes dropped, state unchanged), as
+        the first cost estimates: a step's iteration cost is the step plus a codec call of as many rows."""
+        c, cfg = self.config, self.model.cfg
+
+        def timed(fn) -> float:
+            jax.block_until_ready(fn())  # the first call of an executable pays its one-off set-up
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            return time.perf_counter() - t0
+
+        def step(b, n):
+            self.state, out = self._program("step", b, n)(self.model.params, self.state, np.full(b, c.slots, np.int32),
+                                                np.zeros(b, bool))
+            return out
+
+        def codec(b, n):
+            idx, zeros = np.full(b, c.slots, np.int32), np.zeros(b, bool)
+            codes = np.zeros((b, n, cfg.num_code_groups), np.int32)
+            audio, self.codec_state = self._program("codec", b, n)(self.model.codec_params, self.codec_state, idx, zeros,
+                                                         codes, np.full(b, n, np.int32))
+            return audio
+
+        def insert(r):
+            bucket = max(c.prompt_buckets)
+            self.state, done = self._program("insert", bucket, r)(self.model.params, self.state, *self._dummy_inserts(bucket, r))
+            return done
+
+        for b in c.ladder:
+            for n in c.step_sizes:
+                chunk = min(max(c.schedule), max(n, 1))
+                chunk = min(s for s in c.codec_sizes if s >= chunk)
+                self.step_costs[b, n] = timed(partial(step, b, n)) + timed(partial(codec, b, chunk))
+        for r in c.prefill_sizes:
+            self.prefill_costs[r] = timed(partial(insert, r))
+        log.info("step costs (rows, frames) -> ms: %s", {k: round(v * 1e3, 1) for k, v in self.step_costs.items()})
 
     def _primed_state(self, ref_codes: np.ndarray) -> codec_streaming.StreamState:
         """One slot's codec state after decoding ``ref_codes``, from a small LRU cache keyed by the codes."""
@@ -317,48 +537,60 @@ class Engine:
             start += n
         return state
 
-    def _decode_audio(self) -> None:
-        """Turn pending frames into PCM chunks, batching every slot that needs the same chunk size."""
-        while True:
-            groups: dict[int, list[int]] = collections.defaultdict(list)
-            for slot, s in enumerate(self.slots):
-                if s is None or s.pending == 0:
-                    continue
-                want = s.next_chunk_frames()
-                if s.pending >= want:
-                    groups[want].append(slot)
-                elif s.lm_done:
-                    groups[max(n for n in self.config.codec_sizes if n <= s.pending)].append(slot)
-            if not groups:
-                break
-            for n, slots in sorted(groups.items()):
-                self._codec_call(n, slots)
-        for slot, s in enumerate(self.slots):
-            if s is not None and s.lm_done and s.pending == 0:
-                self._finish(s)
+    def _decode_audio(self, now: float) -> None:
+        """Hand every stream's due frames to ONE codec call, each row with its own frame count: a chunk is due
+        when the schedule's next size is ready, when the stream's LM is done, or when its headroom would not
+        last another iteration."""
+        c = self.config
+        horizon = self._iteration_s + c.headroom_margin_s
+        due = []
+        for s in self.slots:
+            if s is None or s.pending == 0:
+                continue
+            want = s.next_chunk_frames()
+            low = (h := s.buffered(now)) is not None and h < horizon
+            if s.pending >= want or s.lm_done or low:
+                due.append((s, min(s.pending, want if s.pending >= want else max(c.codec_sizes))))
+        if not due:
+            return
+        b = rung(c.ladder, len(due))
+        n = rung(c.codec_sizes, max(f for _, f in due))
+        idx = np.full(b, c.slots, np.int32)
+        fresh = np.zeros(b, bool)
+        count = np.zeros(b, np.int32)
+        codes = np.zeros((b, n, self.model.cfg.num_code_groups), np.int32)
+        for j, (s, f) in enumerate(due):
+            idx[j], fresh[j], count[j] = s.slot, s.fresh_codec, f
+            codes[j, :f] = np.stack(s.codes[s.decoded : s.decoded + f])
+            s.fresh_codec = False
+            s.decoded += f
+            s.pending -= f
+            s.inflight = f
+        audio, self.codec_state = self._program("codec", b, n)(self.model.codec_params, self.codec_state, idx, fresh, codes,
+                                                     count)
+        self._audio = (audio, due)
 
-    def _codec_call(self, n: int, slots: list[int]) -> None:
-        cfg = self.model.cfg
-        codes = np.zeros((self.config.slots, n, cfg.num_code_groups), np.int32)
-        mask = np.zeros(self.config.slots, bool)
-        for slot in slots:
-            s = self.slots[slot]
-            codes[slot] = np.stack(s.codes[s.decoded : s.decoded + n])
-            mask[slot] = True
-        audio, self.codec_state = self._codec(self.model.codec_params, self.codec_state, codes, mask)
+    def _hand_out_audio(self) -> None:
+        """Chunks of the codec call in flight, to their streams; streams with nothing left finish."""
+        if self._audio is None:
+            return
+        audio, due = self._audio
+        self._audio = None
         audio = np.asarray(audio)
-        now = time.perf_counter()
-        for slot in slots:
-            s = self.slots[slot]
-            s.emit(Chunk(pcm=audio[slot], first_frame=s.decoded, frames=n, sent_at=now))
-            s.decoded += n
-            s.pending -= n
+        now = self.clock()
+        for j, (s, f) in enumerate(due):
+            s.inflight = 0
+            if s.finished:  # cancelled while its audio was in the codec
+                continue
+            s.emit(Chunk(pcm=audio[j, : f * 1920], first_frame=s.decoded - f, frames=f, sent_at=now))
+            if s.lm_done and s.pending == 0:
+                self._finish(s)
 
     def _finish(self, stream: Stream, error: str | None = None) -> None:
         if stream.slot is not None and self.slots[stream.slot] is stream:
             self.slots[stream.slot] = None
         stream.lm_done = True
-        stream.emit(Chunk(np.zeros(0, np.float32), stream.decoded, 0, time.perf_counter(), final=True, error=error))
+        stream.emit(Chunk(np.zeros(0, np.float32), stream.decoded, 0, self.clock(), final=True, error=error))
 
     def _reap_cancelled(self) -> None:
         """Cancelled streams leave at once: a slot is free for the very next step."""
@@ -372,6 +604,7 @@ class Engine:
             self._finish(s, error="cancelled")
 
     def _fail_all(self, message: str) -> None:
+        self._audio = None
         for s in list(self.slots):
             if s is not None:
                 self._finish(s, error=message)
@@ -379,6 +612,12 @@ class Engine:
             queued, self.queue = list(self.queue), collections.deque()
         for s in queued:
             self._finish(s, error=message)
+
+
+_WARMUP = Request(
+    "warmup", greedy=True, subtalker_greedy=True, temperature=1.0, top_p=1.0, repetition_penalty=1.0,
+    subtalker_temperature=1.0, subtalker_top_p=1.0, top_k=0, subtalker_top_k=0, max_frames=1, seed=0,
+)
 
 
 def _blank_prompt(cfg, length: int):
@@ -395,11 +634,12 @@ def init_state(model: Model, c: EngineConfig) -> EngineState:
     """Every slot empty and done; shapes fixed for the engine's life."""
     cfg, b = model.cfg, c.slots
     dtype = model.params["codec_embedding"].dtype
-    one = KVCache.zeros(cfg.talker, c.context, dtype)
-    cache = KVCache(jnp.zeros((b, *one.k.shape), dtype), jnp.zeros((b, *one.v.shape), dtype))
+    t = cfg.talker
+    shape = (t.num_layers, b, c.context, t.num_kv_heads, t.head_dim)
+    cache = KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
     vocab, h = cfg.talker.vocab_size, cfg.talker.hidden_size
     rows = RowState(
-        cache=cache, key_valid=jnp.zeros((b, c.context), bool), logits=jnp.zeros((b, vocab), jnp.float32),
+        key_valid=jnp.zeros((b, c.context), bool), logits=jnp.zeros((b, vocab), jnp.float32),
         hidden=jnp.zeros((b, h), dtype), seen=jnp.zeros((b, vocab), bool), done=jnp.ones(b, bool),
     )
     def params():  # distinct buffers for each field: donated leaves must not alias
@@ -412,41 +652,40 @@ def init_state(model: Model, c: EngineConfig) -> EngineState:
         max_frames=jnp.zeros(b, jnp.int32), position0=jnp.zeros(b, jnp.int32),
         trailing=jnp.zeros((b, c.max_trailing + 1, h), dtype),
     )
-    return EngineState(rows, settings, jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32))
+    return EngineState(rows, cache, settings, jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32))
 
 
-def _insert(params, state: EngineState, slot, text, codec, frames, speaker_row, speaker, valid, trailing, knobs, ints,
-            *, cfg):
-    """Prefill one prompt (its bucket length is its shape) into `slot`, resetting that slot's state."""
-    bucket = text.shape[0]
-    x = embed_prompt(params, text, codec, frames, speaker_row, speaker)
-    logits, hidden, cache = talker.prefill(params, cfg, x, valid, bucket)
-    at = (slot, 0, 0, 0, 0)
-    big = state.rows.cache
-    big = KVCache(jax.lax.dynamic_update_slice(big.k, cache.k[None], at),
-                  jax.lax.dynamic_update_slice(big.v, cache.v[None], at))
+def _insert(params, state: EngineState, slots, text, codec, frames, speaker_row, speaker, valid, trailing, knobs,
+            ints, *, cfg):
+    """Prefill R prompts of one bucket (the bucket is their length) into `slots` [R] together, resetting those
+    slots' state; rows aimed past the last slot are padding and change nothing. Returns the state and a small
+    array to wait on (the state is donated to the next step)."""
+    bucket = text.shape[1]
+    x = jax.vmap(partial(embed_prompt, params))(text, codec, frames, speaker_row, speaker)
+    logits, hidden, cache = jax.vmap(lambda x, v: talker.prefill(params, cfg, x, v, bucket))(x, valid)
+    big = KVCache(state.cache.k.at[:, slots, :bucket].set(jnp.moveaxis(cache.k, 0, 1), mode="drop"),
+                  state.cache.v.at[:, slots, :bucket].set(jnp.moveaxis(cache.v, 0, 1), mode="drop"))
     context = big.k.shape[2]
-    key_valid = jnp.zeros(context, bool).at[:bucket].set(valid)
-    rows = state.rows._replace(cache=big)
-    rows = rows._replace(**_set_slot(
-        dict(key_valid=rows.key_valid, logits=rows.logits, hidden=rows.hidden, seen=rows.seen, done=rows.done),
-        slot,
-        dict(key_valid=key_valid, logits=logits, hidden=hidden, seen=jnp.zeros_like(logits, bool),
-             done=jnp.bool_(False)),
-    ))
-    temperature, top_p, penalty, sub_temperature, sub_top_p = (knobs[i] for i in range(5))
-    seed, top_k, sub_top_k, max_frames, prompt_len, greedy, sub_greedy = (ints[i] for i in range(7))
-    one = RowSettings(
-        key=jax.random.PRNGKey(seed),
-        talker=sampling.SamplingParams(greedy != 0, temperature, top_k.astype(jnp.int32), top_p),
-        predictor=sampling.SamplingParams(sub_greedy != 0, sub_temperature, sub_top_k.astype(jnp.int32), sub_top_p),
-        penalty=penalty, max_frames=max_frames.astype(jnp.int32), position0=prompt_len.astype(jnp.int32),
-        trailing=talker.embed_text(params, trailing),
-    )
-    settings = _set_slot(state.settings, slot, one)
-    k = state.k.at[slot].set(0)
-    row0 = state.row0.at[slot].set(bucket)
-    return EngineState(rows, settings, k, row0)
+    key_valid = jnp.zeros((text.shape[0], context), bool).at[:, :bucket].set(valid)
+    rows = _put(state.rows, slots, RowState(key_valid, logits, hidden, jnp.zeros_like(logits, bool),
+                                            jnp.zeros(text.shape[0], bool)))
+
+    def row_settings(knobs, ints, trailing):
+        temperature, top_p, penalty, sub_temperature, sub_top_p = (knobs[i] for i in range(5))
+        seed, top_k, sub_top_k, max_frames, prompt_len, greedy, sub_greedy = (ints[i] for i in range(7))
+        return RowSettings(
+            key=jax.random.PRNGKey(seed),
+            talker=sampling.SamplingParams(greedy != 0, temperature, top_k.astype(jnp.int32), top_p),
+            predictor=sampling.SamplingParams(sub_greedy != 0, sub_temperature, sub_top_k.astype(jnp.int32),
+                                              sub_top_p),
+            penalty=penalty, max_frames=max_frames.astype(jnp.int32), position0=prompt_len.astype(jnp.int32),
+            trailing=talker.embed_text(params, trailing),
+        )
+
+    settings = _put(state.settings, slots, jax.vmap(row_settings)(knobs, ints, trailing))
+    k = state.k.at[slots].set(0, mode="drop")
+    row0 = state.row0.at[slots].set(bucket, mode="drop")
+    return EngineState(rows, big, settings, k, row0), logits[:, 0]
 
 
 def _chooser(name: str):
@@ -462,14 +701,27 @@ def _chooser(name: str):
     raise ValueError(f"unknown sampler {name!r} (jnp or pallas)")
 
 
-def _step(params, state: EngineState, live, *, cfg, choose, n: int):
-    """`n` frames for every slot in one scan. Returns frames [n, slots, 16] and valid [n, slots]."""
-    step = jax.vmap(partial(frame_step, params, cfg, choose=choose))
+def _step(params, state: EngineState, idx, live, *, cfg, choose, n: int):
+    """`n` frames for the rows of slots `idx` [B] (padding rows aimed past the last slot, `live` false) in one
+    scan. Only those rows are read and written. Returns frames [n, B, 16] and valid [n, B]."""
+    rows = _take(state.rows, idx)
+    rows = rows._replace(done=rows.done | ~live)
+    settings, k0, row0 = _take(state.settings, idx), _take(state.k, idx), _take(state.row0, idx)
 
-    def body(st: EngineState, _):
-        rows = st.rows._replace(done=st.rows.done | ~live)
-        new_rows, frame = step(rows, st.settings, st.k, st.row0 + st.k)
-        k = jnp.where(rows.done, st.k, st.k + 1)
-        return EngineState(new_rows, st.settings, k, st.row0), (frame, ~new_rows.done)
+    def body(carry, _):
+        rows, cache, k = carry
+        new_rows, cache, frame = frame_step(params, cfg, rows, cache, idx, settings, k, row0 + k, choose)
+        k = jnp.where(rows.done, k, k + 1)
+        return (new_rows, cache, k), (frame, ~new_rows.done)
 
-    return jax.lax.scan(body, state, None, length=n)
+    (rows, cache, k), out = jax.lax.scan(body, (rows, state.cache, k0), None, length=n)
+    return state._replace(rows=_put(state.rows, idx, rows), cache=cache, k=_put(state.k, idx, k)), out
+
+
+def _codec(params, state: codec_streaming.StreamState, idx, fresh, codes, count, *, cfg):
+    """One streaming-codec call for the slots `idx` [B]: row j decodes its first `count[j]` frames of
+    `codes[j]`, from a zero state where `fresh[j]` (a new stream). Only those slots' state is touched."""
+    rows = _take(state, idx)
+    rows = jax.tree.map(lambda a: jnp.where(fresh.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.zeros_like(a), a), rows)
+    audio, rows = codec_streaming.decode_step(params, cfg, rows, codes, count)
+    return audio, _put(state, idx, rows)

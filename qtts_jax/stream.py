@@ -21,6 +21,7 @@ _ids = itertools.count(1)
 
 # Frames per audio chunk, in order; the last size repeats. One frame first, so audio leaves early.
 DEFAULT_SCHEDULE = (1, 2, 4, 8)
+FRAME_SECONDS = 1920 / 24000  # audio per codec frame
 
 
 @dataclasses.dataclass
@@ -71,8 +72,10 @@ class Stream:
         self.frames_cap = 0  # set at admission
         self.slot: int | None = None
         self.codes: list[np.ndarray] = []  # every frame, for callers that want the codes
-        self.pending = 0  # frames generated but not yet decoded to audio
-        self.decoded = 0
+        self.pending = 0  # frames generated but not yet handed to the codec
+        self.decoded = 0  # frames handed to the codec
+        self.inflight = 0  # frames in the codec call whose audio is not yet out
+        self.fresh_codec = True  # its slot's codec state must start from zero at its first codec call
         self.chunks_sent = 0
         self.lm_done = False
         self.finished = False
@@ -88,6 +91,14 @@ class Stream:
     def next_chunk_frames(self) -> int:
         """Frames the next chunk should hold, per the schedule."""
         return self.schedule[min(self.chunks_sent, len(self.schedule) - 1)]
+
+    def buffered(self, now: float) -> float | None:
+        """Audio a zero-buffer listener still has queued at `now` if playback began with the first chunk
+        (None before it): the headroom before this stream runs dry."""
+        if self.timings.first_chunk is None:
+            return None
+        return self.timings.first_chunk + self.decoded * FRAME_SECONDS - now  # audio in the codec counts: it
+        # leaves within the codec call
 
     def emit(self, chunk: Chunk) -> None:
         now = chunk.sent_at

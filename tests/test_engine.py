@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -73,12 +75,39 @@ def test_greedy_engine_equals_model_generate(engine, model):
         np.testing.assert_allclose(col.audio, expected.audio, atol=1e-5, rtol=0)
 
 
-def test_first_chunk_is_one_frame_then_schedule(engine):
+class SimulatedClock:
+    """Engine time that advances `tick` seconds per reading: how fast the engine looks against playback."""
+
+    def __init__(self, tick: float):
+        self.now, self.tick = 1000.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+@pytest.fixture
+def clock(engine):
+    yield lambda tick: engine.set_clock(SimulatedClock(tick))
+    engine.set_clock(time.perf_counter)
+
+
+def test_ahead_of_playback_chunks_follow_the_schedule(engine, clock):
+    clock(1e-4)  # far faster than real time: every stream has plenty of headroom
     (stream, col), = run(engine, [(0, Request("Schedule.", speaker="aiden", max_frames=20, **GREEDY))])
     sizes = [c.frames for c in col.chunks if not c.final]
     assert sizes[:4] == [1, 2, 4, 8] and sum(sizes) == len(stream.codes)
     t = stream.timings
     assert t.submitted <= t.admitted <= t.prefilled <= t.first_frame <= t.first_chunk <= t.finished
+
+
+def test_short_of_headroom_frames_go_out_at_once_one_per_step(engine, clock):
+    """An engine slower than playback (0.3 s per clock reading) sends each frame as soon as it exists instead
+    of holding it back for a bigger chunk, and steps one frame at a time, the cheapest wait for the next."""
+    clock(0.3)
+    (stream, col), = run(engine, [(0, Request("Hurry up.", speaker="aiden", max_frames=12, **GREEDY))])
+    sizes = [c.frames for c in col.chunks if not c.final]
+    assert sizes == [1] * len(stream.codes)
 
 
 def test_seeded_request_same_alone_in_any_slot_and_beside_others(engine):
