@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LAT = (0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
@@ -25,33 +23,33 @@ class Metrics:
                                   "Audio buffered ahead of the listener when each chunk leaves (negative: late)",
                                   buckets=_HEAD, registry=r)
         self.audio_seconds = Counter("qtts_audio_seconds", "Seconds of audio sent", registry=r)
-        self.step = Histogram("qtts_step_seconds", "Engine step time per frame (all slots at once)", buckets=_STEP,
+        self.step = Histogram("qtts_step_seconds", "Engine step time per frame (all live streams at once)", buckets=_STEP,
                               registry=r)
-        Gauge("qtts_active_streams", "Streams holding a slot", registry=r).set_function(lambda: engine.active)
-        Gauge("qtts_slots", "Slots compiled into the engine", registry=r).set_function(lambda: engine.config.slots)
+        stats = engine.stats  # the engine's published snapshot: nothing here reads its internals
+        Gauge("qtts_active_streams", "Streams holding a slot", registry=r).set_function(lambda: stats().live)
+        Gauge("qtts_slots", "Slots compiled into the engine", registry=r).set_function(lambda: stats().slots)
         Gauge("qtts_slot_occupancy", "Fraction of slots in use", registry=r).set_function(
-            lambda: engine.active / engine.config.slots)
-        Gauge("qtts_queue_depth", "Requests waiting for a slot", registry=r).set_function(lambda: len(engine.queue))
+            lambda: stats().live / stats().slots)
+        Gauge("qtts_queue_depth", "Requests waiting for a slot", registry=r).set_function(lambda: stats().queued)
         Gauge("qtts_queue_oldest_wait_seconds", "Wait of the oldest queued request", registry=r).set_function(
-            lambda: _oldest_wait(engine))
+            lambda: stats().oldest_wait_s)
         Gauge("qtts_streams_open", "Client streams open in the server (incl. queued)", registry=r).set_function(
             lambda: len(scheduler.streams))
         Gauge("qtts_min_headroom_seconds", "Smallest buffer headroom among playing streams", registry=r).set_function(
             scheduler.min_headroom)
-        Gauge("qtts_step_seconds_recent", "Median engine step time per frame, recent window", registry=r).set_function(
-            scheduler.frame_seconds)
+        Gauge("qtts_iteration_seconds_recent", "Engine loop iteration time, recent average (EMA)",
+              registry=r).set_function(lambda: stats().iteration_s)
         Gauge("qtts_ready", "1 when accepting work", registry=r).set_function(lambda: float(scheduler.accepting))
-        self._steps_seen = 0
-        self._engine = engine
+        self._iterations_seen = 0
+        self._stats = stats
 
     def collect_steps(self) -> None:
         """Move new engine step samples into the histogram (called at scrape and per chunk)."""
-        e = self._engine
-        new = e.steps - self._steps_seen
-        if new > 0:
-            for s in list(e.step_seconds)[-min(new, len(e.step_seconds)):]:
-                self.step.observe(s)
-            self._steps_seen = e.steps
+        st = self._stats()
+        new = min(st.iterations - self._iterations_seen, len(st.recent_frame_s))
+        for s in st.recent_frame_s[len(st.recent_frame_s) - new:] if new > 0 else ():
+            self.step.observe(s)
+        self._iterations_seen = st.iterations
 
     def observe_first_chunk(self, timings) -> None:
         t = timings
@@ -63,8 +61,3 @@ class Metrics:
         for name, a, b in parts:
             if a is not None and b is not None:
                 self.ttfa_part.labels(name).observe(max(b - a, 0.0))
-
-
-def _oldest_wait(engine) -> float:
-    q = list(engine.queue)
-    return time.perf_counter() - q[0].timings.submitted if q else 0.0

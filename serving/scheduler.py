@@ -1,20 +1,19 @@
-"""Playback-aware admission: admit a request only if its first audio is predicted within the TTFA target
-and no admitted stream is predicted to run dry by more than the starvation budget.
+"""Admission from the engine's published costs: refuse only what would really miss.
 
-The prediction uses what the engine measures: its recent step time per frame (every slot advances in one
-batched step, so a frame costs the same for one stream or all), the prefill and first-chunk service times
-of recent requests, and the slots' occupancy (frames each live stream may still produce, up to its cap).
-When no slot is free the request's start is when the earliest slot frees, simulated through the queue
-ahead of it (each queued request holds a slot for its prefill + frame cap).
+The engine publishes a stats snapshot after every iteration (`qtts_jax.engine.EngineStats`): live streams,
+the queue, each stream's frames left, and the measured cost of an iteration per live-batch rung and step
+size, and of a prefill per batch of requests. A request is refused (429 + Retry-After) only if
 
-Each open stream has a playback deadline: playback starts when its first chunk leaves (zero-buffer
-player), and the deadline of a chunk is playback start + audio already sent. Headroom = deadline - now
-when a chunk leaves; negative headroom is a late chunk. Admission refuses work whose prefill stall would
-push a playing stream's headroom below -starvation.
+- its first audio is predicted later than the TTFA target: the rest of the iteration in progress, then the
+  wait for a free slot (each stream ahead frees its slot after its frames left), then one prefill of
+  everything waiting and one one-frame iteration at the larger batch; or
+- one more stream would let the engine fall behind playback: while requests keep arriving, every iteration
+  steps one frame (a newcomer's first chunk is one frame) and prefills, so that iteration must take less
+  than the 80 ms of audio it gives each stream, or every playing stream would drain (by more than the
+  `starvation_s` a stream may lose over the frames it has left).
 
-Ordering: the engine advances every admitted stream in every step (one batched call), so admitted
-streams never wait for each other; waiting requests are taken in arrival order, which is deadline order
-because every new request's deadline is its arrival + the TTFA target.
+Below both limits nothing is refused; an idle engine always admits (its costs are measured at start-up).
+Each open stream is also tracked here as the client hears it (headroom when each chunk leaves), for metrics.
 """
 
 from __future__ import annotations
@@ -23,12 +22,10 @@ import dataclasses
 import heapq
 import itertools
 import math
-import statistics
 import time
 
+from qtts_jax.stream import FRAME_SECONDS
 from serving.schemas import ApiError
-
-FRAME_SECONDS = 1920 / 24000  # audio per codec frame (80 ms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +33,6 @@ class AdmissionConfig:
     ttfa_target_s: float = 0.3
     starvation_s: float = 0.1
     max_queue: int | None = None  # waiting requests beyond the slots; None: as many as slots
-    frame_seconds_prior: float = 0.02  # step time per frame before any is measured
     warming_retry_after_s: int = 5
     draining_retry_after_s: int = 30
 
@@ -86,30 +82,15 @@ class Scheduler:
         self.ready = False
         self.draining = False
         self.streams: dict[int, StreamTrack] = {}
-        self._prefill = None  # EMA seconds: admitted -> prefilled
-        self._service = None  # EMA seconds: admitted -> first chunk
-
-    # ---- measurements -----------------------------------------------------------------------
+        self._service = None  # EMA seconds: admitted -> first chunk, as observed
 
     @property
     def accepting(self) -> bool:
         return self.ready and not self.draining
 
-    def frame_seconds(self) -> float:
-        recent = list(self.engine.step_seconds)[-64:]
-        return statistics.median(recent) if recent else self.config.frame_seconds_prior
-
-    def prefill_seconds(self) -> float:
-        return self._prefill if self._prefill is not None else 2 * self.frame_seconds()
-
-    def service_seconds(self) -> float:
-        """Admission to first chunk: prefill + first frame + first codec call."""
-        return self._service if self._service is not None else self.prefill_seconds() + 2 * self.frame_seconds()
-
     def observe(self, timings) -> None:
+        """A stream's first chunk left: its admission-to-first-chunk time corrects the predicted one."""
         t = timings
-        if t.admitted is not None and t.prefilled is not None:
-            self._prefill = _ema(self._prefill, t.prefilled - t.admitted)
         if t.admitted is not None and t.first_chunk is not None:
             self._service = _ema(self._service, t.first_chunk - t.admitted)
 
@@ -120,21 +101,23 @@ class Scheduler:
 
     # ---- admission --------------------------------------------------------------------------
 
-    def predict_start(self) -> float:
-        """Seconds until a request submitted now gets a slot."""
-        e, tf = self.engine, self.frame_seconds()
-        free_at = []
-        for s in list(e.slots):
-            if s is None:
-                free_at.append(0.0)
-            else:
-                left = 0 if s.lm_done else max(s.frames_cap - len(s.codes), 0)
-                free_at.append(left * tf)
+    def predict(self, st) -> tuple[float, float, float]:
+        """(seconds until a slot is free, predicted TTFA, seconds of one prefilling one-frame iteration with
+        this request added) for a request arriving now, from the engine snapshot `st`."""
+        batch = min(st.live + st.queued + 1, st.slots)
+        joining = st.prefill_cost(st.queued + 1) + st.step_cost(batch, 1)
+        # Frame time of the streams ahead: steady-state steps of several frames, unless the slots are full and
+        # requests wait; then each slot that frees takes a newcomer, and every iteration is a one-frame join.
+        frame_s = st.step_cost(st.live, st.frames_per_step) / st.frames_per_step
+        if st.live + st.queued >= st.slots:
+            frame_s = max(frame_s, st.prefill_cost(1) + st.step_cost(st.slots, 1))
+        free_at = [0.0] * (st.slots - st.live) + [left * frame_s for left in st.frames_left]
         heapq.heapify(free_at)
-        for q in list(e.queue):
-            start = heapq.heappop(free_at)
-            heapq.heappush(free_at, start + self.prefill_seconds() + q.prepared["cap"] * tf)
-        return free_at[0]
+        for cap in st.queued_frames:  # those ahead of it take slots first
+            heapq.heappush(free_at, heapq.heappop(free_at) + cap * frame_s)
+        start = free_at[0]
+        service = max(joining, self._service or 0.0)
+        return start, st.iteration_s + start + service, joining
 
     def admit(self) -> float:
         """Predicted TTFA in seconds, or raises ApiError 503/429 with a Retry-After."""
@@ -143,33 +126,23 @@ class Scheduler:
             raise ApiError(503, "not_ready", "the server is warming up", retry_after=c.warming_retry_after_s)
         if self.draining:
             raise ApiError(503, "draining", "the server is shutting down", retry_after=c.draining_retry_after_s)
-        e = self.engine
-        max_queue = e.config.slots if c.max_queue is None else c.max_queue
-        if len(e.queue) >= max_queue:
-            raise ApiError(429, "queue_full", f"{len(e.queue)} requests are already waiting",
-                           retry_after=self._retry(self.predict_start()))
-        tf = self.frame_seconds()
-        start = self.predict_start()
-        step_in_flight = e.config.frames_per_step * tf
-        ttfa = start + step_in_flight + self.service_seconds()
-        if not any(s is not None for s in e.slots) and not e.queue:
-            # Idle: nothing to protect, and this is the best service there is. Refusing on step times
-            # measured at a larger batch would keep them stale, and the server would refuse forever.
-            return ttfa
-        if tf >= FRAME_SECONDS:
-            raise ApiError(429, "overloaded", "the engine is slower than real time now",
-                           retry_after=self._retry(self.predict_start()))
+        st = self.engine.stats()
+        max_queue = st.slots if c.max_queue is None else c.max_queue
+        start, ttfa, joining = self.predict(st)
+        if st.queued >= max_queue:
+            raise ApiError(429, "queue_full", f"{st.queued} requests are already waiting",
+                           retry_after=self._retry(start))
+        if st.live == 0 and st.queued == 0:
+            return ttfa  # idle: nothing to protect, and this is the best service there is
+        # each such iteration eats its overrun out of every stream's headroom, once per frame a stream has left
+        overrun = joining - (FRAME_SECONDS - _KEEP_AHEAD_S)
+        if overrun > 0 and overrun * max(st.frames_left + st.queued_frames, default=1) > c.starvation_s:
+            raise ApiError(429, "overloaded", f"another stream would slow each engine iteration to "
+                           f"{joining * 1000:.0f} ms, longer than the {FRAME_SECONDS * 1000:.0f} ms of audio it "
+                           "makes: playing streams would run dry", retry_after=self._retry(start + joining))
         if ttfa > c.ttfa_target_s:
             raise ApiError(429, "overloaded", f"predicted first audio in {ttfa * 1000:.0f} ms exceeds the "
                            f"{c.ttfa_target_s * 1000:.0f} ms target", retry_after=self._retry(start))
-        # the new request's prefill stalls every playing stream for about one prefill
-        now = time.perf_counter()
-        stall = self.prefill_seconds() + tf
-        for s in self.streams.values():
-            b = s.buffered(now)
-            if b is not None and s.audio_sent < s.cap_frames * FRAME_SECONDS and b - stall < -c.starvation_s:
-                raise ApiError(429, "overloaded", "admitting now would starve a playing stream",
-                               retry_after=self._retry(stall))
         return ttfa
 
     @staticmethod
@@ -183,6 +156,9 @@ class Scheduler:
 
     def close(self, track: StreamTrack) -> None:
         self.streams.pop(track.key, None)
+
+
+_KEEP_AHEAD_S = 0.008  # an iteration must beat its audio by this much (host jitter, a scrape, a GC pause)
 
 
 def _ema(old, new, alpha=0.2):

@@ -1,0 +1,177 @@
+"""Admission against the engine's published costs: unit cases on a snapshot, then a simulated engine and clock
+under Poisson arrivals, below and above its capacity."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from qtts_jax.engine import EngineStats, rung
+from qtts_jax.stream import FRAME_SECONDS
+from serving.scheduler import AdmissionConfig, Scheduler
+from serving.schemas import ApiError
+
+LADDER = (8, 16, 32, 64)
+PREFILLS = (1, 2, 4, 8, 16, 32)
+
+
+def iteration_cost(rows: int, frames: int) -> float:
+    """The simulated engine: a fixed launch cost plus, per frame, a part that grows with the batch."""
+    return 0.010 + frames * (0.003 + 0.00025 * rung(LADDER, rows))
+
+
+def prefill_cost(requests: int) -> float:
+    return 0.004 + 0.0005 * rung(PREFILLS, requests)
+
+
+def snapshot(live=(), queued=(), slots=64, iteration_s=0.03, scale=1.0) -> EngineStats:
+    """live: frames left per stream in a slot; queued: frame caps of waiting requests."""
+    return EngineStats(
+        slots=slots, live=len(live), queued=len(queued), oldest_wait_s=0.0, frames_left=tuple(live),
+        queued_frames=tuple(queued), ladder=LADDER, prefill_sizes=PREFILLS, frames_per_step=4,
+        step_costs={(b, n): scale * iteration_cost(b, n) for b in LADDER for n in (1, 4)},
+        prefill_costs={r: scale * prefill_cost(r) for r in PREFILLS}, iteration_s=iteration_s,
+        min_headroom_s=None, iterations=1, recent_frame_s=(),
+    )
+
+
+class Snapshots:
+    def __init__(self, st):
+        self.st = st
+
+    def stats(self):
+        return self.st
+
+
+def ready_scheduler(st, **config) -> Scheduler:
+    sched = Scheduler(Snapshots(st), AdmissionConfig(**config))
+    sched.ready = True
+    return sched
+
+
+def test_not_ready_and_draining_are_503_with_retry_after():
+    sched = Scheduler(Snapshots(snapshot()), AdmissionConfig())
+    with pytest.raises(ApiError) as err:
+        sched.admit()
+    assert (err.value.status, err.value.code) == (503, "not_ready") and err.value.retry_after >= 1
+    sched.ready, sched.draining = True, True
+    with pytest.raises(ApiError) as err:
+        sched.admit()
+    assert (err.value.status, err.value.code) == (503, "draining") and err.value.retry_after >= 1
+
+
+def test_free_slot_admits_with_ttfa_of_one_prefill_and_one_frame():
+    st = snapshot(live=[40] * 10)
+    expected = st.iteration_s + prefill_cost(1) + iteration_cost(11, 1)
+    assert ready_scheduler(st).admit() == pytest.approx(expected)
+
+
+def test_burst_waiting_is_one_prefill_not_one_each():
+    """Twenty requests already waiting for free slots add one 32-request prefill to the prediction, not 20."""
+    st = snapshot(live=[40] * 10, queued=[48] * 20)
+    ttfa = ready_scheduler(st).admit()
+    assert ttfa == pytest.approx(st.iteration_s + prefill_cost(21) + iteration_cost(31, 1))
+    assert ttfa < 0.3
+
+
+def test_full_slots_wait_for_the_first_to_free_and_refuse_past_the_target():
+    per_frame = prefill_cost(1) + iteration_cost(64, 1)  # full slots: every iteration is a one-frame join
+    soon = snapshot(live=[3] + [40] * 63)  # one stream 3 frames from the end
+    assert ready_scheduler(soon).admit() == pytest.approx(
+        soon.iteration_s + 3 * per_frame + prefill_cost(1) + iteration_cost(64, 1))
+    late = snapshot(live=[40] * 64)
+    with pytest.raises(ApiError) as err:
+        ready_scheduler(late).admit()
+    assert (err.value.status, err.value.code) == (429, "overloaded") and err.value.retry_after >= 1
+    assert "target" in err.value.message
+
+
+def test_refuses_what_would_let_playing_streams_run_dry():
+    """An engine whose prefilling one-frame iteration outlasts a frame of audio (80 ms) refuses another stream,
+    even with free slots and a loose TTFA target; the same engine idle still admits."""
+    slow = snapshot(live=[40] * 4, scale=5.0)
+    assert slow.prefill_cost(1) + slow.step_cost(5, 1) > FRAME_SECONDS
+    with pytest.raises(ApiError) as err:
+        ready_scheduler(slow, ttfa_target_s=10.0).admit()
+    assert err.value.status == 429 and "run dry" in err.value.message
+    assert ready_scheduler(snapshot(scale=5.0), ttfa_target_s=0.05).admit() > 0.05  # idle: admitted anyway
+    assert ready_scheduler(slow, ttfa_target_s=10.0, starvation_s=1e9).admit() > 0  # no starvation limit
+
+
+def test_queue_full_is_429():
+    with pytest.raises(ApiError) as err:
+        ready_scheduler(snapshot(live=[5] * 64, queued=[48] * 4), max_queue=4, ttfa_target_s=10.0).admit()
+    assert (err.value.status, err.value.code) == (429, "queue_full")
+
+
+@dataclasses.dataclass
+class SimStream:
+    arrival: float
+    left: int
+    first_chunk: float | None = None
+    sent: int = 0
+    starved: float = 0.0
+
+
+def simulate(rate: float, seconds: float = 20.0, frames: int = 48, slots: int = 64, seed: int = 0) -> dict:
+    """Poisson arrivals against the scheduler and an engine loop in simulated time that follows the real
+    engine's rules: every waiting request that has a slot joins, prefilled together; one frame per step while
+    anyone has just joined, else the most frames that fit every stream's headroom; frames go out each
+    iteration; a zero-buffer listener per stream."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1 / rate, int(rate * seconds * 1.2)))
+    arrivals = list(arrivals[arrivals < seconds])
+    engine = Snapshots(None)
+    sched = Scheduler(engine, AdmissionConfig(ttfa_target_s=0.3, starvation_s=0.1))
+    sched.ready = True
+    t, last, queue, live, done, refused = 0.0, 0.03, [], [], [], 0
+    while arrivals or queue or live:
+        while arrivals and arrivals[0] <= t:
+            engine.st = snapshot([s.left for s in live], [s.left for s in queue], slots, last)
+            try:
+                sched.admit()
+                queue.append(SimStream(arrivals.pop(0), frames))
+            except ApiError as err:
+                assert err.status == 429 and err.retry_after >= 1
+                refused += 1
+                arrivals.pop(0)
+        joined = queue[: slots - len(live)]
+        queue = queue[len(joined):]
+        live += joined
+        if not live:
+            t = arrivals[0]
+            continue
+        n = 1
+        if not joined and all(s.first_chunk is not None for s in live):
+            budget = min(s.first_chunk + s.sent * FRAME_SECONDS - t for s in live) - 0.02
+            n = 4 if iteration_cost(len(live), 4) <= budget else 1
+        last = (prefill_cost(len(joined)) if joined else 0.0) + iteration_cost(len(live), n)
+        t += last
+        for s in live:
+            got = min(n, s.left)
+            if s.first_chunk is None:
+                s.first_chunk = t
+            else:
+                s.starved += max(0.0, t - (s.first_chunk + s.sent * FRAME_SECONDS))
+            s.sent += got
+            s.left -= got
+        done += [s for s in live if s.left == 0]
+        live = [s for s in live if s.left > 0]
+    ttfa = np.array([s.first_chunk - s.arrival for s in done])
+    return {"admitted": len(done), "refused": refused, "ttfa_p95": float(np.percentile(ttfa, 95)),
+            "starved_max": max(s.starved for s in done)}
+
+
+def test_below_capacity_nothing_is_refused_and_nothing_starves():
+    for rate in (5, 15, 25):
+        got = simulate(rate)
+        assert got["refused"] == 0, (rate, got)
+        assert got["starved_max"] == 0.0 and got["ttfa_p95"] <= 0.3, (rate, got)
+
+
+def test_above_capacity_refuses_and_keeps_admitted_streams_playing():
+    got = simulate(150)
+    assert got["refused"] > 0.3 * (got["refused"] + got["admitted"]), got
+    assert got["starved_max"] <= 0.1 and got["ttfa_p95"] <= 0.3, got
