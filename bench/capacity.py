@@ -1,18 +1,28 @@
-"""Capacity study on the GPU without the notebook toolchain: a batched and a serialised local server of the
-same model, each swept in closed loop with the studies library, side by side in one JSON.
+"""Capacity of one server in one command: closed loop (N in flight) and Poisson open loop (R requests/s), with
+the time the server took to be ready (and, with --restart, to be ready again from its compilation cache),
+optionally beside a serialised server; one JSON and one Markdown table.
 
 Same method and library as `qtts-jax study capacity` (SLOs, zero-buffer starvation, safe capacity, fleet),
 with JSON instead of the HTML report: the GPU machine has no papermill/nbconvert. Random weights force
-frame counts via ``max_frames``.
+frame counts via ``max_frames``. Defaults are the issue-11 settings: 0.6B shape, bf16, context 512, 48 frames
+(3.84 s) per request, voice-agent corpus, max(60, 2 x load) measured requests per condition.
 
-    python bench/capacity.py --model 0.6b --slots 64 --loads 1,2,4,8,16,32,64 --serialised-loads 1,2,4 \
-        --out runs/capacity-0.6b
+    python bench/capacity.py --model 0.6b --slots 256 --loads 1,16,64,128,256 --rates 10,20,40,60,80 \
+        --no-serialised --restart --out runs/capacity-0.6b-256
+
+The first start compiles into a fresh cache under --out (unless --compile-cache says otherwise), so
+`startup_s` is a cold start and `restart_s` one from the cache. CPU smoke run:
+
+    python bench/capacity.py --model tiny-random --dtype float32 --slots 2 --context 256 --frames-per-step 1 \
+        --loads 1,2 --rates 2 --requests 4 --max-frames 12 --no-serialised --restart --out runs/capacity-smoke
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -21,55 +31,123 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from studies.corpora import load_corpus  # noqa: E402
 from studies.fleet import fleet_size  # noqa: E402
+from studies.load import wait_ready  # noqa: E402
 from studies.server import local_server  # noqa: E402
-from studies.slo import SLO  # noqa: E402
-from studies.sweep import sweep  # noqa: E402
+from studies.slo import SLO, safe_capacity  # noqa: E402
+from studies.sweep import run_sync, sweep  # noqa: E402
+
+READY_LINE = re.compile(r"ready after ([\d.]+) s \(slots=(\d+); (.*)\)")
+COLUMNS = ("success_rate", "rejected_429", "ttfa_p50_ms", "ttfa_p95_ms", "starvation_p95_ms", "underruns_mean",
+           "throughput_rps", "audio_s_per_s")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="0.6b")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--slots", type=int, default=64)
-    p.add_argument("--context", type=int, default=512)
-    p.add_argument("--frames-per-step", type=int, default=4)
-    p.add_argument("--loads", default="1,2,4,8,16,32,64")
-    p.add_argument("--serialised-loads", default="1,2,4")
-    p.add_argument("--requests", type=int, default=60)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--max-frames", type=int, default=48)
-    p.add_argument("--target", type=float, default=100.0)
-    p.add_argument("--price-per-hour", type=float, default=3.5)
-    p.add_argument("--out", required=True, help="directory: one sub-directory of records per server, summary.json")
-    args = p.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+def numbers(text: str) -> list[float]:
+    """Comma-separated loads, e.g. "1,16,64"; an empty string is none (that mode is skipped)."""
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def start(args, out: Path, name: str, serialised: bool):
+    """A local server with this run's settings; its log goes to out/server-<name>.log."""
+    extra = ("--dtype", args.dtype, "--compile-cache", args.compile_cache or str(out / "xla"))
+    return local_server(args.model, slots=args.slots, context=args.context, frames_per_step=args.frames_per_step,
+                        serialised=serialised, log_path=out / f"server-{name}.log",
+                        ready_timeout_s=args.ready_timeout_s, extra_args=extra)
+
+
+def server_log(path: Path) -> dict:
+    """The server's own "ready after" line: its warm-up seconds, slots and what came from the compile cache."""
+    found = READY_LINE.search(path.read_text())
+    if not found:
+        return {}
+    return {"warmup_s": float(found[1]), "slots": int(found[2]), "compile_cache": found[3]}
+
+
+def measure(args, out: Path, name: str, serialised: bool, modes: dict[str, list[float]]) -> dict:
+    """Starts the server, sweeps each mode's loads (one condition each, max(60, 2 x load) requests unless
+    --requests), stops it; with --restart starts it once more and times that start."""
     prompts = load_corpus("voice_agent")
     options = {"voice": "ryan", "seed": 0, "max_frames": args.max_frames, "chunk_schedule": [1, 2, 4]}
     slo = SLO()
-    result = {"model": args.model, "dtype": args.dtype, "max_frames": args.max_frames, "servers": {}}
-    for name, serialised, loads in (("batched", False, args.loads), ("serialised", True, args.serialised_loads)):
+    t0 = time.perf_counter()
+    with start(args, out, name, serialised) as url:
+        result = {"startup_s": round(time.perf_counter() - t0, 1), "slots": run_sync(wait_ready(url))["slots"]}
+        for mode, loads in modes.items():
+            conditions = []
+            for load in loads:
+                requests = args.requests or max(60, math.ceil(2 * load))
+                summary = sweep(url, mode, [load], requests, prompts, out / name / f"{mode}-{load:g}",
+                                options=options, warmup=args.warmup, slo=slo)
+                (c,) = summary["conditions"]
+                conditions.append(c)
+                print(name, json.dumps({"condition": c["condition"], **{k: c[k] for k in COLUMNS},
+                                        "safe": c["slo"]["safe"]}, default=float), flush=True)
+            safe = safe_capacity(conditions, slo)
+            result[mode] = {"safe_capacity": safe, "conditions": conditions,
+                            "fleet": fleet_size(safe, args.target, args.price_per_hour) if safe else None}
+    result["server_log"] = server_log(out / f"server-{name}.log")
+    if args.restart:
         t0 = time.perf_counter()
-        extra = ("--dtype", args.dtype)
-        with local_server(args.model, slots=args.slots, context=args.context, frames_per_step=args.frames_per_step,
-                          serialised=serialised, log_path=out / f"server-{name}.log", ready_timeout_s=600,
-                          extra_args=extra) as url:
-            started = time.perf_counter() - t0
-            summary = sweep(url, "closed", [float(x) for x in loads.split(",")], args.requests, prompts,
-                            out / name, options=options, warmup=args.warmup, slo=slo)
-        safe = summary["safe_capacity"]
-        result["servers"][name] = {
-            "slots": 1 if serialised else args.slots, "startup_s": round(started, 1),
-            "safe_capacity": safe,
-            "fleet": fleet_size(safe, args.target, args.price_per_hour) if safe else None,
-            "conditions": [{k: c[k] for k in c if k != "per_request"} for c in summary["conditions"]],
-        }
+        with start(args, out, f"{name}-restart", serialised):
+            result["restart_s"] = round(time.perf_counter() - t0, 1)
+        result["restart_log"] = server_log(out / f"server-{name}-restart.log")
+    return result
+
+
+def table(servers: dict) -> str:
+    """The README/issue table: one row per condition."""
+    rows = ["| server | load | success | TTFA p50 / p95 ms | starvation p95 ms | underruns per stream | audio s/s "
+            "| safe |", "|---|---|---|---|---|---|---|---|"]
+    for name, s in servers.items():
+        server = f"{name} ({s['slots']} slot{'s' if s['slots'] != 1 else ''})"
+        for mode in ("closed", "open-poisson"):
+            for c in s.get(mode, {}).get("conditions", []):
+                load = f"closed {c['load']:g}" if mode == "closed" else f"Poisson {c['load']:g} rps"
+                failed = [k for k, ok in c["slo"].items() if k != "safe" and not ok]
+                rows.append(f"| {server} | {load} | {c['success_rate']:.0%} | "
+                            f"{c['ttfa_p50_ms']:.0f} / {c['ttfa_p95_ms']:.0f} | {c['starvation_p95_ms']:.0f} | "
+                            f"{c['underruns_mean']:.1f} | {c['audio_s_per_s']:.1f} | "
+                            f"{'yes' if not failed else 'no (' + ', '.join(failed) + ')'} |")
+    starts = [f"{name}: ready {s['startup_s']} s after start" + (f", {s['restart_s']} s on restart"
+                                                                  if "restart_s" in s else "")
+              for name, s in servers.items()]
+    return "\n".join(rows + ["", "; ".join(starts)]) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="0.6b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--slots", default="256", help="a count or auto (as many as fit in free device memory)")
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--frames-per-step", type=int, default=4)
+    p.add_argument("--loads", default="1,16,64,128,256", help="closed loop: requests in flight ('' to skip)")
+    p.add_argument("--rates", default="10,20,40,60,80", help="Poisson open loop: requests/s ('' to skip)")
+    p.add_argument("--serialised-loads", default="1,2,4", help="closed loop on the serialised server")
+    p.add_argument("--no-serialised", action="store_true", help="skip the serialised server")
+    p.add_argument("--requests", type=int, help="measured requests per condition (default max(60, 2 x load))")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests at the start of each condition")
+    p.add_argument("--max-frames", type=int, default=48)
+    p.add_argument("--restart", action="store_true", help="stop and start each server once more; time that start")
+    p.add_argument("--compile-cache", help="the servers' compilation cache (default: a fresh one under --out, so "
+                                           "the first start is cold; 'default' for the user's cache; 'off')")
+    p.add_argument("--ready-timeout-s", type=float, default=900)
+    p.add_argument("--target", type=float, default=100.0, help="fleet sizing: streams to serve")
+    p.add_argument("--price-per-hour", type=float, default=3.5)
+    p.add_argument("--out", required=True, help="directory: records per condition, server logs, summary.json, "
+                                                "table.md")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"model": args.model, "dtype": args.dtype, "context": args.context, "max_frames": args.max_frames,
+              "frames_per_step": args.frames_per_step, "slots_asked": args.slots, "servers": {}}
+    runs = [("batched", False, {"closed": numbers(args.loads), "open-poisson": numbers(args.rates)})]
+    if not args.no_serialised:
+        runs.append(("serialised", True, {"closed": numbers(args.serialised_loads)}))
+    for name, serialised, modes in runs:
+        result["servers"][name] = measure(args, out, name, serialised, {m: v for m, v in modes.items() if v})
         (out / "summary.json").write_text(json.dumps(result, indent=2, default=float))
-        print(name, "safe capacity:", safe, flush=True)
-        for c in summary["conditions"]:
-            print(json.dumps({k: c.get(k) for k in ("condition", "success_rate", "ttfa_p50_ms", "ttfa_p95_ms",
-                                                     "starvation_p95_ms", "throughput_rps", "audio_s_per_s", "slo")}, default=float),
-                  flush=True)
+    (out / "table.md").write_text(table(result["servers"]))
+    print(table(result["servers"]), flush=True)
 
 
 if __name__ == "__main__":
