@@ -1,8 +1,9 @@
 """GPU benchmark of the streaming engine at the real 0.6B / 1.7B shapes (random weights, bf16).
 
-For each live-slot count: per-frame LM step time (every slot advancing), codec time per chunk,
-audio seconds produced per wall second, memory at rest and per slot, and first-PCM latency of a new
-request on an idle engine and beside N live streams (queue / prefill / first frame / first chunk).
+For each engine size: the iteration cost per live-batch rung as the warm-up measures it (step + codec),
+first PCM of a burst of arrivals and of a newcomer on an idle engine and beside N live streams (queue /
+prefill / first frame / first chunk), steady-state audio seconds per wall second with every slot live,
+memory at rest and per slot, and the compiled step's instructions of the whole KV cache's shape (copies).
 EOS is made unreachable (its id moved outside the vocabulary) so every stream runs its forced frame
 count. Writes JSON.
 
@@ -37,11 +38,7 @@ from qtts_jax.model import load_model  # noqa: E402
 from qtts_jax.request import Request, VoicePrompt  # noqa: E402
 from qtts_jax.speaker.ecapa import speaker_embedding  # noqa: E402
 
-SECONDS_PER_FRAME = 1920 / 24000
-# Weight bytes read per frame at batch 1 in bf16 (architecture note §5): the bandwidth floor.
-WEIGHT_GB_PER_FRAME = {"0.6b": 3.31, "1.7b": 5.32, "tiny-random": 0.0}
 MODELS = ("0.6b", "1.7b", "tiny-random", "0.6b-base", "1.7b-base", "tiny-random-base")
-HBM_TB_S = 4.8
 
 
 def device_bytes() -> int | None:
@@ -77,7 +74,30 @@ def default_voice(model) -> VoicePrompt | None:
     return VoicePrompt(np.random.default_rng(0).standard_normal(model.cfg.talker.hidden_size).astype(np.float32))
 
 
+def full_cache_ops(engine: Engine, rows: int, frames: int) -> dict:
+    """Instructions of the compiled step (for `rows` live rows) whose result has the whole KV cache's shape,
+    by opcode. In-place updates (scatter, dynamic-update-slice, the loop's own tuple plumbing) are expected;
+    a copy, transpose or loop fusion of that shape is a per-call copy of the whole cache."""
+    import re
+
+    k = engine.state.cache.k
+    shape = f"{jnp.dtype(k.dtype).name.replace('bfloat16', 'bf16').replace('float32', 'f32')}[{','.join(map(str, k.shape))}]"
+    text = engine._program("step", rows, frames).as_text()
+    ops: dict[str, int] = {}
+    for line in text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (\S+?)(?:\{[^}]*\})? ([\w\-]+)\(", line)
+        if m and m.group(1) == shape:
+            kind = re.search(r"kind=(\w+)", line)
+            op = m.group(2) + (f":{kind.group(1)}" if kind else "")
+            ops[op] = ops.get(op, 0) + 1
+    copies = sum(v for o, v in ops.items() if o in ("copy", "transpose") or o.startswith("fusion:kLoop"))
+    return {"cache_shape": shape, "ops": ops, "copies": copies}
+
+
 def bench_slots(model, slots: int, args) -> dict:
+    """One engine of `slots` slots: compile time, the warm-up's measured iteration cost per live-batch rung,
+    first PCM idle and beside live streams, steady-state throughput with every slot live, memory, and the
+    compiled step's full-cache copies."""
     config = EngineConfig(
         slots=slots, context=args.context, prompt_buckets=(64,), max_trailing=32,
         frames_per_step=args.frames_per_step, frames_cap_base=args.context, sampler=args.sampler,
@@ -91,59 +111,49 @@ def bench_slots(model, slots: int, args) -> dict:
     compile_s = time.perf_counter() - t0
     frames = args.context - 64 - 8
     voice = default_voice(model)
+    ttfa_idle = [first_pcm(engine, long_request(k, 8, voice), to_the_end=True) for k in range(3)][-1]
 
-    # first PCM of a request on an idle engine
-    ttfa_idle = first_pcm(engine, long_request(0, 8, voice))
-
-    # fill every slot but one with long streams, let them reach steady state, then time a newcomer
+    # a burst: slots-1 requests at once, then a newcomer beside them once they play
     sink = lambda chunk: None  # noqa: E731
-    for i in range(slots - 1):
-        engine.submit(long_request(i + 1, frames, voice), sink)
-    for _ in range(3):
+    burst = [engine.submit(long_request(i + 1, frames, voice), sink) for i in range(slots - 1)]
+    t0 = time.perf_counter()
+    while any(s.timings.first_chunk is None for s in burst):
+        engine.run_once()
+    burst_first = sorted((s.timings.first_chunk - s.timings.submitted) * 1e3 for s in burst) or [0.0]
+    for _ in range(8):
         engine.run_once()
     ttfa_loaded = first_pcm(engine, long_request(slots, frames, voice)) if slots > 1 else ttfa_idle
 
-    # every slot live with a long stream, past its first chunks: steady state
-    i = slots + 1
-    while engine.active < slots or engine.queue:
-        engine.submit(long_request(i, frames, voice), sink)
-        engine.run_once()
-        i += 1
+    # steady state with every slot live: audio handed out per wall second
+    audio = [0]
+
+    def count(chunk):
+        audio[0] += len(chunk.pcm)
+
+    for s in engine.slots:
+        if s is not None:
+            s.on_chunk = count
     for _ in range(4):
         engine.run_once()
-
-    # device time of the LM step with every slot live, and of a codec chunk for every slot
-    live = np.ones(slots, bool)
-    n = args.frames_per_step
-
-    def lm_step():
-        engine.state, out = engine._step(model.params, engine.state, live, n=n)
-        return out
-
-    step_s = statistics.median(timed(lm_step, args.repeats)) / n
-    codes = np.zeros((slots, n, model.cfg.num_code_groups), np.int32)
-
-    def codec():
-        audio, engine.codec_state = engine._codec(model.codec_params, engine.codec_state, codes, live)
-        return audio
-
-    codec_s = statistics.median(timed(codec, args.repeats))
-    loop_s = statistics.median(timed(lambda: engine.run_once(), args.repeats))
-    per_frame_total = step_s + codec_s / n
-    floor_ms = WEIGHT_GB_PER_FRAME[args.model.removesuffix("-base")] / HBM_TB_S
+    audio[0] = 0
+    t0 = time.perf_counter()
+    iterations = 0
+    while time.perf_counter() - t0 < args.steady_s and engine.active == slots:
+        engine.run_once()
+        iterations += 1
+    wall = time.perf_counter() - t0
+    costs = {f"{b}x{n}": round(v * 1e3, 2) for (b, n), v in sorted(engine.step_costs.items())}
     row = {
         "slots": slots,
         "compile_s": round(compile_s, 1),
-        "lm_ms_per_frame": round(step_s * 1e3, 3),
-        "codec_ms_per_chunk": round(codec_s * 1e3, 3),
-        "codec_chunk_frames": n,
-        "lm_plus_codec_ms_per_frame": round(per_frame_total * 1e3, 3),
-        "engine_loop_ms_per_call": round(loop_s * 1e3, 3),
-        "audio_s_per_wall_s": round(slots * SECONDS_PER_FRAME / per_frame_total, 1),
-        "realtime_factor_per_stream": round(SECONDS_PER_FRAME / per_frame_total, 2),
-        "weight_bandwidth_floor_ms_per_frame": round(floor_ms, 3),
+        "iteration_ms_by_rows_x_frames": costs,
+        "prefill_ms_by_requests": {r: round(v * 1e3, 2) for r, v in sorted(engine.prefill_costs.items())},
+        "steady_audio_s_per_wall_s": round(audio[0] / 24000 / wall, 1),
+        "steady_ms_per_iteration": round(wall / max(iterations, 1) * 1e3, 2),
+        "burst_first_pcm_ms_p50_p95_max": [round(float(np.percentile(burst_first, q)), 1) for q in (50, 95, 100)],
         "ttfa_idle_ms": ttfa_idle,
         "ttfa_beside_live_ms": ttfa_loaded,
+        "full_cache_ops_in_step": {n: full_cache_ops(engine, slots, n) for n in config.step_sizes},
         "memory_state_bytes": None if before is None else at_rest - before,
         "memory_bytes_per_slot": None if before is None else (at_rest - before) / slots,
     }
@@ -239,6 +249,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--frames-per-step", type=int, default=4)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--steady-s", type=float, default=5.0, help="seconds of steady state timed per engine")
     p.add_argument("--sampler", choices=["jnp", "pallas", "auto"], default="auto")
     p.add_argument("--out", required=True)
     args = p.parse_args()
