@@ -25,10 +25,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def local_server(model: str = "tiny-random", slots: int = 4, context: int = 256, frames_per_step: int = 1,
+def local_server(model: str = "tiny-random", slots: int | str = 4, context: int = 256, frames_per_step: int = 1,
                  serialised: bool = False, log_path: str | Path | None = None, ready_timeout_s: float = 300.0,
                  extra_args: tuple[str, ...] = ()):
-    """Yields the base URL of a ready server on 127.0.0.1; SIGTERM (then kill) on exit."""
+    """Yields the base URL of a ready server on 127.0.0.1; SIGTERM (then kill) on exit. `slots` may be "auto"."""
     port = free_port()
     args = [sys.executable, "-m", "qtts_jax.cli", "serve", "--model", model, "--host", "127.0.0.1",
             "--port", str(port), "--slots", str(1 if serialised else slots), "--context", str(context),
