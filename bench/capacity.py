@@ -37,6 +37,7 @@ from studies.slo import SLO, safe_capacity  # noqa: E402
 from studies.sweep import run_sync, sweep  # noqa: E402
 
 READY_LINE = re.compile(r"ready after ([\d.]+) s \(slots=(\d+); (.*)\)")
+SIZING_LINE = re.compile(r"slots: \d+ \((.*)\)")
 COLUMNS = ("success_rate", "rejected_429", "ttfa_p50_ms", "ttfa_p95_ms", "starvation_p95_ms", "underruns_mean",
            "throughput_rps", "audio_s_per_s")
 
@@ -55,11 +56,12 @@ def start(args, out: Path, name: str, serialised: bool):
 
 
 def server_log(path: Path) -> dict:
-    """The server's own "ready after" line: its warm-up seconds, slots and what came from the compile cache."""
-    found = READY_LINE.search(path.read_text())
-    if not found:
-        return {}
-    return {"warmup_s": float(found[1]), "slots": int(found[2]), "compile_cache": found[3]}
+    """The server's own log lines: how its slots were sized, and at "ready after" its warm-up seconds, slots
+    and what came from the compilation cache."""
+    text = path.read_text()
+    sizing, ready = SIZING_LINE.search(text), READY_LINE.search(text)
+    return {"sizing": sizing and sizing[1], "warmup_s": ready and float(ready[1]), "slots": ready and int(ready[2]),
+            "compile_cache": ready and ready[3]}
 
 
 def measure(args, out: Path, name: str, serialised: bool, modes: dict[str, list[float]]) -> dict:
