@@ -255,9 +255,13 @@ class Engine:
         self._iteration_s = 0.0
 
     def stats(self) -> EngineStats:
-        """The latest published snapshot (safe from any thread)."""
+        """The latest published snapshot, with the queue as it is now: requests submitted since the last
+        iteration count at once, so a burst is judged request by request (safe from any thread)."""
         with self._lock:
-            return self._stats
+            queued = list(self.queue)
+            return dataclasses.replace(
+                self._stats, queued=len(queued), queued_frames=tuple(s.prepared["cap"] for s in queued),
+                oldest_wait_s=self.clock() - queued[0].timings.submitted if queued else 0.0)
 
     def run_once(self) -> bool:
         """One loop iteration (see the module docstring). False when there is nothing to do."""
