@@ -289,7 +289,7 @@ def openapi_document(app) -> dict:
     err = {"description": "JSON error naming the field", "content": {"application/json": {"schema": {
         "type": "object", "properties": {"error": {"type": "object", "properties": {
             "message": {"type": "string"}, "type": {"type": "string"}, "code": {"type": "string"},
-            "param": {"type": ["string", "null"]}}}}}}}}
+            "param": {"type": "string", "nullable": True}}}}}}}}
     audio = {ct: {"schema": {"type": "string", "format": "binary"}} for ct in sorted(set(CONTENT_TYPES.values()))}
     audio["text/event-stream"] = {"schema": {"type": "string"}}
     simple = {"200": {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 from qtts_jax.request import Request, RequestError
@@ -36,12 +37,26 @@ class ApiError(Exception):
 
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-                409: "invalid_request_error",
+                408: "invalid_request_error", 409: "invalid_request_error",
                 413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 
 
 def bad(field: str | None, message: str, code: str = "invalid_value") -> ApiError:
     return ApiError(400, code, f"{field}: {message}" if field else message, field)
+
+
+# C0/C1 controls and DEL, except tab, line feed and carriage return; surrogates left unpaired by JSON "\ud800"
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def check_text(field: str, text: str) -> str:
+    """Refuse text that no tokenizer or UTF-8 encoder should see: lone surrogates and control characters."""
+    if _SURROGATE.search(text):
+        raise bad(field, "contains an unpaired UTF-16 surrogate: not valid Unicode text", "invalid_text")
+    if m := _CONTROL.search(text):
+        raise bad(field, f"must not contain control characters (found U+{ord(m.group()):04X})", "invalid_text")
+    return text
 
 
 def from_request_error(exc: RequestError) -> ApiError:
@@ -74,8 +89,10 @@ class Field:
             out = {"type": self.kind}
         if self.enum is not None:
             out["enum"] = list(self.enum)
-        if self.minimum is not None:
-            out["exclusiveMinimum" if self.exclusive_minimum else "minimum"] = self.minimum
+        if self.minimum is not None:  # OpenAPI 3.0 (JSON Schema draft 5): exclusiveMinimum is a flag on minimum
+            out["minimum"] = self.minimum
+            if self.exclusive_minimum:
+                out["exclusiveMinimum"] = True
         if self.maximum is not None:
             out["maximum"] = self.maximum
         if self.max_length is not None:
@@ -119,8 +136,7 @@ def _check(name: str, f: Field, v: Any) -> Any:
     if f.kind == "string":
         if not isinstance(v, str):
             raise bad(name, "must be a string", "invalid_type")
-        if "\x00" in v:
-            raise bad(name, "must not contain NUL characters")
+        check_text(name, v)
         if f.max_length is not None and len(v) > f.max_length:
             raise bad(name, f"must be at most {f.max_length} characters", "too_long")
     elif f.kind == "boolean":
@@ -142,6 +158,7 @@ def _check(name: str, f: Field, v: Any) -> Any:
             v = v["id"]
         if not isinstance(v, str) or not v or len(v) > 64:
             raise bad(name, "must be a voice name (1-64 characters) or {\"id\": name}", "invalid_type")
+        check_text(name, v)
     elif f.kind == "schedule":
         if not isinstance(v, list) or not 1 <= len(v) <= 16 or any(
                 isinstance(x, bool) or not isinstance(x, int) for x in v):
