@@ -121,15 +121,29 @@ def decode_audio(data: bytes, max_seconds: float = 30.0) -> tuple[np.ndarray, in
     return np.concatenate(parts).astype(np.float32, copy=False), int(rate)
 
 
+def decode_base64_audio(s: str) -> bytes:
+    """Base64 or a ``data:audio/...;base64,`` URL -> file bytes. Never opens a file: this is all a server
+    may accept as text from a client (a path is for the CLI and the Python API only)."""
+    if s.startswith("data:"):
+        s = s.split(",", 1)[-1]
+    try:
+        return base64.b64decode("".join(s.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError(FIELD, "is not valid base64 (plain, or in a data: URL)") from None
+
+
 def _from_text(s: str) -> bytes:
     """A data URL, an existing file's path, or base64 (the alphabet includes '/', so try the path first)."""
     if s.startswith("data:"):
-        return _from_base64(s.split(",", 1)[-1])
+        return decode_base64_audio(s)
     if _is_file(s):
         return _read_file(Path(s))
     if len(s) < 256 and not s.rstrip("=").isalnum():
         raise RequestError(FIELD, f"file {s} does not exist")
-    return _from_base64(s)
+    try:
+        return decode_base64_audio(s)
+    except RequestError:
+        raise RequestError(FIELD, "is neither an existing file nor valid base64") from None
 
 
 def _is_file(s: str) -> bool:
@@ -137,13 +151,6 @@ def _is_file(s: str) -> bool:
         return Path(s).is_file()
     except (OSError, ValueError):  # too long for a path, or NUL bytes
         return False
-
-
-def _from_base64(s: str) -> bytes:
-    try:
-        return base64.b64decode("".join(s.split()), validate=True)
-    except (binascii.Error, ValueError):
-        raise RequestError(FIELD, "is neither an existing file nor valid base64") from None
 
 
 def _read_file(path: Path) -> bytes:

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import re
 import time
 
-from aiohttp import web
+from aiohttp import BodyPartReader, hdrs, web
+from aiohttp.multipart import parse_content_disposition
 
-from qtts_jax.reference_audio import AudioLimits, load_reference_audio
+from qtts_jax.reference_audio import AudioLimits, decode_base64_audio, load_reference_audio
 from qtts_jax.request import Request, RequestError
 from serving import app as app_mod
-from serving.schemas import ApiError, bad, from_request_error
+from serving.schemas import ApiError, bad, check_text, from_request_error
 from serving.voices import NAME, Voice
 
 TEXT_FIELDS = {"name": 64, "transcript": 4096, "consent": 1000, "xvector_only": 8, "trailing_silence_ms": 8,
@@ -28,7 +30,8 @@ FORM_SCHEMA = {
         "name": {"type": "string", "pattern": NAME.pattern, "description": "Voice name (lowercase) for `voice`"},
         "audio": {"type": "string", "format": "binary",
                   "description": "Recording (WAV/FLAC/MP3/OGG, 1-30 s) as a file part, or base64 / a data: URL "
-                                 "as a plain field"},
+                                 "as a plain field; file paths are refused (the server opens no file a client "
+                                 "names)"},
         "transcript": {"type": "string", "description": "What the recording says: enables ICL cloning"},
         "consent": {"type": "string", "description": "Consent note stored with the voice"},
         "xvector_only": {"type": "boolean", "description": "Clone from the speaker embedding only"},
@@ -38,6 +41,9 @@ FORM_SCHEMA = {
     },
 }
 REGISTRATION = web.AppKey("voice_registration", asyncio.Lock)
+_BASE64 = re.compile(r"[A-Za-z0-9+/=\s]*")
+# what a path looks like: absolute, home, relative, file: URL, Windows drive or separator, or a file extension
+_PATH = re.compile(r"^(/|~|\.\.?/|file:|[A-Za-z]:)|\\|\.[A-Za-z0-9]{1,5}\s*$")
 
 
 def setup(app: web.Application) -> None:
@@ -104,7 +110,7 @@ async def register(request: web.Request) -> web.Response:
     return web.json_response(v.describe(), status=201, headers={"Location": f"/v1/audio/voices/{name}"})
 
 
-def _clone(app, audio: bytes | str, transcript, xvector_only, silence_ms, limits):
+def _clone(app, audio: bytes, transcript, xvector_only, silence_ms, limits):
     """Off the event loop: decode, encode, check the prompt fits, prime the codec state (ICL)."""
     model, engine = app[app_mod.MODEL], app[app_mod.ENGINE]
     ref = load_reference_audio(audio, limits)
@@ -145,27 +151,45 @@ async def _read_form(request: web.Request, max_audio_bytes: int) -> dict:
         reader = await request.multipart()
         form: dict = {}
         while (part := await reader.next()) is not None:
+            if not isinstance(part, BodyPartReader):
+                name = parse_content_disposition(part.headers.get(hdrs.CONTENT_DISPOSITION))[1].get("name")
+                raise bad(name or "body", "must be a single part, not a nested multipart", "invalid_body")
             field = part.name or ""
             if field in form:
                 raise bad(field, "is given twice", "duplicate_field")
             if field == "audio":
                 data = await _read_part(part, max_audio_bytes, field)
                 # a file part is the recording's bytes; a plain field is base64 or a data: URL of it
-                form["audio"] = data if part.filename is not None else data.decode("ascii", "replace").strip()
+                form["audio"] = data if part.filename is not None else _audio_from_text(data)
             elif field in TEXT_FIELDS:
                 raw = await _read_part(part, TEXT_FIELDS[field] * 4, field)
                 try:
                     form[field] = raw.decode("utf-8")
                 except UnicodeDecodeError:
                     raise bad(field, "must be UTF-8 text") from None
-                if len(form[field]) > TEXT_FIELDS[field] or "\x00" in form[field]:
-                    raise bad(field, f"must be at most {TEXT_FIELDS[field]} characters without NUL", "too_long")
+                if len(form[field]) > TEXT_FIELDS[field]:
+                    raise bad(field, f"must be at most {TEXT_FIELDS[field]} characters", "too_long")
+                check_text(field, form[field])
             else:
                 raise bad(field[:64] or '""', f"unknown field; expected audio or one of {sorted(TEXT_FIELDS)}",
                           "unknown_field")
     except (ValueError, AssertionError) as exc:  # malformed multipart framing
         raise bad("body", f"is not a valid multipart form ({str(exc)[:100]})", "invalid_body") from None
     return form
+
+
+def _audio_from_text(data: bytes) -> bytes:
+    """A plain `audio` field: base64 or a data: URL, decoded here, so the decoder only ever sees bytes. Text
+    that looks like a path is refused as such, without looking at the file system (whether it exists or not)."""
+    text = data.decode("ascii", "replace").strip()
+    long_base64 = len(text) >= 256 and _BASE64.fullmatch(text)  # an MP3's base64 starts with '//'
+    if not text.startswith("data:") and not long_base64 and _PATH.search(text):
+        raise bad("audio", "file paths are not accepted: send the recording's bytes as a file part "
+                           "(curl -F audio=@voice.wav), base64 or a data: URL", "path_not_accepted")
+    try:
+        return decode_base64_audio(text)
+    except RequestError as exc:
+        raise from_request_error(exc) from None
 
 
 async def _read_part(part, limit: int, field: str) -> bytes:
