@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 
@@ -32,7 +33,9 @@ from aiohttp import WSMsgType, web
 from serving import app as app_mod
 from serving.audio_encoders import SAMPLE_RATE, to_s16
 from serving.routes import Utterance, served_names
-from serving.schemas import ApiError, bad, build_request, parse_options, speech_fields
+from serving.schemas import ApiError, bad, build_request, check_text, parse_options, speech_fields
+
+log = logging.getLogger(__name__)
 
 SESSION_FIELDS = ("voice", "language", "instructions", "seed", "temperature", "top_k", "top_p",
                   "repetition_penalty", "max_frames", "greedy", "chunk_schedule")
@@ -53,7 +56,9 @@ class Session:
         self.next_id = 1
         self.closing = False
         self.generation = 0  # bumped by cancel: queued utterances of an older generation are dropped
+        self.closer: asyncio.Future | None = None  # the socket's close, should the runner die
         self.runner = asyncio.create_task(self._run())
+        self.runner.add_done_callback(self._runner_done)
         self._tokens = self.settings.ws_max_messages_per_s
         self._last = time.monotonic()
 
@@ -104,6 +109,7 @@ class Session:
             text = msg.get("text")
             if not isinstance(text, str):
                 raise bad("text", "must be a string", "invalid_type")
+            check_text("text", text)
             if len(self.buffer) + len(text) > self.settings.max_input_chars:
                 raise bad("text", f"the text buffer would exceed {self.settings.max_input_chars} characters",
                           "too_long")
@@ -144,27 +150,43 @@ class Session:
             if gen != self.generation:
                 await self.send({"type": "utterance.done", "utterance_id": uid, "cancelled": True, "frames": 0})
                 continue
-            rid = f"{uuid.uuid4().hex}"
             try:
-                u = Utterance(self.app, req, schedule, rid, "/v1/audio/speech/stream")
+                await self._speak(uid, gen, req, schedule)
             except ApiError as err:
                 await self.error(err, uid)
-                continue
-            self.current, self.current_id = u, uid
-            try:
-                await self.send({"type": "utterance.started", "utterance_id": uid, "request_id": rid})
-                async for pcm in u.chunks():
-                    if gen == self.generation and not self.ws.closed:
-                        await self.ws.send_bytes(to_s16(pcm).tobytes())
-                done = {"type": "utterance.done", "utterance_id": uid,
-                        "cancelled": u.error == "cancelled" or gen != self.generation}
-                done.update(u.summary())
-                if u.error and u.error != "cancelled":
-                    await self.error(ApiError(500, "engine_error", u.error), uid)
-                await self.send(done)
-            finally:
-                u.close()
-                self.current = None
+            except ConnectionError:  # the client is gone: nothing is left to tell it
+                return
+            except Exception:  # one bad utterance must not silence the socket: report it, go on with the next
+                log.exception("websocket utterance %d failed", uid)
+                await self.error(ApiError(500, "internal_error", "the utterance failed; the server logged why"), uid)
+
+    async def _speak(self, uid: int, gen: int, req, schedule) -> None:
+        rid = f"{uuid.uuid4().hex}"
+        u = Utterance(self.app, req, schedule, rid, "/v1/audio/speech/stream")
+        self.current, self.current_id = u, uid
+        try:
+            await self.send({"type": "utterance.started", "utterance_id": uid, "request_id": rid})
+            async for pcm in u.chunks():
+                if gen == self.generation and not self.ws.closed:
+                    await self.ws.send_bytes(to_s16(pcm).tobytes())
+            done = {"type": "utterance.done", "utterance_id": uid,
+                    "cancelled": u.error == "cancelled" or gen != self.generation}
+            done.update(u.summary())
+            if u.error and u.error != "cancelled":
+                await self.error(ApiError(500, "engine_error", u.error), uid)
+            await self.send(done)
+        finally:
+            u.close()
+            self.current = None
+
+    def _runner_done(self, task: asyncio.Task) -> None:
+        """The session's utterances run in this task: if it dies, say so in the log and end the session
+        (1011) rather than leave a socket whose commits are never answered."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("websocket session task died; closing the socket", exc_info=task.exception())
+        if not self.ws.closed:
+            self.closer = asyncio.ensure_future(self.ws.close(code=1011, message=b"internal error"))
 
     async def shutdown(self) -> None:
         self.generation += 1
@@ -209,6 +231,9 @@ async def speech_socket(request: web.Request) -> web.WebSocketResponse:
                 await session.handle(data)
             except ApiError as err:
                 await session.error(err)
+            except Exception:  # a bug, not the client's fault: log it, say so, keep the socket
+                log.exception("websocket message failed")
+                await session.error(ApiError(500, "internal_error", "the message failed; the server logged why"))
             if session.closing:
                 break
         if session.closing:  # let queued utterances finish; the runner closes the socket
