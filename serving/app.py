@@ -16,11 +16,14 @@ import weakref
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from qtts_jax import compile_cache, sizing
 from qtts_jax.bridge import AsyncEngine
 from qtts_jax.engine import Engine, EngineConfig
 from qtts_jax.request import Request
+from serving.connections import Runner
 from serving.metrics import Metrics
 from serving.scheduler import AdmissionConfig, Scheduler
 from serving.schemas import ApiError
@@ -47,6 +50,10 @@ class Settings:
     ws_max_messages_per_s: float = 50.0
     ws_max_message_bytes: int = 64 * 1024
     ws_max_pending_utterances: int = 8
+    # connections (`run` only): slowloris, idle sockets and descriptor exhaustion (serving/connections.py)
+    header_timeout_s: float = 10.0  # from a request's first byte to its last header line, else 408 and closed
+    idle_timeout_s: float = 75.0  # a connection with no request in progress is closed after this
+    max_connections: int = 512  # open HTTP and WebSocket connections; one more gets 503 and is closed
     warmup: bool = True
     voices_dir: str = "voices"  # Base models: registered voices, one file each, reloaded at start-up
     max_voices: int = 1000
@@ -135,6 +142,15 @@ async def error_middleware(request: web.Request, handler):
         msg = exc.reason if exc.status != 413 else f"request body too large: {exc.text}"
         metrics.requests.labels(endpoint, _outcome(exc.status)).inc()
         return json_error(ApiError(exc.status, code, msg, field), request.get(_request_key()))
+    except (RequestPayloadError, HttpProcessingError) as exc:
+        # the body itself is malformed (Content-Encoding, chunking, a multipart part's headers): the client's fault
+        reason = getattr(exc, "message", None) or str(exc).strip().splitlines()[-1].strip()
+        metrics.requests.labels(endpoint, "bad_request").inc()
+        resp = json_error(ApiError(400, "invalid_body", f"body: could not be read ({reason[:200]})", "body"),
+                          request.get(_request_key()))
+        request.content.feed_eof()  # the rest is unreadable: do not drain it, close the connection instead
+        resp.force_close()
+        return resp
     except asyncio.CancelledError:
         raise
     except Exception:
@@ -270,7 +286,8 @@ def run(settings: Settings) -> int:
         except sizing.SlotsDoNotFit as exc:
             log.error("not starting: %s", exc)
             return 2
-        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
+        runner = Runner(app, header_timeout_s=settings.header_timeout_s, idle_timeout_s=settings.idle_timeout_s,
+                        max_connections=settings.max_connections, handler_cancellation=True, shutdown_timeout=5.0)
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.port)
         await site.start()

@@ -23,6 +23,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, help="waiting requests beyond the slots (default: slots)")
     s.add_argument("--max-input-chars", type=int, help="longest input text (default 4096)")
     s.add_argument("--drain-timeout-s", type=float, help="SIGTERM: how long in-flight streams may finish")
+    s.add_argument("--header-timeout-s", type=float, help="a request's headers must arrive within this, else 408 "
+                                                          "and the connection closes (slowloris; default 10)")
+    s.add_argument("--idle-timeout-s", type=float, help="close a connection idle this long (default 75)")
+    s.add_argument("--max-connections", type=int, help="open connections; more get 503 (default 512)")
     s.add_argument("--voices-dir", help="Base models: where registered voices are kept (QTTS_VOICES_DIR; "
                                         "default ./voices)")
     s.add_argument("--compile-cache", metavar="DIR|off",
@@ -44,5 +48,6 @@ def serve(args) -> int:
 
     keys = ("model", "host", "port", "slots", "context", "frames_per_step", "dtype", "ttfa_target_ms",
             "starvation_ms", "max_queue", "max_input_chars", "drain_timeout_s", "voices_dir", "compile_cache")
+    keys += ("header_timeout_s", "idle_timeout_s", "max_connections")
     settings = Settings.from_env(**{k: getattr(args, k) for k in keys})
     return run(settings)
