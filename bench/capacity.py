@@ -68,7 +68,7 @@ def measure(args, out: Path, name: str, serialised: bool, modes: dict[str, list[
     """Starts the server, sweeps each mode's loads (one condition each, max(60, 2 x load) requests unless
     --requests), stops it; with --restart starts it once more and times that start."""
     prompts = load_corpus("voice_agent")
-    options = {"voice": "ryan", "seed": 0, "max_frames": args.max_frames, "chunk_schedule": [1, 2, 4]}
+    options = {"voice": "ryan", "seed": 0, "max_frames": args.max_frames}  # the server's default chunk schedule
     slo = SLO()
     t0 = time.perf_counter()
     with start(args, out, name, serialised) as url:

@@ -56,12 +56,12 @@ from qtts_jax.transformer import KVCache
 log = logging.getLogger(__name__)
 
 
-def _powers_of_two(low: int, high: int) -> tuple[int, ...]:
-    """low, 2·low, 4·low ... below high, then high itself."""
+def _geometric(low: int, high: int, factor: int = 4) -> tuple[int, ...]:
+    """low, factor·low, factor²·low ... below high, then high itself."""
     sizes, n = [], max(1, low)
     while n < high:
         sizes.append(n)
-        n *= 2
+        n *= factor
     return (*sizes, high)
 
 
@@ -79,11 +79,12 @@ class EngineConfig:
     # "jnp" (the reference), or "auto": the kernel on GPU, the reference elsewhere (no Triton on CPU).
     sampler: str = "auto"
     cached_voices: int = 64  # ICL voices whose primed codec state stays on the device (LRU)
-    # Live-batch ladder of the step and the codec: powers of two from `min_batch` up to `slots` (below 8
-    # rows a call costs the same as 8: launch overhead, not arithmetic), or explicit sizes.
+    # Live-batch ladder of the step and the codec: `min_batch` times powers of 4 up to `slots`, or explicit
+    # sizes. Each rung compiles the step and the codec at every size (minutes at 256 rows on the H200), and
+    # a call's cost grows slowly with its rows (below 16 it is launch overhead), so rungs are far apart.
     batch_sizes: tuple[int, ...] | None = None
-    min_batch: int = 8
-    max_prefill: int = 32  # requests per prefill call; a prefill ladder of powers of two up to this
+    min_batch: int = 16
+    max_prefill: int = 32  # requests per prefill call; a prefill ladder of powers of 4 up to this
     headroom_margin_s: float = 0.02  # playback headroom kept in hand beyond an iteration's predicted cost
 
     @property
@@ -96,11 +97,11 @@ class EngineConfig:
     def ladder(self) -> tuple[int, ...]:
         if self.batch_sizes is not None:
             return tuple(sorted(set(self.batch_sizes) | {self.slots}))
-        return _powers_of_two(min(self.min_batch, self.slots), self.slots)
+        return _geometric(min(self.min_batch, self.slots), self.slots)
 
     @property
     def prefill_sizes(self) -> tuple[int, ...]:
-        return _powers_of_two(1, min(self.max_prefill, self.slots))
+        return _geometric(1, min(self.max_prefill, self.slots))
 
     @property
     def step_sizes(self) -> tuple[int, ...]:
@@ -228,9 +229,19 @@ class Engine:
         keys += [("step", b, n) for b in c.ladder for n in c.step_sizes]
         keys += [("codec", b, n) for b in c.ladder for n in c.codec_sizes]
         lowered = [self._lower(*key) for key in keys]  # tracing holds the GIL; compiling does not
+
+        def compile_one(low):
+            t = time.perf_counter()
+            return low.compile(), time.perf_counter() - t
+
+        report = []
         with concurrent.futures.ThreadPoolExecutor(min(len(keys), os.cpu_count() or 1)) as pool:
-            for key, exe in zip(keys, pool.map(lambda low: low.compile(), lowered)):
+            for key, (exe, seconds) in zip(keys, pool.map(compile_one, lowered)):
                 self._programs[key] = exe
+                temp = getattr(exe.memory_analysis(), "temp_size_in_bytes", 0)
+                report.append((seconds, "/".join(map(str, key)), temp / 2**30))
+        log.info("slowest compiles (s, program, temp GiB): %s",
+                 [(round(t, 1), k, round(m, 2)) for t, k, m in sorted(report, reverse=True)[:8]])
         if cfg.model_type == "base":  # ICL voices: one-slot priming at every chunk size, and loading
             primed = self._prime(np.zeros((sum(c.codec_sizes), cfg.num_code_groups), np.int32))
             self.codec_state = self._codec_load(self.codec_state, primed, np.int32(0))
