@@ -193,7 +193,8 @@ def _record(mode, load, i, prompts, warmup) -> RequestRecord:
 
 
 async def closed_loop(url: str, concurrency: int, requests: int, prompts: list[str], options: dict | None = None,
-                      warmup: int = 0, timeout_s: float = 60.0, protocol: str = "http") -> list[RequestRecord]:
+                      warmup: int = 0, timeout_s: float = 60.0, protocol: str = "http",
+                      on_done=None) -> list[RequestRecord]:
     """`concurrency` clients, each sending its next request as soon as its last one ends, until
     `warmup + requests` have been sent; the first `warmup` are marked and left out of statistics."""
     _check(concurrency, requests, prompts, warmup, protocol, options)
@@ -204,6 +205,8 @@ async def closed_loop(url: str, concurrency: int, requests: int, prompts: list[s
             for i in counter:  # a shared iterator: each index is taken by exactly one client
                 out.append(await speak(s, url, _record("closed", concurrency, i, prompts, warmup),
                                        options or {}, t0, timeout_s, protocol=protocol))
+                if on_done:
+                    on_done()
 
         await asyncio.gather(*(client() for _ in range(min(concurrency, total))))
     return sorted(out, key=lambda r: r.send_s)
@@ -221,7 +224,7 @@ def arrival_times(rate: float, count: int, poisson: bool, seed: int = 0) -> np.n
 
 async def open_loop(url: str, rate: float, requests: int, prompts: list[str], poisson: bool = False,
                     options: dict | None = None, warmup: int = 0, seed: int = 0,
-                    timeout_s: float = 60.0, protocol: str = "http") -> list[RequestRecord]:
+                    timeout_s: float = 60.0, protocol: str = "http", on_done=None) -> list[RequestRecord]:
     """Sends `warmup + requests` at `rate`/s (fixed gaps or Poisson) regardless of how many are in flight."""
     _check(1, requests, prompts, warmup, protocol, options)
     mode = "open-poisson" if poisson else "open-fixed"
@@ -236,6 +239,8 @@ async def open_loop(url: str, rate: float, requests: int, prompts: list[str], po
             tasks.append(asyncio.create_task(
                 speak(s, url, _record(mode, rate, i, prompts, warmup), options or {}, t0, timeout_s,
                       protocol=protocol)))
+            if on_done:
+                tasks[-1].add_done_callback(lambda _: on_done())
         out = await asyncio.gather(*tasks)
     return list(out)
 
@@ -253,8 +258,9 @@ def _check(concurrency, requests, prompts, warmup, protocol="http", options=None
 
 async def run_condition(url: str, mode: str, load: float, requests: int, prompts: list[str],
                         options: dict | None = None, warmup: int = 0, seed: int = 0,
-                        timeout_s: float = 60.0, protocol: str = "http") -> list[RequestRecord]:
-    """One condition after the server has drained the previous one (so conditions do not overlap)."""
+                        timeout_s: float = 60.0, protocol: str = "http", on_done=None) -> list[RequestRecord]:
+    """One condition after the server has drained the previous one (so conditions do not overlap); `on_done()`
+    is called as each request ends (a progress bar)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
     _check(1, requests, prompts, warmup, protocol, options)
@@ -262,6 +268,6 @@ async def run_condition(url: str, mode: str, load: float, requests: int, prompts
     if mode == "closed":
         if load != int(load):
             raise ValueError(f"closed-loop load is a whole number of requests in flight, got {load}")
-        return await closed_loop(url, int(load), requests, prompts, options, warmup, timeout_s, protocol)
+        return await closed_loop(url, int(load), requests, prompts, options, warmup, timeout_s, protocol, on_done)
     return await open_loop(url, load, requests, prompts, mode == "open-poisson", options, warmup, seed, timeout_s,
-                           protocol)
+                           protocol, on_done)

@@ -6,6 +6,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+from studies.playback import simulate
+
 
 @dataclasses.dataclass
 class RequestRecord:
@@ -29,6 +31,7 @@ class RequestRecord:
     retry_after: str | None = None
     warmup: bool = False
     protocol: str = "http"  # http (streamed POST) | ws (WebSocket utterance)
+    server: str = ""  # which server of a study (its label), so one DataFrame can hold a comparison
 
     @property
     def ok(self) -> bool:
@@ -39,10 +42,25 @@ class RequestRecord:
         return None if self.first_byte_s is None else self.first_byte_s - self.send_s
 
 
-def write_jsonl(path: str | Path, records: list[RequestRecord], append: bool = False) -> None:
+    def derived(self, buffer_ms: float = 0.0) -> dict:
+        """The per-request numbers a planner tabulates: TTFA and, for a player with `buffer_ms` of start-up
+        buffer, starvation, underruns, longest stall and audio seconds; None for a failed stream."""
+        if not self.ok:
+            return {"buffer_ms": buffer_ms, **dict.fromkeys(DERIVED[1:])}
+        p = simulate(self.chunks, self.sample_rate, buffer_ms)
+        return {"buffer_ms": buffer_ms, "ttfa_ms": 1000 * self.ttfa_s, "starvation_ms": 1000 * p.starvation_s,
+                "longest_stall_ms": 1000 * p.longest_stall_s, "underruns": p.underruns, "audio_s": p.audio_s}
+
+
+DERIVED = ("buffer_ms", "ttfa_ms", "starvation_ms", "longest_stall_ms", "underruns", "audio_s")
+
+
+def write_jsonl(path: str | Path, records: list[RequestRecord], append: bool = False, buffer_ms: float = 0.0) -> None:
+    """One JSON object per request: the raw record plus its derived numbers (`RequestRecord.derived`), so
+    `pandas.read_json(path, lines=True)` gives a table without re-simulating playback."""
     with open(path, "a" if append else "w", encoding="utf-8") as f:
         for r in records:
-            f.write(json.dumps(dataclasses.asdict(r)) + "\n")
+            f.write(json.dumps({**dataclasses.asdict(r), **r.derived(buffer_ms)}) + "\n")
 
 
 def read_jsonl(path: str | Path) -> list[RequestRecord]:
@@ -54,6 +72,8 @@ def read_jsonl(path: str | Path) -> list[RequestRecord]:
             try:
                 d = json.loads(line)
                 d["chunks"] = [tuple(c) for c in d["chunks"]]
+                for k in DERIVED:  # recomputed from the raw fields on demand
+                    d.pop(k, None)
                 out.append(RequestRecord(**d))
             except (ValueError, TypeError, KeyError) as exc:
                 raise ValueError(f"{path}:{n}: not a request record ({exc})") from None

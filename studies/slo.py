@@ -1,4 +1,4 @@
-"""SLOs and safe capacity: the largest tested load at which a replica still meets every SLO."""
+"""SLOs and safe capacity: the largest tested load at which a replica meets every SLO with confidence."""
 
 from __future__ import annotations
 
@@ -18,15 +18,29 @@ class SLO:
         if self.ttfa_p95_ms <= 0 or self.starvation_p95_ms < 0:
             raise ValueError("ttfa_p95_ms must be > 0 and starvation_p95_ms >= 0")
 
+    def judge(self, summary: dict) -> dict:
+        """Per SLO "pass", "fail" or "undecided", and "overall". A p95 passes only if its upper confidence bound
+        meets the target and fails only if its lower bound misses it, so a verdict is not decided by one slow
+        request; between the two (or without valid streams) it is undecided. The success rate is a count."""
+        verdicts = {"success": "pass" if summary["success_rate"] >= self.min_success_rate else "fail",
+                    "ttfa": _bounded(summary["ttfa_p95_ci_ms"], self.ttfa_p95_ms),
+                    "starvation": _bounded(summary["starvation_p95_ci_ms"], self.starvation_p95_ms)}
+        values = set(verdicts.values())
+        overall = "fail" if "fail" in values else "undecided" if "undecided" in values else "pass"
+        return {**verdicts, "overall": overall}
+
     def check(self, summary: dict) -> dict:
-        """Pass/fail per SLO for one condition summary; a NaN percentile (no valid stream) fails."""
-        ttfa, starv = summary["ttfa_p95_ms"], summary["starvation_p95_ms"]
-        checks = {
-            "success": summary["success_rate"] >= self.min_success_rate,
-            "ttfa": not math.isnan(ttfa) and ttfa <= self.ttfa_p95_ms,
-            "starvation": not math.isnan(starv) and starv <= self.starvation_p95_ms,
-        }
-        return {**checks, "safe": all(checks.values())}
+        """True per SLO that is met with confidence (see `judge`), and "safe" when all are."""
+        v = self.judge(summary)
+        return {"success": v["success"] == "pass", "ttfa": v["ttfa"] == "pass",
+                "starvation": v["starvation"] == "pass", "safe": v["overall"] == "pass"}
+
+
+def _bounded(bounds, target: float) -> str:
+    lower, upper = bounds
+    if upper <= target:  # NaN bounds (no valid stream) compare False both ways: undecided
+        return "pass"
+    return "fail" if lower > target else "undecided"
 
 
 def safe_capacity(summaries: list[dict], slo: SLO = SLO()) -> float:

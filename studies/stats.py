@@ -1,4 +1,4 @@
-"""Per-condition statistics: success rate, TTFA and starvation percentiles, throughput."""
+"""Per-condition statistics: success rate, TTFA and starvation percentiles with confidence bounds, throughput."""
 
 from __future__ import annotations
 
@@ -14,6 +14,25 @@ def percentile(values, q: float) -> float:
     """Linear-interpolated percentile (numpy's default); NaN for no values, so a missing p95 never passes."""
     values = [v for v in values if v is not None]
     return float(np.percentile(values, q)) if values else math.nan
+
+
+CONFIDENCE = 0.95  # of each one-sided bound on a percentile; together they make a 90% interval
+
+
+def _binom_cdf(k: int, n: int, p: float) -> float:
+    return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k + 1))
+
+
+def percentile_bounds(values, q: float = 95, confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """Distribution-free bounds on the q-th percentile from order statistics: the true percentile is at least
+    `lower` and at most `upper`, each with probability >= `confidence` whatever the distribution. With too few
+    values a bound cannot be had: lower is -inf, upper +inf (95% upper bound on p95 needs 59 values)."""
+    xs = sorted(v for v in values if v is not None)
+    n, p = len(xs), q / 100
+    # the k-th smallest (1-based) is above the percentile unless k or more values fall below it: P(Bin(n, p) < k)
+    upper = next((xs[k - 1] for k in range(1, n + 1) if _binom_cdf(k - 1, n, p) >= confidence), math.inf)
+    lower = next((xs[k - 1] for k in range(n, 0, -1) if 1 - _binom_cdf(k - 1, n, p) >= confidence), -math.inf)
+    return float(lower), float(upper)
 
 
 def summarize(records: list[RequestRecord], buffer_ms: float = 0.0) -> dict:
@@ -37,8 +56,9 @@ def summarize(records: list[RequestRecord], buffer_ms: float = 0.0) -> dict:
         "requests": len(measured), "succeeded": len(ok), "success_rate": len(ok) / len(measured),
         "rejected_429": sum(r.status == 429 for r in measured),
         "ttfa_p50_ms": percentile(ttfa_ms, 50), "ttfa_p95_ms": percentile(ttfa_ms, 95),
-        "ttfa_p99_ms": percentile(ttfa_ms, 99), "start_p95_ms": percentile(start_ms, 95),
+        "ttfa_p95_ci_ms": percentile_bounds(ttfa_ms), "ttfa_p99_ms": percentile(ttfa_ms, 99), "start_p95_ms": percentile(start_ms, 95),
         "starvation_p50_ms": percentile(starv_ms, 50), "starvation_p95_ms": percentile(starv_ms, 95),
+        "starvation_p95_ci_ms": percentile_bounds(starv_ms),
         "starvation_max_ms": max(starv_ms, default=math.nan),
         "longest_stall_p95_ms": percentile([1000 * p.longest_stall_s for p in plays], 95),
         "underruns_mean": float(np.mean([p.underruns for p in plays])) if plays else math.nan,

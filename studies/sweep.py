@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from studies.load import run_condition
+from studies.progress import bar
 from studies.records import write_jsonl
 from studies.slo import SLO, safe_capacity
 from studies.stats import summarize
@@ -15,9 +16,10 @@ from studies.stats import summarize
 
 def sweep(url: str, mode: str, loads: list[float], requests: int, prompts: list[str], out_dir: str | Path,
           options: dict | None = None, warmup: int = 0, buffer_ms: float = 0.0, slo: SLO = SLO(),
-          seed: int = 0, timeout_s: float = 60.0, protocol: str = "http") -> dict:
+          seed: int = 0, timeout_s: float = 60.0, protocol: str = "http", server: str = "") -> dict:
     """Runs the loads in increasing order and writes `records.jsonl` and `summary.json` under `out_dir`.
-    Every load runs, even past the first unsafe one, so the report shows the whole curve."""
+    Every load runs, even past the first unsafe one, so the report shows the whole curve. Records carry
+    `server` (default: the URL); a progress bar counts requests on a terminal."""
     if not loads:
         raise ValueError("no loads to sweep")
     out = Path(out_dir)
@@ -25,13 +27,16 @@ def sweep(url: str, mode: str, loads: list[float], requests: int, prompts: list[
     records_path = out / "records.jsonl"
     records_path.unlink(missing_ok=True)
     summaries = []
-    for load in sorted(loads):
-        records = run_sync(run_condition(url, mode, load, requests, prompts, options, warmup, seed, timeout_s,
-                                         protocol))
-        write_jsonl(records_path, records, append=True)
-        s = summarize(records, buffer_ms)
-        s["slo"] = slo.check(s)
-        summaries.append(s)
+    with bar(len(loads) * (warmup + requests), f"sweeping {server or url}", "req") as progress:
+        for load in sorted(loads):
+            records = run_sync(run_condition(url, mode, load, requests, prompts, options, warmup, seed, timeout_s,
+                                             protocol, on_done=progress.update))
+            for r in records:
+                r.server = server or url
+            write_jsonl(records_path, records, append=True, buffer_ms=buffer_ms)
+            s = summarize(records, buffer_ms)
+            s["slo"], s["verdict"] = slo.check(s), slo.judge(s)
+            summaries.append(s)
     result = {"url": url, "mode": mode, "protocol": protocol, "requests_per_condition": requests, "warmup": warmup,
               "options": options or {}, "slo": vars(slo), "conditions": summaries,
               "safe_capacity": safe_capacity(summaries, slo)}

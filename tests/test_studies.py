@@ -6,6 +6,7 @@ import math
 import struct
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from studies.cli import main as study_main
@@ -15,7 +16,7 @@ from studies.load import arrival_times
 from studies.playback import simulate
 from studies.records import RequestRecord, read_jsonl, write_jsonl
 from studies.slo import SLO, safe_capacity
-from studies.stats import percentile, summarize
+from studies.stats import percentile, percentile_bounds, summarize
 from studies.validate import validate_stream
 
 SR = 24_000
@@ -103,6 +104,7 @@ def test_percentile_and_summary_by_hand():
     assert s["ttfa_p95_ms"] == pytest.approx(195)
     assert s["starvation_p95_ms"] == pytest.approx(190)
     assert s["starvation_max_ms"] == pytest.approx(200)
+    assert s["ttfa_p95_ci_ms"] == (100, math.inf)  # two streams bound a p95 from below only
     assert s["wall_s"] == pytest.approx(1.0)  # first send 0.0 .. last end 1.0
     assert s["throughput_rps"] == pytest.approx(2.0)
     assert s["audio_s_per_s"] == pytest.approx(0.4)  # two valid streams of 0.2 s in 1 s
@@ -115,17 +117,43 @@ def test_percentile_and_summary_by_hand():
         summarize(recs[3:])
 
 
-def cond(load, success=1.0, ttfa=100.0, starv=0.0, mode="closed"):
-    return {"mode": mode, "load": load, "success_rate": success, "ttfa_p95_ms": ttfa, "starvation_p95_ms": starv}
+def cond(load, success=1.0, ttfa=100.0, starv=0.0, mode="closed", ttfa_ci=None, starv_ci=None):
+    """A condition summary as `summarize` writes it; the confidence bounds default to the point value."""
+    c = {"mode": mode, "load": load, "success_rate": success, "ttfa_p95_ms": ttfa, "starvation_p95_ms": starv,
+         "ttfa_p95_ci_ms": ttfa_ci or (ttfa, ttfa), "starvation_p95_ci_ms": starv_ci or (starv, starv)}
+    c["verdict"] = SLO().judge(c)
+    return c
 
 
-def test_slo_checks_each_criterion_and_nan_fails():
+def test_p95_bounds_are_order_statistics_with_binomial_coverage():
+    # 60 values: the 95% upper bound on p95 is the largest (1 - 0.95**60 = 0.954 >= 0.95), the lower the 54th
+    assert percentile_bounds(range(1, 61)) == (54.0, 60.0)
+    assert percentile_bounds(range(1, 101)) == (91.0, 99.0)  # more values: the bounds move inside the extremes
+    assert percentile_bounds(range(1, 13))[1] == math.inf  # 12 values cannot bound a p95 from above ...
+    assert percentile_bounds(range(1, 13))[0] == 10.0  # ... but can from below
+    assert percentile_bounds([]) == (-math.inf, math.inf)
+    # coverage: on exponential samples the true p95 lies under the upper bound in at least 95% of draws
+    rng = np.random.default_rng(0)
+    true = -math.log(0.05)
+    covered = [percentile_bounds(rng.exponential(size=80)) for _ in range(400)]
+    assert sum(hi >= true for _, hi in covered) / 400 >= 0.95
+    assert sum(lo <= true for lo, _ in covered) / 400 >= 0.93  # sampling noise of 400 draws around >= 0.95
+
+
+def test_slo_judges_each_criterion_on_its_confidence_bounds():
     slo = SLO()
     assert slo.check(cond(1)) == {"success": True, "ttfa": True, "starvation": True, "safe": True}
     assert slo.check(cond(1, success=0.98))["success"] is False
-    assert slo.check(cond(1, ttfa=300.1))["ttfa"] is False
-    assert slo.check(cond(1, starv=101))["starvation"] is False
-    assert slo.check(cond(1, ttfa=math.nan))["safe"] is False
+    assert slo.judge(cond(1, ttfa=300.1))["ttfa"] == "fail"
+    assert slo.judge(cond(1, starv=101))["starvation"] == "fail"
+    # a p95 under the target whose upper bound is over it is undecided, not a pass: one slow request is not a verdict
+    undecided = cond(1, ttfa=200, ttfa_ci=(150, 420))
+    assert slo.judge(undecided) == {"success": "pass", "ttfa": "undecided", "starvation": "pass",
+                                    "overall": "undecided"}
+    assert slo.check(undecided)["safe"] is False
+    assert slo.judge(cond(1, ttfa=200, ttfa_ci=(150, math.inf)))["ttfa"] == "undecided"  # too few streams
+    assert slo.judge(cond(1, ttfa=math.nan, ttfa_ci=(-math.inf, math.inf)))["overall"] == "undecided"
+    assert slo.judge(cond(1, success=0.5, ttfa=200, ttfa_ci=(150, 420)))["overall"] == "fail"  # a fail decides
     with pytest.raises(ValueError):
         SLO(min_success_rate=1.5)
 
@@ -133,6 +161,7 @@ def test_slo_checks_each_criterion_and_nan_fails():
 def test_safe_capacity_is_the_last_load_before_the_first_failure():
     assert safe_capacity([cond(4), cond(1), cond(2), cond(8, ttfa=900)]) == 4
     assert safe_capacity([cond(1), cond(2, starv=500), cond(4)]) == 1  # a lucky pass at 4 does not count
+    assert safe_capacity([cond(1), cond(2, ttfa_ci=(90, 400)), cond(4)]) == 1  # nor one above an undecided load
     assert safe_capacity([cond(1, success=0.5), cond(2)]) == 0
     assert safe_capacity([cond(0.5, mode="open-poisson"), cond(1, mode="open-poisson")]) == 1
     with pytest.raises(ValueError, match="one load mode"):
@@ -169,10 +198,17 @@ def test_capacity_cli_refuses_two_comparisons_before_starting_anything(capsys):
     assert "not both" in capsys.readouterr().err
 
 
-def test_records_round_trip_and_bad_lines_are_located(tmp_path):
-    recs = [record(0, 0.0, 0.1, [(0.1, TENTH), (0.2, 7)]), record(1, 1.0, None, [], invalid="HTTP 429")]
+def test_records_round_trip_with_derived_numbers_and_bad_lines_are_located(tmp_path):
+    recs = [record(0, 0.0, 0.1, [(0.1, TENTH), (0.3, TENTH)]), record(1, 1.0, None, [], invalid="HTTP 429")]
     write_jsonl(tmp_path / "r.jsonl", recs)
     assert read_jsonl(tmp_path / "r.jsonl") == recs
+    df = pd.read_json(tmp_path / "r.jsonl", lines=True)  # what a planner does with a run
+    ok, refused = df.iloc[0], df.iloc[1]
+    assert ok["ttfa_ms"] == pytest.approx(100) and ok["audio_s"] == pytest.approx(0.2)
+    assert ok["starvation_ms"] == pytest.approx(100) and ok["underruns"] == 1 and ok["buffer_ms"] == 0
+    assert refused["invalid"] == "HTTP 429" and pd.isna(refused["ttfa_ms"]) and pd.isna(refused["starvation_ms"])
+    write_jsonl(tmp_path / "b.jsonl", recs[:1], buffer_ms=200)  # derived for the study's player
+    assert pd.read_json(tmp_path / "b.jsonl", lines=True)["starvation_ms"][0] == 0
     (tmp_path / "bad.jsonl").write_text('{"request_id": "x"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         read_jsonl(tmp_path / "bad.jsonl")
