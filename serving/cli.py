@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import argparse
 
+# serving.app.Settings fields without a flag (tests/test_cli_help.py keeps this list equal to them)
+ENV_ONLY = ("QTTS_MAX_BODY_BYTES", "QTTS_WS_MAX_MESSAGES_PER_S", "QTTS_WS_MAX_MESSAGE_BYTES",
+            "QTTS_WS_MAX_PENDING_UTTERANCES", "QTTS_WARMUP", "QTTS_MAX_VOICES", "QTTS_MAX_VOICE_UPLOAD_BYTES",
+            "QTTS_VOICE_MIN_SECONDS", "QTTS_VOICE_MAX_SECONDS", "QTTS_VOICE_TRAILING_SILENCE_MS",
+            "QTTS_WARM_VOICE_ENCODERS")
+
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the OpenAI-compatible speech server (HTTP + WebSocket)",
                        description="Every flag can also be set by an environment variable QTTS_<NAME>, "
-                                   "e.g. QTTS_SLOTS=16 or QTTS_TTFA_TARGET_MS=250.")
+                                   "e.g. QTTS_SLOTS=16 or QTTS_TTFA_TARGET_MS=250.",
+                       epilog="Settings with no flag, by environment variable only: " + ", ".join(ENV_ONLY) + ".")
     s.add_argument("--model", help="checkpoint directory, tiny-random or tiny-random-base (QTTS_MODEL; default tiny-random)")
     s.add_argument("--host", help="bind address (QTTS_HOST; default 127.0.0.1)")
     s.add_argument("--port", type=int, help="port (QTTS_PORT; default 8000)")
@@ -16,13 +23,14 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                                                  "the accelerator's free memory holds (8 on a CPU); a count that "
                                                  "does not fit is refused at start (QTTS_SLOTS; default 8)")
     s.add_argument("--context", type=int, help="KV rows per slot (QTTS_CONTEXT; default 1024)")
-    s.add_argument("--frames-per-step", type=int, help="frames per engine step (QTTS_FRAMES_PER_STEP)")
-    s.add_argument("--dtype", choices=["float32", "bfloat16"], help="weights dtype (QTTS_DTYPE)")
+    s.add_argument("--frames-per-step", type=int, help="the most frames one engine step runs, playback headroom "
+                                                        "permitting (QTTS_FRAMES_PER_STEP; default 4)")
+    s.add_argument("--dtype", choices=["float32", "bfloat16"], help="weights dtype (QTTS_DTYPE; default float32)")
     s.add_argument("--ttfa-target-ms", type=float, help="admission TTFA target (QTTS_TTFA_TARGET_MS; default 300)")
     s.add_argument("--starvation-ms", type=float, help="allowed underrun of admitted streams (default 100)")
     s.add_argument("--max-queue", type=int, help="waiting requests beyond the slots (default: slots)")
     s.add_argument("--max-input-chars", type=int, help="longest input text (default 4096)")
-    s.add_argument("--drain-timeout-s", type=float, help="SIGTERM: how long in-flight streams may finish")
+    s.add_argument("--drain-timeout-s", type=float, help="SIGTERM: how long in-flight streams may finish (default 30)")
     s.add_argument("--header-timeout-s", type=float, help="a request's headers must arrive within this, else 408 "
                                                           "and the connection closes (slowloris; default 10)")
     s.add_argument("--idle-timeout-s", type=float, help="close a connection idle this long (default 75)")

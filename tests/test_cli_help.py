@@ -1,0 +1,26 @@
+"""Command-line help a new user reads: every serve setting is reachable and named, with its default."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from serving.app import Settings
+from serving.cli import ENV_ONLY, add_serve_parser
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    return add_serve_parser(argparse.ArgumentParser().add_subparsers())
+
+
+def test_serve_help_lists_every_setting_that_has_no_flag():
+    flags = {a.dest for a in _serve_parser()._actions if a.dest != "help"}
+    env_only = {f"QTTS_{f.name.upper()}" for f in dataclasses.fields(Settings) if f.name not in flags}
+    assert set(ENV_ONLY) == env_only
+    assert all(name in _serve_parser().format_help().replace("\n", " ") for name in ENV_ONLY)
+
+
+def test_every_serve_flag_names_its_default():
+    for action in _serve_parser()._actions:
+        if action.dest != "help":
+            assert "default" in (action.help or ""), action.option_strings
