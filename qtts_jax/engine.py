@@ -85,6 +85,8 @@ class EngineConfig:
     batch_sizes: tuple[int, ...] | None = None
     min_batch: int = 16
     max_prefill: int = 32  # requests per prefill call; a prefill ladder of powers of 4 up to this
+    # The longest a step may run: a request arriving during it waits that long before its own prefill.
+    max_step_s: float = 0.1
     headroom_margin_s: float = 0.02  # playback headroom kept in hand beyond an iteration's predicted cost
 
     @property
@@ -97,7 +99,10 @@ class EngineConfig:
     def ladder(self) -> tuple[int, ...]:
         if self.batch_sizes is not None:
             return tuple(sorted(set(self.batch_sizes) | {self.slots}))
-        return _geometric(min(self.min_batch, self.slots), self.slots)
+        sizes = set(_geometric(min(self.min_batch, self.slots), self.slots))
+        if self.slots // 2 > self.min_batch:  # where calls are large, a rung halfway saves the most
+            sizes.add(self.slots // 2)
+        return tuple(sorted(sizes))
 
     @property
     def prefill_sizes(self) -> tuple[int, ...]:
@@ -146,7 +151,10 @@ class EngineStats:
         return self.step_costs[(rung(self.ladder, max(live, 1)), frames)]
 
     def prefill_cost(self, requests: int) -> float:
-        return self.prefill_costs[rung(self.prefill_sizes, max(requests, 1))]
+        """Prefilling `requests` together: full calls of the largest size, then one for the rest."""
+        top = self.prefill_sizes[-1]
+        full, rest = divmod(max(requests, 1), top)
+        return full * self.prefill_costs[top] + (self.prefill_costs[rung(self.prefill_sizes, rest)] if rest else 0.0)
 
 
 class PromptTooLong(RequestError):
@@ -317,7 +325,7 @@ class Engine:
         self._decode_audio(self.clock())
         elapsed = self.clock() - t0
         self._iteration_s = elapsed if not self.iterations else 0.8 * self._iteration_s + 0.2 * elapsed
-        if out is not None and not joined:  # an iteration's own cost, without a prefill in it
+        if out is not None:  # what an iteration really takes, host work and any prefill included
             key = (rung(self.config.ladder, len(live)), n)
             self.step_costs[key] = 0.8 * self.step_costs.get(key, elapsed) + 0.2 * elapsed
         self.iterations += 1
@@ -375,11 +383,11 @@ class Engine:
 
     def _frames_for(self, live: list[int], joined: list[Stream], now: float) -> int:
         """Frames this step runs: one while any live stream has no audio yet (its first chunk is one frame),
-        else the most whose iteration cost fits inside every playing stream's headroom."""
+        else the most whose iteration cost fits inside every playing stream's headroom and `max_step_s`."""
         streams = [self.slots[i] for i in live]
         if joined or any(s.timings.first_chunk is None for s in streams):
             return 1
-        budget = min(s.buffered(now) for s in streams) - self.config.headroom_margin_s
+        budget = min(min(s.buffered(now) for s in streams) - self.config.headroom_margin_s, self.config.max_step_s)
         b = rung(self.config.ladder, len(live))
         fits = [n for n in self.config.step_sizes if self.step_costs.get((b, n), 0.0) <= budget]
         return max(fits, default=1)

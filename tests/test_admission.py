@@ -100,6 +100,19 @@ def test_refuses_what_would_let_playing_streams_run_dry():
     assert ready_scheduler(slow, ttfa_target_s=10.0, starvation_s=1e9).admit() > 0  # no starvation limit
 
 
+def test_a_stream_already_behind_its_listener_stops_admission():
+    st = dataclasses.replace(snapshot(live=[40] * 4), min_headroom_s=-0.02)
+    with pytest.raises(ApiError) as err:
+        ready_scheduler(st).admit()
+    assert err.value.status == 429 and "behind" in err.value.message
+    assert ready_scheduler(dataclasses.replace(st, min_headroom_s=0.05)).admit() > 0
+
+
+def test_a_burst_past_one_prefill_call_counts_every_call():
+    st = snapshot(queued=[48] * 70)  # 71 requests: two full prefill calls of 32 and one of 7 (rung 8)
+    assert st.prefill_cost(71) == pytest.approx(2 * prefill_cost(32) + prefill_cost(8))
+
+
 def test_queue_full_is_429():
     with pytest.raises(ApiError) as err:
         ready_scheduler(snapshot(live=[5] * 64, queued=[48] * 4), max_queue=4, ttfa_target_s=10.0).admit()
