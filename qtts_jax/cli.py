@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 
@@ -49,11 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["study"]:  # the studies toolkit owns its own arguments
         from studies.cli import main as study_main
 
-        return study_main(argv[1:])
+        return study_main(argv[1:], prog="qtts-jax study")
     args = _parser().parse_args(argv)
     if args.command == "serve":
         from serving.cli import serve
 
+        # JAX probes for a TPU on every start and logs the missing libtpu.so, which reads as an error on CPU/GPU
+        logging.getLogger("jax._src.xla_bridge").addFilter(lambda r: "libtpu.so" not in r.getMessage())
         return serve(args)
     import jax.numpy as jnp
 
@@ -63,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = load_model(args.model, dtype=jnp.dtype(getattr(args, "dtype", "float32")))
         if args.command == "info":
-            print(json.dumps(model.info(), indent=2))
+            info = model.info()
+            if model.name.startswith("tiny-random"):  # a test preset: its config borrows 1.7B's rules (instruct)
+                info["size"] = f"tiny (random; follows {info['size']} rules)"
+            print(json.dumps(info, indent=2))
             return 0
         voice = None
         if model.cfg.model_type == "base":

@@ -12,34 +12,43 @@ import sys
 from studies.fleet import fleet_size
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m studies", description="capacity studies of a qtts-jax speech server")
+def _parser(prog: str = "python -m studies") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="capacity studies of a qtts-jax speech server")
     sub = p.add_subparsers(dest="command", required=True)
-    f = sub.add_parser("fleet", help="replicas and cost for a target load")
+    defaults = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}  # every flag's help shows its default
+    f = sub.add_parser("fleet", help="replicas and cost for a target load", **defaults)
     f.add_argument("--safe-capacity", type=float, required=True, help="one replica's safe capacity")
     f.add_argument("--target", type=float, required=True, help="target load, same unit as the safe capacity")
     f.add_argument("--price-per-hour", type=float, default=0.0, help="per replica")
-    c = sub.add_parser("capacity", help="run notebooks/capacity_study.py and write runs/<id>/report.html")
+    c = sub.add_parser("capacity", help="sweep one or two servers, judge the SLOs, write runs/<id>/report.html",
+                       **defaults)
     c.add_argument("--url", help="server to study (default: start a local tiny-random server on 127.0.0.1)")
     c.add_argument("--serialised", action="store_true", help="local server: one stream at a time")
     c.add_argument("--compare-url", help="a second server swept the same way and shown side by side")
     c.add_argument("--compare-serialised", action="store_true",
                    help="compare with a local serialised server (one stream at a time) started for the study")
-    c.add_argument("--slots", type=int, default=4, help="local server: concurrent streams")
+    c.add_argument("--slots", type=int, default=2, help="local server: concurrent streams it batches")
     c.add_argument("--model", default="tiny-random", help="local server: checkpoint directory or tiny-random")
-    c.add_argument("--mode", default="closed", choices=["closed", "open-fixed", "open-poisson"])
+    c.add_argument("--mode", default="closed", choices=["closed", "open-fixed", "open-poisson"],
+                   help="closed: LOAD streams in flight; open-*: LOAD requests/s, evenly spaced or Poisson")
     c.add_argument("--protocol", default="http", choices=["http", "ws"],
                    help="http: streamed POST /v1/audio/speech; ws: one WebSocket utterance per request")
-    c.add_argument("--loads", type=float, nargs="+", default=[1, 2, 4, 8])
-    c.add_argument("--requests", type=int, default=60, help="measured requests per condition")
-    c.add_argument("--warmup", type=int, default=2)
-    c.add_argument("--max-frames", type=int, default=48)
-    c.add_argument("--buffer-ms", type=float, default=0.0)
-    c.add_argument("--target", type=float, default=100.0)
-    c.add_argument("--price-per-hour", type=float, default=1.0)
+    c.add_argument("--loads", type=float, nargs="+", default=[1, 2, 4], metavar="LOAD",
+                   help="loads to sweep: streams in flight (closed) or requests/s (open)")
+    c.add_argument("--requests", type=int, default=60,
+                   help="measured requests per load; 59 or more bound a p95 from above, so fewer can never pass")
+    c.add_argument("--warmup", type=int, default=2, help="unmeasured requests at the start of each load")
+    c.add_argument("--max-frames", type=int, default=24, help="frames (80 ms) per request")
+    c.add_argument("--chunk-schedule", type=int, nargs="+", default=[1, 2, 4], metavar="FRAMES",
+                   help="frames per streamed chunk, the last repeating")
+    c.add_argument("--buffer-ms", type=float, default=0.0,
+                   help="client start-up buffer of the simulated player (the SLO is defined at 0)")
+    c.add_argument("--target", type=float, default=100.0, help="fleet sizing: load to carry, in the loads' unit")
+    c.add_argument("--price-per-hour", type=float, default=1.0, help="fleet sizing: USD per replica-hour")
     c.add_argument("--runs", default="runs", help="parent directory of the run directory")
     s = sub.add_parser("sustained", help="A/B of two builds under sustained load: passes A, B, B, A per workload, "
-                                         "golden-checked; runs notebooks/sustained_ab.py -> runs/<id>/report.html")
+                                         "golden-checked; runs notebooks/sustained_ab.py -> runs/<id>/report.html",
+                       **defaults)
     s.add_argument("--url", help="build A, the reference the goldens are recorded on "
                                  "(default: start a local tiny-random server on 127.0.0.1)")
     s.add_argument("--compare-url", help="build B (default: A again, an A/A run that shows the noise)")
@@ -72,8 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m studies") -> int:
+    args = _parser(prog).parse_args(argv)
     if args.command == "fleet":
         try:
             fleet = fleet_size(args.safe_capacity, args.target, args.price_per_hour)
@@ -86,30 +95,48 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "sustained":
         return sustained(args)
+    return capacity(args)
+
+
+def capacity(args) -> int:
+    """Starts the local servers asked for, measures here (progress on the terminal), then renders the report
+    from the summary with notebooks/capacity_study.py."""
+    from studies.capacity import study
+    from studies.corpora import load_corpus
     from studies.report import new_run_dir, run_notebook
     from studies.server import local_server
+    from studies.slo import SLO
+    from studies.verdict import verdict_text
 
     if args.compare_url and args.compare_serialised:
         print("error: give --compare-url or --compare-serialised, not both", file=sys.stderr)
         return 2
     run_dir = new_run_dir(args.runs, "capacity" + ("-serialised" if args.serialised else ""))
     loads = [int(x) if args.mode == "closed" else x for x in args.loads]
+    options = {"voice": "ryan", "seed": 0, "chunk_schedule": args.chunk_schedule, "max_frames": args.max_frames}
+    local = {"model": args.model, "context": 256, "frames_per_step": 1}  # local_server's defaults
     with contextlib.ExitStack() as stack:
-        url = args.url or stack.enter_context(local_server(args.model, slots=args.slots, serialised=args.serialised,
-                                                           log_path=run_dir / "server.log"))
-        compare_url = args.compare_url or (stack.enter_context(local_server(
-            args.model, serialised=True, log_path=run_dir / "server-serialised.log")) if args.compare_serialised else "")
-        print(f"studying {url}{f' and {compare_url}' if compare_url else ''} -> {run_dir}", file=sys.stderr)
-        report = run_notebook("capacity_study", {
-            "server_url": url, "mode": args.mode, "protocol": args.protocol, "loads": loads,
-            "requests_per_condition": args.requests,
-            "warmup": args.warmup, "max_frames": args.max_frames, "buffer_ms": args.buffer_ms,
-            "target_load": args.target, "price_per_hour": args.price_per_hour,
-            "label": args.url or f"local {args.model}, {'serialised' if args.serialised else f'{args.slots} slots'}",
-            "compare_url": compare_url,
-            "compare_label": args.compare_url or f"local {args.model}, serialised",
-        }, run_dir)
-    summary = json.loads((run_dir / "summary.json").read_text())
+        servers, configs = {}, {}
+        if args.url:
+            servers[args.url] = args.url
+        else:
+            label = f"local {args.model}, {'serialised' if args.serialised else f'{args.slots} slots'}"
+            servers[label] = stack.enter_context(local_server(args.model, slots=args.slots, serialised=args.serialised,
+                                                              log_path=run_dir / "server.log"))
+            configs[label] = {**local, "slots": 1 if args.serialised else args.slots, "serialised": args.serialised}
+        if args.compare_url:
+            servers[args.compare_url] = args.compare_url
+        elif args.compare_serialised:
+            label = f"local {args.model}, serialised"
+            servers[label] = stack.enter_context(local_server(args.model, serialised=True,
+                                                              log_path=run_dir / "server-serialised.log"))
+            configs[label] = {**local, "slots": 1, "serialised": True}
+        print(f"studying {', '.join(servers.values())} -> {run_dir}", file=sys.stderr)
+        summary = study(servers, run_dir, args.mode, loads, args.requests, load_corpus("voice_agent"), options,
+                        args.warmup, args.buffer_ms, SLO(), args.protocol, args.target, args.price_per_hour, configs)
+    report = run_notebook("capacity_study", {"measured": True}, run_dir)
+    for server in summary["servers"]:
+        print(verdict_text(server, summary).replace("**", ""), end="\n\n")
     print(f"safe capacity: {summary['safe_capacity']:g}; report: {report}")
     return 0
 

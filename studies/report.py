@@ -26,11 +26,13 @@ def new_run_dir(runs: str | Path, study: str) -> Path:
 
 def run_notebook(name: str, parameters: dict, run_dir: str | Path, timeout_s: float = 1800) -> Path:
     """Executes notebooks/<name>.py with `parameters` (plus `out_dir` = run_dir) and writes
-    <run_dir>/<name>.ipynb (executed) and <run_dir>/report.html (no input cells). Returns the report path."""
+    <run_dir>/<name>.ipynb (executed) and <run_dir>/report.html (no input cells, figures inline, titled
+    with the study and run id). Returns the report path. The kernel talks over local IPC sockets, not TCP."""
     import jupytext
     import nbformat
     import papermill
     from nbconvert import HTMLExporter
+    from traitlets.config import Config
 
     source = NOTEBOOKS / f"{name}.py"
     if not source.is_file():
@@ -46,10 +48,12 @@ def run_notebook(name: str, parameters: dict, run_dir: str | Path, timeout_s: fl
     try:
         papermill.execute_notebook(str(template), str(executed), parameters={**parameters, "out_dir": str(run_dir)},
                                    kernel_name="python3", cwd=str(run_dir), execution_timeout=timeout_s,
-                                   progress_bar=False)
+                                   progress_bar=False, config=Config({"KernelManager": {"transport": "ipc"}}))
     finally:
         template.unlink(missing_ok=True)
-    html, _ = HTMLExporter(exclude_input=True).from_notebook_node(nbformat.read(executed, as_version=4))
+    title = f"{name.replace('_', ' ').capitalize()}: {run_dir.name}"
+    html, _ = HTMLExporter(exclude_input=True).from_notebook_node(nbformat.read(executed, as_version=4),
+                                                                  resources={"metadata": {"name": title}})
     report = run_dir / "report.html"
     report.write_text(html, encoding="utf-8")
     return report

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 from studies.load import wait_ready
+from studies.progress import bar
+from studies.sweep import run_sync
 
 
 def free_port() -> int:
@@ -39,7 +41,7 @@ def local_server(model: str = "tiny-random", slots: int | str = 4, context: int 
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "QTTS_DRAIN_TIMEOUT_S": "5"})
     url = f"http://127.0.0.1:{port}"
     try:
-        asyncio.run(_ready_or_died(proc, url, ready_timeout_s))
+        run_sync(_ready_or_died(proc, url, ready_timeout_s))  # also inside Jupyter's running event loop
         yield url
     finally:
         if proc.poll() is None:
@@ -55,9 +57,11 @@ def local_server(model: str = "tiny-random", slots: int | str = 4, context: int 
 
 async def _ready_or_died(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
     ready = asyncio.ensure_future(wait_ready(url, timeout_s))
-    while not ready.done():
-        if proc.poll() is not None:
-            ready.cancel()
-            raise RuntimeError(f"server exited with code {proc.returncode} before it was ready (see its log)")
-        await asyncio.sleep(0.2)
+    with bar(None, f"warming up {url}", "s") as progress:  # compiling takes minutes on a CPU
+        while not ready.done():
+            if proc.poll() is not None:
+                ready.cancel()
+                raise RuntimeError(f"server exited with code {proc.returncode} before it was ready (see its log)")
+            await asyncio.sleep(0.2)
+            progress.update(0.2)
     ready.result()

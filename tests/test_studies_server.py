@@ -104,18 +104,27 @@ def test_overload_rejections_count_as_failures(url, tmp_path):
 def test_capacity_notebook_executes_and_renders_a_report(url, tmp_path):
     report = run_notebook("capacity_study", {
         "server_url": url, "loads": [1, 2], "requests_per_condition": 3, "warmup": 0, "max_frames": 12,
-        "target_load": 10, "price_per_hour": 2.0, "min_success_rate": 0.5, "ttfa_p95_ms": 5000.0,
-        "starvation_p95_ms": 5000.0, "label": "first", "compare_url": url, "compare_label": "second"}, tmp_path)
+        "target_load": 10, "price_per_hour": 2.0, "ttfa_p95_ms": 1.0, "label": "first", "compare_url": url,
+        "compare_label": "second"}, tmp_path)
     html = report.read_text()
-    assert "Safe capacity per replica (first): 2 requests in flight" in html
-    assert "Safe capacity per replica (second): 2 requests in flight" in html  # swept side by side
-    assert len(read_jsonl(tmp_path / "compare" / "records.jsonl")) == 6
-    assert "ceil(target / safe × 1.4)" in html and "| 7 |" not in html  # rendered as a table, not source
-    assert "tags=" not in html and "from studies" not in html  # no input cells
+    assert "<title>Capacity study: " + tmp_path.name + "</title>" in html
+    assert html.count('src="data:image/png;base64') == 2  # curves and TTFA CDFs inline, not only as PNG files
+    for name in ("first", "second"):  # swept side by side, each judged and sized
+        assert f"Safe capacity per replica ({name}): 0 streams in flight" in html
+        assert f"<strong>{name}: no fleet size</strong>" in html
+    # 3 streams bound a p95 only from below: a 1 ms TTFA target is failed with confidence
+    assert "Load 1 fails: p95 TTFA is above 1 ms" in html and "<table" in html  # pandas tables, not Markdown
+    assert "tags=" not in html and "from studies" not in html  # no code
+    nb = json.loads((tmp_path / "capacity_study.ipynb").read_text())
+    assert not [o for c in nb["cells"] for o in c.get("outputs", []) if o["output_type"] == "execute_result"]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["fleet"]["headroom_40"]["replicas"] == 7  # ceil(10 / 2 * 1.4)
-    assert summary["fleet"]["utilisation_60"]["replicas"] == 9  # ceil(10 / 2 / 0.6)
-    for name in ("capacity_study.ipynb", "records.jsonl", "curves.png", "ttfa_cdf.png"):
+    assert [s["label"] for s in summary["servers"]] == ["first", "second"]
+    assert summary["provenance"]["servers"]["first"]["slots"] == 2
+    assert summary["provenance"]["servers"]["first"]["model"]["model"] == "tiny-random"
+    records = read_jsonl(tmp_path / "records.jsonl")
+    assert [sum(r.server == n for r in records) for n in ("first", "second")] == [6, 6]
+    assert all(json.loads(line)["ttfa_ms"] > 0 for line in (tmp_path / "records.jsonl").read_text().splitlines())
+    for name in ("capacity_study.ipynb", "curves.png", "ttfa_cdf.png"):
         assert (tmp_path / name).stat().st_size > 0
 
 
@@ -138,14 +147,19 @@ def test_chunk_buffer_notebook_measures_each_first_chunk_once_and_simulates_each
     assert (tmp_path / "chunk_buffer.png").stat().st_size > 0 and (tmp_path / "report.html").is_file()
 
 
-def test_explore_notebook_synthesizes_and_breaks_down_the_timing(url, tmp_path):
-    run_notebook("explore_model", {"server_url": url, "max_frames": 6}, tmp_path)
+def test_explore_notebook_runs_as_shipped_on_its_own_server(tmp_path):
+    import soundfile
+
+    run_notebook("explore_model", {"max_frames": 6}, tmp_path)  # no server_url: it starts and stops its own
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["audio_s"] == pytest.approx(6 * 0.08)
     t = summary["timings"]
     assert 0 <= t["queue_ms"] <= t["prefill_ms"] <= t["first_frame_ms"] <= t["first_chunk_ms"] <= t["total_ms"]
+    audio, rate = soundfile.read(tmp_path / "speech.wav")
+    assert rate == 24_000 and len(audio) == 6 * 1920
+    html = (tmp_path / "report.html").read_text()
+    assert "<audio" in html and html.count('src="data:image/png;base64') == 2
     assert (tmp_path / "spectrogram.png").stat().st_size > 0 and (tmp_path / "timings.png").stat().st_size > 0
-    assert "<audio" in (tmp_path / "report.html").read_text()
 
 
 def test_explore_reports_the_servers_error(url):

@@ -1,0 +1,80 @@
+"""A capacity study of one or more servers, swept the same way: per server its conditions, confident safe
+capacity, what limits that verdict and its fleet; one summary.json with provenance and one records.jsonl.
+The CLI measures with this and the capacity_study notebook draws the summary; run alone, the notebook
+measures with it too."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from studies import provenance
+from studies.fleet import fleet_size
+from studies.slo import SLO, safe_capacity
+from studies.sweep import sweep
+
+
+def unit(mode: str, load: float | None = None) -> str:
+    """The load's unit, singular for a load of exactly 1 in flight."""
+    if mode != "closed":
+        return "requests/s"
+    return "stream in flight" if load == 1 else "streams in flight"
+
+
+def assess(conditions: list[dict], slo: SLO, slots: int | None) -> dict:
+    """The verdict behind a safe capacity: the first load that is not safe and why ("fail" or "undecided",
+    per SLO), loads that pass above it (not counted), and what bounds the number: every load tried passed
+    (`highest load tried`) or, in closed loop, the capacity is the slot count (`slot count`): a load above it
+    waits for slots."""
+    safe = safe_capacity(conditions, slo)
+    ordered = sorted(conditions, key=lambda c: c["load"])
+    stop = next((c for c in ordered if c["verdict"]["overall"] != "pass"), None)
+    limited_by = []
+    if stop is None:
+        limited_by.append("highest load tried")
+    if ordered[0]["mode"] == "closed" and slots and safe == slots:
+        limited_by.append("slot count")
+    return {
+        "safe_capacity": safe, "limited_by": limited_by,
+        "stopped_at": None if stop is None else {
+            "load": stop["load"], "overall": stop["verdict"]["overall"],
+            "slos": {k: v for k, v in stop["verdict"].items() if k != "overall" and v != "pass"}},
+        "passes_above": [c["load"] for c in ordered if stop and c["load"] > stop["load"]
+                         and c["verdict"]["overall"] == "pass"],
+    }
+
+
+def slug(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", label).strip("-")[:60] or "server"
+
+
+def study(servers: dict[str, str], out_dir: str | Path, mode: str, loads: list[float], requests: int,
+          prompts: list[str], options: dict, warmup: int = 2, buffer_ms: float = 0.0, slo: SLO = SLO(),
+          protocol: str = "http", target_load: float = 100.0, price_per_hour: float = 1.0,
+          configs: dict[str, dict] | None = None) -> dict:
+    """Sweeps each server (label -> URL) in turn into out_dir/servers/<label>/ and writes out_dir/summary.json
+    (provenance, settings, per server: conditions, assessment, fleet) and out_dir/records.jsonl (every
+    request of every server, labelled). `configs`: how local servers were started, for provenance."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    about = {label: provenance.server(url, (configs or {}).get(label)) for label, url in servers.items()}
+    dirs = {label: out / "servers" / f"{i}-{slug(label)}" for i, label in enumerate(servers, 1)}
+    results = []
+    for label, url in servers.items():
+        r = sweep(url, mode, loads, requests, prompts, dirs[label], options=options,
+                  warmup=warmup, buffer_ms=buffer_ms, slo=slo, protocol=protocol, server=label)
+        a = assess(r["conditions"], slo, about[label].get("slots"))
+        results.append({"label": label, "url": url, "slots": about[label].get("slots"), **a,
+                        "fleet": fleet_size(a["safe_capacity"], target_load, price_per_hour)
+                        if a["safe_capacity"] > 0 else None,
+                        "conditions": r["conditions"]})
+    with open(out / "records.jsonl", "w", encoding="utf-8") as f:
+        for label in servers:
+            f.write((dirs[label] / "records.jsonl").read_text(encoding="utf-8"))
+    summary = {"provenance": provenance.provenance(out.name, about), "mode": mode, "protocol": protocol,
+               "unit": unit(mode), "loads": sorted(loads), "requests_per_condition": requests, "warmup": warmup,
+               "buffer_ms": buffer_ms, "options": options, "slo": vars(slo), "target_load": target_load,
+               "price_per_hour": price_per_hour, "servers": results, "safe_capacity": results[0]["safe_capacity"]}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    return summary

@@ -1,0 +1,126 @@
+"""What a capacity report says, built from summary.json alone: the per-load table (pandas) and the verdict
+and fleet text, so the words can never disagree with the numbers beside them."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from studies.capacity import unit
+from studies.stats import CONFIDENCE
+
+CI = f"{2 * CONFIDENCE - 1:.0%} CI"
+MARK = {"pass": "", "fail": " ✗", "undecided": " ?"}
+
+
+def _ms(x: float) -> str:
+    """Milliseconds as shown; an unbounded side of an interval is ∞ or –∞ (too few streams to bound it)."""
+    if x is None or math.isnan(x):
+        return "n/a"
+    return ("∞" if x > 0 else "–∞") if math.isinf(x) else f"{x:.0f}"
+
+
+def _ci(point: float, bounds, verdict: str) -> str:
+    return f"{_ms(point)} [{_ms(bounds[0])}, {_ms(bounds[1])}]{MARK[verdict]}"
+
+
+def conditions_table(server: dict) -> pd.DataFrame:
+    """One row per load: counts, TTFA and starvation p95 with their confidence intervals (the verdict is
+    judged on those bounds: ✗ fails, ? undecided), throughput, and the load's verdict."""
+    rows = []
+    for c in server["conditions"]:
+        v = c["verdict"]
+        rows.append({
+            "load": f"{c['load']:g}", "requests": c["requests"],
+            "success": f"{c['success_rate']:.1%}{MARK[v['success']]}", "429": c["rejected_429"],
+            "TTFA p50 ms": _ms(c["ttfa_p50_ms"]),
+            f"TTFA p95 ms [{CI}]": _ci(c["ttfa_p95_ms"], c["ttfa_p95_ci_ms"], v["ttfa"]),
+            f"starvation p95 ms [{CI}]": _ci(c["starvation_p95_ms"], c["starvation_p95_ci_ms"], v["starvation"]),
+            "underruns per stream": f"{c['underruns_mean']:.2f}", "req/s": f"{c['throughput_rps']:.2f}",
+            "audio s/s": f"{c['audio_s_per_s']:.2f}", "verdict": v["overall"]})
+    return pd.DataFrame(rows).set_index("load")
+
+
+def _loads(xs) -> str:
+    return ", ".join(f"{x:g}" for x in xs)
+
+
+def verdict_text(server: dict, summary: dict) -> str:
+    """Markdown: the safe capacity, where and why the sweep stopped counting, and what bounds the number."""
+    mode, slo, safe = summary["mode"], summary["slo"], server["safe_capacity"]
+    sure = f" (every SLO met with {CONFIDENCE:.0%} confidence at this load and every lower one)."
+    lines = [f"**Safe capacity per replica ({server['label']}): {safe:g} {unit(mode, safe)}**"
+             + (sure if safe else ".")]
+    stop = server["stopped_at"]
+    if stop:
+        cond = next(c for c in server["conditions"] if c["load"] == stop["load"])
+        why = []
+        for name, verdict in stop["slos"].items():
+            if name == "success":
+                why.append(f"{cond['success_rate']:.1%} of streams succeeded (SLO ≥ {slo['min_success_rate']:.0%})")
+                continue
+            key, target = ("ttfa", slo["ttfa_p95_ms"]) if name == "ttfa" else ("starvation", slo["starvation_p95_ms"])
+            lo, hi = cond[f"{key}_p95_ci_ms"]
+            label = "p95 TTFA" if name == "ttfa" else "p95 starvation"
+            if verdict == "fail":
+                why.append(f"{label} is above {target:g} ms (its {CI} starts at {_ms(lo)} ms)")
+            elif math.isinf(hi):
+                why.append(f"{label} cannot be bounded from {cond['succeeded']} valid streams (59 are needed to "
+                           "bound a p95 from above)")
+            else:
+                why.append(f"{label} is undecided: its {CI} [{_ms(lo)}, {_ms(hi)}] ms contains the "
+                           f"{target:g} ms target")
+        what = "fails" if stop["overall"] == "fail" else "is undecided"
+        lines.append(f"Load {stop['load']:g} {what}: " + "; ".join(why) + "."
+                     + (" More requests per load (`--requests`) would decide it." if stop["overall"] == "undecided"
+                        else ""))
+    if server["passes_above"]:
+        lines.append(f"Load {_loads(server['passes_above'])} meets every SLO but a lower load does not; a replica "
+                     "run there would pass through the failing load, so it is not counted.")
+    if "highest load tried" in server["limited_by"]:
+        lines.append(f"Every load tried passed, so this is a lower bound: the replica may carry more than "
+                     f"{max(summary['loads']):g}; sweep higher loads to find its limit.")
+    if "slot count" in server["limited_by"]:
+        lines.append(f"The safe capacity is the server's {server['slots']} slot"
+                     f"{'s' if server['slots'] != 1 else ''}: more streams in flight wait for a slot, so a server "
+                     "with more slots (if it keeps up) may carry more.")
+    return "\n\n".join(lines)
+
+
+def fleet_text(server: dict, summary: dict) -> str:
+    """Markdown: replicas and cost for the target load under both sizing rules, or why there is no fleet."""
+    fleet, mode = server["fleet"], summary["mode"]
+    if fleet is None:
+        return (f"**{server['label']}: no fleet size**: no load met every SLO with confidence, so a replica's "
+                "capacity is unknown. Try lower loads, more requests per load, a start-up buffer or a smaller "
+                "first chunk.")
+    target = summary["target_load"]
+    rules = (("40% headroom: ceil(target / safe × 1.4)", "headroom_40"),
+             ("60% utilisation: ceil(target / safe / 0.6)", "utilisation_60"))
+    rows = "".join(f"| {name} | {fleet[key]['replicas']} | {fleet[key]['per_hour']:.2f} "
+                   f"| {fleet[key]['per_month']:.0f} |\n" for name, key in rules)
+    return (f"**{server['label']}**: target {target:g} {unit(mode, target)} at {server['safe_capacity']:g} per "
+            f"replica, ${summary['price_per_hour']:g}/h per replica:\n\n"
+            "| policy | replicas | $/hour | $/month |\n|---|---|---|---|\n" + rows)
+
+
+def provenance_table(summary: dict) -> pd.DataFrame:
+    """The provenance block flattened to one (what, value) row each, for the report."""
+    p = summary["provenance"]
+    rows = [("run id", p["run_id"]), ("created (UTC)", p["created_utc"]),
+            ("commit", f"{p['commit']}{' (with uncommitted changes)' if p['dirty'] else ''}")]
+    for label, s in p["servers"].items():
+        model = s.get("model") or {}
+        rows += [(f"{label}: URL", s["url"]), (f"{label}: model", f"{model.get('model')} ({model.get('kind')}, "
+                                                                  f"{model.get('size')}, noise: {model.get('noise')})"),
+                 (f"{label}: model fingerprint", f"{s['model_fingerprint']} (of {s['fingerprint_of']})"
+                  if s.get("model_fingerprint") else s.get("error")),
+                 (f"{label}: slots", s.get("slots")),
+                 (f"{label}: server config", ", ".join(f"{k}={v}" for k, v in (s.get("config") or {}).items())
+                  or "not started by this study")]
+    m = p["machine"]
+    rows += [("machine", f"{m['cpu']}, {m['cpu_count']} CPUs, {m['memory_gib']} GiB; {m['platform']}"),
+             ("GPUs", "; ".join(m["gpus"]) or "none"),
+             ("packages", ", ".join(f"{k} {v}" for k, v in p["packages"].items() if v))]
+    return pd.DataFrame(rows, columns=["what", "value"]).set_index("what")

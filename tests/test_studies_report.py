@@ -1,0 +1,179 @@
+"""What a capacity report says, from hand-made summaries: assessment limits, verdict text that agrees with the
+table, fleet per server, figures (units, integer ticks, a colour per server, SLO legend), provenance, CLI."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import subprocess
+
+import matplotlib
+import numpy
+
+matplotlib.use("Agg")  # figures are inspected, not shown
+import pytest  # noqa: E402
+from matplotlib.colors import to_rgba  # noqa: E402
+
+from studies import provenance  # noqa: E402
+from studies.capacity import assess  # noqa: E402
+from studies.fleet import fleet_size  # noqa: E402
+from studies.plots import capacity_curves, ttfa_cdfs  # noqa: E402
+from studies.progress import bar  # noqa: E402
+from studies.records import RequestRecord  # noqa: E402
+from studies.slo import SLO  # noqa: E402
+from studies.verdict import conditions_table, fleet_text, provenance_table, verdict_text  # noqa: E402
+
+
+def cond(load, ttfa_ci=(80, 120), starv_ci=(0, 10), success=1.0, mode="closed"):
+    c = {"condition": f"{mode}:{load}", "mode": mode, "load": load, "requests": 60, "succeeded": round(60 * success),
+         "success_rate": success, "rejected_429": 0, "ttfa_p50_ms": ttfa_ci[0],
+         "ttfa_p95_ms": sum(ttfa_ci) / 2 if math.isfinite(ttfa_ci[1]) else ttfa_ci[0],
+         "ttfa_p95_ci_ms": ttfa_ci, "starvation_p50_ms": 0.0, "starvation_p95_ms": starv_ci[0],
+         "starvation_p95_ci_ms": starv_ci, "underruns_mean": 0.0, "throughput_rps": load / 2,
+         "audio_s_per_s": load, "errors": []}
+    c["slo"], c["verdict"] = SLO().check(c), SLO().judge(c)
+    return c
+
+
+def server(label, conditions, slots):
+    a = assess(conditions, SLO(), slots)
+    return {"label": label, "url": "http://x", "slots": slots, **a, "conditions": conditions,
+            "fleet": fleet_size(a["safe_capacity"], 100, 1.0) if a["safe_capacity"] else None}
+
+
+def summary(*servers, loads=(1, 2, 4)):
+    return {"mode": "closed", "loads": list(loads), "slo": vars(SLO()), "buffer_ms": 0.0, "target_load": 100,
+            "price_per_hour": 1.0, "servers": list(servers)}
+
+
+def test_assessment_names_what_limits_the_verdict():
+    every = server("a", [cond(1), cond(2), cond(4)], slots=8)
+    assert every["safe_capacity"] == 4 and every["limited_by"] == ["highest load tried"]
+    assert every["stopped_at"] is None
+    slots = server("b", [cond(1), cond(2), cond(4, ttfa_ci=(900, 1500))], slots=2)
+    assert slots["safe_capacity"] == 2 and slots["limited_by"] == ["slot count"]
+    assert slots["stopped_at"] == {"load": 4, "overall": "fail", "slos": {"ttfa": "fail"}}
+    lucky = server("c", [cond(1), cond(2, ttfa_ci=(200, 450)), cond(4)], slots=8)
+    assert lucky["safe_capacity"] == 1 and lucky["passes_above"] == [4]
+    assert lucky["stopped_at"]["overall"] == "undecided"
+
+
+def test_verdict_text_is_generated_from_the_same_numbers_as_the_table():
+    batched = server("batched", [cond(1), cond(2), cond(4, ttfa_ci=(200, 450))], slots=4)
+    serial = server("serialised", [cond(1), cond(2, ttfa_ci=(400, 700)), cond(4, ttfa_ci=(1400, 1600))], slots=1)
+    s = summary(batched, serial)
+    table = conditions_table(batched)
+    assert list(table.index) == ["1", "2", "4"] and list(table["verdict"]) == ["pass", "pass", "undecided"]
+    assert table.loc["4", "TTFA p95 ms [90% CI]"] == "325 [200, 450] ?"
+    text = verdict_text(batched, s)
+    assert "Safe capacity per replica (batched): 2 streams in flight" in text
+    assert "Load 4 is undecided: p95 TTFA is undecided: its 90% CI [200, 450] ms contains the 300 ms target" in text
+    assert "No tested load" not in text and "lower bound" not in text
+    text = verdict_text(serial, s)
+    assert "(serialised): 1 stream in flight" in text  # singular for one
+    assert "Load 2 fails: p95 TTFA is above 300 ms (its 90% CI starts at 400 ms)" in text
+    assert "The safe capacity is the server's 1 slot:" in text
+    over = server("over", [cond(1), cond(2), cond(4, ttfa_ci=(900, 1500))], slots=1)
+    assert over["safe_capacity"] == 2 and over["limited_by"] == []  # queueing for the one slot was still fast enough
+    top = server("top", [cond(1), cond(2), cond(4)], slots=8)
+    assert "may carry more than 4; sweep higher loads" in verdict_text(top, summary(top))
+    few = server("few", [cond(1, ttfa_ci=(80, math.inf))], slots=8)
+    assert "cannot be bounded from 60 valid streams" in verdict_text(few, summary(few, loads=(1,)))
+    assert conditions_table(few).loc["1", "TTFA p95 ms [90% CI]"].endswith("[80, ∞] ?")
+
+
+def test_every_server_gets_a_fleet_or_the_reason_it_has_none():
+    s = summary(server("a", [cond(1), cond(2)], 4), server("b", [cond(1, success=0.5)], 1))
+    a, b = (fleet_text(x, s) for x in s["servers"])
+    assert "**a**: target 100 streams in flight at 2 per replica" in a
+    assert "| 40% headroom: ceil(target / safe × 1.4) | 70 | 70.00 | 51100 |" in a
+    assert "**b: no fleet size**" in b
+
+
+def test_capacity_figure_has_units_integer_ticks_a_colour_per_server_and_an_slo_legend():
+    s = summary(server("a", [cond(1), cond(2), cond(4)], 4),
+                server("b", [cond(1), cond(2, ttfa_ci=(80, math.inf)), cond(4)], 1))
+    fig = capacity_curves(s)
+    axes = fig.axes
+    assert [ax.get_ylabel() for ax in axes] == ["TTFA (ms)", "starvation per stream (ms)",
+                                               "valid requests per second (req/s)",
+                                               "audio seconds per wall second (s/s)"]
+    for ax in axes:
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4"]
+        assert ax.get_xlabel() == "load (streams in flight)"
+    legend = [t.get_text() for t in axes[0].get_legend().get_texts()]
+    assert "SLO: p95 ≤ 300 ms" in legend and "a p95 (90% CI)" in legend and "b p50" in legend
+    lines = {ln.get_label(): to_rgba(ln.get_color()) for ln in axes[2].get_lines()}
+    assert lines["a"] != lines["b"]
+    by_server = {label: {to_rgba(ln.get_color()) for ln in axes[0].get_lines() if ln.get_label().startswith(label)}
+                 for label in ("a ", "b ")}
+    assert all(len(c) == 1 for c in by_server.values())  # p50 and p95 of one server share its colour
+    assert math.isfinite(axes[0].get_ylim()[1]) and axes[0].get_ylim()[1] < 1000  # an unbounded side stays off
+
+
+def test_ttfa_cdf_has_one_panel_per_server_with_only_its_streams():
+    s = summary(server("a", [cond(1)], 4), server("b", [cond(1)], 1), loads=(1,))
+    recs = [RequestRecord(f"r{i}", "closed:1", "closed", 1, 0, "x", 0.0, first_byte_s=0.1 * (i + 1), end_s=1,
+                          chunks=[(0.1 * (i + 1), 10)], sample_rate=24_000, server=label)
+            for i, label in enumerate("aab")]
+    fig = ttfa_cdfs(s, recs)
+    assert [ax.get_title() for ax in fig.axes] == ["a", "b"]
+    assert fig.axes[0].get_xlabel() == "TTFA (ms)" and fig.axes[0].get_ylabel() == "fraction of streams"
+    (a_line,) = [ln for ln in fig.axes[0].get_lines() if ln.get_label() == "load 1"]
+    assert max(a_line.get_xdata()) == pytest.approx(200)  # a's two streams, not b's 300 ms one
+
+
+def test_provenance_names_the_commit_packages_machine_and_checkpoint(tmp_path):
+    head = subprocess.run(["git", "-C", str(provenance.ROOT), "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    assert provenance.commit()["commit"] == head
+    pk = provenance.packages()
+    assert pk["numpy"] == numpy.__version__ and pk["python"]
+    m = provenance.machine()
+    assert m["cpu_count"] >= 1 and m["cpu"] and isinstance(m["gpus"], list)
+    (tmp_path / "config.json").write_text('{"a": 1}')
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 64)
+    first = provenance.checkpoint_digest(str(tmp_path))
+    assert provenance.checkpoint_digest(str(tmp_path)) == first
+    (tmp_path / "config.json").write_text('{"a": 2}')
+    assert provenance.checkpoint_digest(str(tmp_path)) != first
+    assert provenance.checkpoint_digest("tiny-random") != provenance.checkpoint_digest("tiny-random-base")
+    p = provenance.provenance("run-1", {"a": {"url": "http://x", "slots": 2, "config": {"model": "tiny-random"},
+                                              "model": {"model": "tiny-random", "kind": "custom_voice"},
+                                              "model_fingerprint": "abc", "fingerprint_of": "info"}})
+    json.dumps(p)  # summary.json carries it
+    table = provenance_table({"provenance": p})
+    assert table.loc["run id", "value"] == "run-1" and table.loc["commit", "value"].startswith(head)
+    assert table.loc["a: server config", "value"] == "model=tiny-random"
+
+
+def test_progress_bar_draws_only_on_a_terminal():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    log, tty = io.StringIO(), Tty()
+    for stream in (log, tty):
+        with bar(3, "sweeping", "req", stream=stream) as b:
+            b.update(3)
+    assert log.getvalue() == "" and "sweeping" in tty.getvalue()
+
+
+def test_cli_help_names_the_command_it_was_run_as_and_shows_defaults(capsys):
+    from qtts_jax.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["study", "capacity", "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: qtts-jax study capacity")
+    for flag in ("--slots SLOTS", "--target TARGET", "--buffer-ms BUFFER_MS", "--loads LOAD"):
+        assert flag in out
+    assert "(default: 60)" in out and "(default: [1, 2, 4])" in out
+
+
+def test_info_says_a_tiny_preset_is_tiny(capsys):
+    from qtts_jax.cli import main
+
+    assert main(["info", "--model", "tiny-random"]) == 0
+    assert json.loads(capsys.readouterr().out)["size"] == "tiny (random; follows 1b7 rules)"
