@@ -52,8 +52,9 @@ study: $(VENV)/.study
 		$(if $(SLOTS),--slots $(SLOTS)) --chunk-schedule $(or $(CHUNKS),1)
 
 # JupyterLab on notebooks/: the jupytext .py files open as notebooks and stay the source (notebooks/jupytext.toml)
+# (--allow-root only when run as root, as in containers)
 lab: $(VENV)/.lab
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 clean:
 	rm -rf $(VENV) runs
