@@ -289,6 +289,8 @@ class Engine:
         joined, prefill_done = self._admit()
         live = [i for i, s in enumerate(self.slots) if s is not None and not s.lm_done]
         if not live and self._audio is None and not any(s is not None and s.pending for s in self.slots):
+            with self._lock:  # streams may have left (cancelled): admission must not see them for ever
+                self._stats = self._snapshot()
             return False
         out, n = None, 0
         if live:

@@ -10,7 +10,7 @@ size, and of a prefill per batch of requests. A request is refused (429 + Retry-
 - one more stream would let the engine fall behind playback: while requests keep arriving, every iteration
   steps one frame (a newcomer's first chunk is one frame) and prefills, so that iteration must take less
   than the 80 ms of audio it gives each stream, or every playing stream would drain (by more than the
-  `starvation_s` a stream may lose over the frames it has left), or a playing stream is behind already.
+  `starvation_s` a stream may lose over the frames it has left), or a playing stream is already further behind than that.
 
 Below both limits nothing is refused; an idle engine always admits (its costs are measured at start-up).
 Each open stream is also tracked here as the client hears it (headroom when each chunk leaves), for metrics.
@@ -140,7 +140,7 @@ class Scheduler:
             raise ApiError(429, "overloaded", f"another stream would slow each engine iteration to "
                            f"{joining * 1000:.0f} ms, longer than the {FRAME_SECONDS * 1000:.0f} ms of audio it "
                            "makes: playing streams would run dry", retry_after=self._retry(start + joining))
-        if st.min_headroom_s is not None and st.min_headroom_s < 0:
+        if st.min_headroom_s is not None and st.min_headroom_s < -c.starvation_s:
             raise ApiError(429, "overloaded", "a playing stream is already behind its listener",
                            retry_after=self._retry(-st.min_headroom_s))
         if ttfa > c.ttfa_target_s:

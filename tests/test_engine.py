@@ -137,6 +137,20 @@ def test_cancel_frees_slot_at_next_step(engine):
     assert len(stream.codes) < 100
 
 
+def test_stats_follow_a_cancel_that_leaves_the_engine_idle(engine):
+    """The snapshot admission reads must not keep a cancelled stream: an idle engine that still looked busy
+    would be refused work for ever."""
+    stream = engine.submit(Request("Leaving early.", speaker="ryan", max_frames=100, **GREEDY), Collector())
+    for _ in range(3):
+        engine.run_once()
+    assert engine.stats().live == 1 and engine.stats().frames_left[0] > 0
+    stream.cancel()
+    while engine.run_once():
+        pass
+    st = engine.stats()
+    assert (st.live, st.queued, st.frames_left) == (0, 0, ())
+
+
 def test_guards(engine, model):
     with pytest.raises(PromptTooLong) as err:
         engine.submit(Request("x" * 400, speaker="ryan"), Collector())
