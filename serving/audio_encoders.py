@@ -7,7 +7,10 @@ Streaming encoders hand bytes out as soon as the codec produces them:
 - `wav`: a RIFF header whose sizes are 0xFFFFFFFF when streaming (length unknown), exact otherwise.
 - `mp3`: lameenc (incremental `encode` + `flush`), 24 kHz mono.
 - `opus`: PyAV's Ogg muxer with libopus at 24 kHz, `page_duration` 20 ms so pages leave progressively.
-- `flac`: PyAV's FLAC muxer (the STREAMINFO totals stay 0 when streaming, as for any live FLAC).
+- `aac`: PyAV's ADTS muxer with FFmpeg's AAC encoder: every frame carries its own header, so it streams.
+- `flac`: PyAV's FLAC muxer. A whole file has exact STREAMINFO totals. A stream cannot know its length, and
+  libsndfile takes a total of 0 ("unknown") as 2^63-1 frames and fails on a file shorter than its header says,
+  so a streamed FLAC states the request's frame cap and is padded with silence to it (`FlacStreamEncoder`).
 
 Float -> int16 is `round(clip(x, -1, 1) * 32767)`, the same rule a client uses to compare with offline audio.
 """
@@ -20,10 +23,15 @@ import struct
 import numpy as np
 
 SAMPLE_RATE = 24000
-FORMATS = ("mp3", "opus", "wav", "pcm", "flac")
+SAMPLES_PER_FRAME = 1920  # one 80 ms codec frame at 24 kHz
+FORMATS = ("mp3", "opus", "aac", "wav", "pcm", "flac")
+# streamed unless the request says "stream": false; FLAC is a whole file unless it says "stream": true, since a
+# streamed FLAC must state a length up front (the frame cap, padded with silence) and a whole one is exact
+STREAM_BY_DEFAULT = frozenset(FORMATS) - {"flac"}
 CONTENT_TYPES = {
     "mp3": "audio/mpeg",
     "opus": "audio/ogg",
+    "aac": "audio/aac",
     "wav": "audio/wav",
     "pcm": "audio/pcm",
     "flac": "audio/flac",
@@ -144,7 +152,42 @@ class AvEncoder(Encoder):
         return self._take() if self._streaming else self._sink.getvalue()
 
 
-def make_encoder(fmt: str, streaming: bool, sample_rate: int = SAMPLE_RATE) -> Encoder:
+class FlacStreamEncoder(Encoder):
+    """Streamed FLAC whose STREAMINFO states `total_samples` (the request's cap): the audio is padded with
+    silence to that length at `finish`, so the file is exactly what its header says and libsndfile reads it."""
+
+    def __init__(self, total_samples: int, sample_rate: int = SAMPLE_RATE):
+        self._enc = AvEncoder("flac", "flac", sample_rate, streaming=True)
+        self._total = total_samples
+        self._sent = 0
+        self._header_pending = True
+
+    def encode(self, pcm):
+        pcm = np.asarray(pcm, np.float32)[: max(self._total - self._sent, 0)]
+        self._sent += len(pcm)
+        return self._patch(self._enc.encode(pcm))
+
+    def finish(self):
+        tail = self._enc.encode(np.zeros(max(self._total - self._sent, 0), np.float32))
+        return self._patch(tail + self._enc.finish())
+
+    def _patch(self, data: bytes) -> bytes:
+        """Write the total into the first STREAMINFO (36 bits from bit 108 of the block's 34 bytes)."""
+        if not self._header_pending or len(data) < 4 + 4 + 18:
+            return data
+        assert data[:4] == b"fLaC" and data[4] & 0x7F == 0, "FLAC must start with STREAMINFO"
+        self._header_pending = False
+        out = bytearray(data)
+        at = 8 + 10  # "fLaC" + block header + min/max block and frame sizes
+        word = int.from_bytes(out[at:at + 8], "big")
+        word = (word & ~((1 << 36) - 1)) | self._total
+        out[at:at + 8] = word.to_bytes(8, "big")
+        return bytes(out)
+
+
+def make_encoder(fmt: str, streaming: bool, sample_rate: int = SAMPLE_RATE, total_samples: int | None = None
+                 ) -> Encoder:
+    """`total_samples` (streamed FLAC only): the length its header states, the audio padded to it."""
     if fmt == "pcm":
         return PcmEncoder()
     if fmt == "wav":
@@ -154,7 +197,11 @@ def make_encoder(fmt: str, streaming: bool, sample_rate: int = SAMPLE_RATE) -> E
     if fmt == "opus":
         return AvEncoder("ogg", "libopus", sample_rate, streaming, options={"page_duration": "20000"},
                          bit_rate=32000)
+    if fmt == "aac":
+        return AvEncoder("adts", "aac", sample_rate, streaming, bit_rate=64000)
     if fmt == "flac":
+        if streaming and total_samples is not None:
+            return FlacStreamEncoder(total_samples, sample_rate)
         return AvEncoder("flac", "flac", sample_rate, streaming)
     raise ValueError(f"unknown format {fmt!r}")
 
