@@ -32,15 +32,13 @@ starvation_p95_ms = 100.0
 out_dir = "runs/chunk_buffer"
 
 # %%
-import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 from IPython.display import Markdown, display
 
 from studies.chunk_buffer import chunk_buffer_grid
 from studies.corpora import load_corpus
+from studies.plots import show
 
 options = {"voice": voice, "seed": 0}
 if max_frames:
@@ -75,7 +73,6 @@ for ax, key, title in ((axes[0], "start_p95_ms", "p95 playback start (ms)"),
            yticks=range(len(first_chunks)), yticklabels=first_chunks)
     for (i, j), v in np.ndenumerate(values):
         ax.text(j, i, f"{v:.0f}", ha="center", va="center", color="white")
-    fig.colorbar(im, ax=ax)
+    fig.colorbar(im, ax=ax, label="ms")
 fig.tight_layout()
-fig.savefig(f"{out_dir}/chunk_buffer.png", dpi=100)
-plt.show()
+show(fig, f"{out_dir}/chunk_buffer.png")

@@ -45,12 +45,10 @@ import json
 import math
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
+from studies.plots import show
 from studies.records import write_jsonl
 from studies.sustained import compare_builds, sustained_ab, workload_items
 
@@ -72,7 +70,7 @@ write_jsonl(out / "records.jsonl", records)
 summary = {"url_a": url_a, "url_b": url_b, "label_a": label_a, "label_b": label_b, "protocol": protocol,
            "options": options, "concurrency": concurrency, "fill_s": fill_s, "window_s": window_s,
            "pause_ms": pause_ms, "workloads": results}
-(out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+_ = (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
 
 # %% [markdown]
 # ## Passes
@@ -111,7 +109,6 @@ for ax, (workload, res) in zip(axes[0], results.items()):
     ax.bar([f"{p['order']}: {names[p['build']]}" for p in ps], [p["req_per_s"] for p in ps],
            color=["tab:blue" if p["build"] == "A" else "tab:orange" for p in ps],
            hatch=["" if p["valid"] else "//" for p in ps])
-    ax.set(title=f"sustained throughput per pass ({workload})", ylabel="items/s")
+    ax.set(title=f"sustained throughput per pass ({workload})", xlabel="pass: build", ylabel="items per second")
 fig.tight_layout()
-fig.savefig(out / "sustained.png", dpi=100)
-plt.show()
+show(fig, out / "sustained.png")

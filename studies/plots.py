@@ -70,7 +70,7 @@ def ttfa_cdfs(summary: dict, records: list) -> plt.Figure:
                 ax.ecdf(ttfa, color=shade, label=f"load {load:g}")
         ax.axvline(summary["slo"]["ttfa_p95_ms"], color="red", ls=":",
                    label=f"SLO: p95 ≤ {summary['slo']['ttfa_p95_ms']:g} ms")
-        ax.axhline(0.95, color="grey", lw=0.8)
+        ax.axhline(0.95, color="grey", lw=0.8, label="95% of streams (p95)")
         ax.set(title=s["label"], xlabel="TTFA (ms)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small", loc="lower right")

@@ -144,7 +144,8 @@ def test_chunk_buffer_notebook_measures_each_first_chunk_once_and_simulates_each
     for zero, buffered in (grid[0:2], grid[2:4]):
         assert buffered["start_p95_ms"] >= zero["start_p95_ms"]  # waiting for 400 ms of audio starts later
         assert buffered["starvation_p95_ms"] <= zero["starvation_p95_ms"]  # ... and never stalls more
-    assert (tmp_path / "chunk_buffer.png").stat().st_size > 0 and (tmp_path / "report.html").is_file()
+    assert (tmp_path / "chunk_buffer.png").stat().st_size > 0
+    assert (tmp_path / "report.html").read_text().count('src="data:image/png;base64') == 1  # the heatmaps, inline
 
 
 def test_explore_notebook_runs_as_shipped_on_its_own_server(tmp_path):
@@ -204,7 +205,7 @@ def test_sustained_cli_runs_both_workloads_abba_with_golden_checks_and_no_gpu(ur
     assert all(r.ok for r in records)
     html = (run / "report.html").read_text()
     assert "same server" in html and "Workload <em>processed</em>" in html and "from studies" not in html
-    assert (run / "sustained.png").stat().st_size > 0
+    assert (run / "sustained.png").stat().st_size > 0 and html.count('src="data:image/png;base64') == 1
 
 
 def test_sustained_pass_flags_responses_that_differ_from_the_golden(url):
