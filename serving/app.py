@@ -23,6 +23,7 @@ from qtts_jax import compile_cache, sizing
 from qtts_jax.bridge import AsyncEngine
 from qtts_jax.engine import Engine, EngineConfig
 from qtts_jax.request import Request
+from serving import aliases
 from serving.connections import Runner
 from serving.metrics import Metrics
 from serving.scheduler import AdmissionConfig, Scheduler
@@ -63,6 +64,9 @@ class Settings:
     voice_trailing_silence_ms: int = 500  # appended before encoding ICL codes, against phoneme bleed
     warm_voice_encoders: bool = True  # after /ready: compile the encoders for every recording length bucket
     compile_cache: str = "default"  # persistent XLA cache (`run` only): "default", "off" or a directory
+    # OpenAI voice names -> this model's voices: "" (the default table), "a=b,c=d" over it, a JSON file, or "none"
+    voice_aliases: str = ""
+    inline_voice_cache: int = 32  # Base models: voices cloned from a request's ref_audio, kept by content hash
 
     @classmethod
     def from_env(cls, **overrides) -> "Settings":
@@ -109,6 +113,7 @@ WARMUP_TASK = web.AppKey("warmup_task", asyncio.Task)
 WARMUP_ERROR = web.AppKey("warmup_error", list)
 VOICES = web.AppKey("voices", VoiceStore)  # set only for Base models
 VOICE_WARMUP = web.AppKey("voice_warmup", list)  # the background encoder compilation, once started
+ALIASES = web.AppKey("aliases", dict)  # OpenAI voice name -> speaker (CustomVoice) or registered voice (Base)
 
 
 def json_error(err: ApiError, request_id: str | None = None) -> web.Response:
@@ -127,12 +132,19 @@ def _outcome(status: int) -> str:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):
-    endpoint = request.match_info.route.resource.canonical if request.match_info.route.resource else "unknown"
+    resource = request.match_info.route.resource  # None: no endpoint has this path (404) or method (405)
+    endpoint = resource.canonical if resource else None
     metrics = request.app[METRICS]
+
+    def count(status: int, outcome: str) -> None:
+        if endpoint is None:  # not an endpoint: counted apart, so `endpoint` stays a bounded set of routes
+            metrics.unrouted.labels(str(status)).inc()
+        else:
+            metrics.requests.labels(endpoint, outcome).inc()
     try:
         return await handler(request)
     except ApiError as err:
-        metrics.requests.labels(endpoint, _outcome(err.status)).inc()
+        count(err.status, _outcome(err.status))
         return json_error(err, request.get(_request_key()))
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -140,12 +152,12 @@ async def error_middleware(request: web.Request, handler):
         field = "body" if exc.status == 413 else None
         code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status, "http_error")
         msg = exc.reason if exc.status != 413 else f"request body too large: {exc.text}"
-        metrics.requests.labels(endpoint, _outcome(exc.status)).inc()
+        count(exc.status, _outcome(exc.status))
         return json_error(ApiError(exc.status, code, msg, field), request.get(_request_key()))
     except (RequestPayloadError, HttpProcessingError) as exc:
         # the body itself is malformed (Content-Encoding, chunking, a multipart part's headers): the client's fault
         reason = getattr(exc, "message", None) or str(exc).strip().splitlines()[-1].strip()
-        metrics.requests.labels(endpoint, "bad_request").inc()
+        count(400, "bad_request")
         resp = json_error(ApiError(400, "invalid_body", f"body: could not be read ({reason[:200]})", "body"),
                           request.get(_request_key()))
         request.content.feed_eof()  # the rest is unreadable: do not drain it, close the connection instead
@@ -155,7 +167,7 @@ async def error_middleware(request: web.Request, handler):
         raise
     except Exception:
         log.exception("unhandled error in %s", endpoint)
-        metrics.requests.labels(endpoint, "error").inc()
+        count(500, "error")
         return json_error(ApiError(500, "internal_error", "internal server error"), request.get(_request_key()))
 
 
@@ -185,10 +197,12 @@ def create_app(settings: Settings = Settings(), model=None, engine: Engine | Non
                           handler_args={"max_field_size": 16384})
     app[SETTINGS] = settings
     app[MODEL] = engine.model
+    cfg = engine.model.cfg
+    app[ALIASES] = aliases.table(settings.voice_aliases, cfg.model_type, cfg.speakers)  # ValueError if wrong
     app[ENGINE] = engine
     app[BRIDGE] = AsyncEngine(engine)
     app[SCHEDULER] = Scheduler(engine, settings.admission())
-    app[METRICS] = Metrics(engine, app[SCHEDULER])
+    app[METRICS] = Metrics(engine, app[SCHEDULER], model=engine.model.name, info=_build_info(settings, engine))
     app[SOCKETS] = weakref.WeakSet()
     app[WARMUP_ERROR] = []
     app[VOICE_WARMUP] = []
@@ -202,6 +216,23 @@ def create_app(settings: Settings = Settings(), model=None, engine: Engine | Non
     routes.setup(app)
     ws.setup(app)
     return app
+
+
+def _build_info(settings: Settings, engine: Engine) -> dict[str, str]:
+    """The build and configuration a scrape should see beside the numbers (the `qtts_build` info metric)."""
+    from importlib import metadata
+
+    import jax
+
+    try:
+        version = metadata.version("qtts-jax")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    cfg = engine.config
+    return {"version": version, "jax": jax.__version__, "backend": jax.default_backend(), "model": engine.model.name,
+            "model_type": engine.model.cfg.model_type, "dtype": settings.dtype, "slots": str(cfg.slots),
+            "context": str(cfg.context), "frames_per_step": str(cfg.frames_per_step),
+            "ttfa_target_ms": f"{settings.ttfa_target_ms:g}", "starvation_ms": f"{settings.starvation_ms:g}"}
 
 
 async def _engine_ctx(app: web.Application):
@@ -283,7 +314,7 @@ def run(settings: Settings) -> int:
     async def main() -> int:
         try:
             app = create_app(settings)
-        except sizing.SlotsDoNotFit as exc:
+        except (sizing.SlotsDoNotFit, ValueError) as exc:  # ValueError: the voice aliases name no voice
             log.error("not starting: %s", exc)
             return 2
         runner = Runner(app, header_timeout_s=settings.header_timeout_s, idle_timeout_s=settings.idle_timeout_s,

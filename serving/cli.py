@@ -8,7 +8,7 @@ import argparse
 ENV_ONLY = ("QTTS_MAX_BODY_BYTES", "QTTS_WS_MAX_MESSAGES_PER_S", "QTTS_WS_MAX_MESSAGE_BYTES",
             "QTTS_WS_MAX_PENDING_UTTERANCES", "QTTS_WARMUP", "QTTS_MAX_VOICES", "QTTS_MAX_VOICE_UPLOAD_BYTES",
             "QTTS_VOICE_MIN_SECONDS", "QTTS_VOICE_MAX_SECONDS", "QTTS_VOICE_TRAILING_SILENCE_MS",
-            "QTTS_WARM_VOICE_ENCODERS")
+            "QTTS_WARM_VOICE_ENCODERS", "QTTS_INLINE_VOICE_CACHE")
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
@@ -37,6 +37,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--max-connections", type=int, help="open connections; more get 503 (default 512)")
     s.add_argument("--voices-dir", help="Base models: where registered voices are kept (QTTS_VOICES_DIR; "
                                         "default ./voices)")
+    s.add_argument("--voice-aliases", metavar="NAME=VOICE,...|FILE|none",
+                   help="OpenAI voice names (alloy, ash, …) -> this model's voices, over the default table "
+                        "(README); a JSON file of them, or none (QTTS_VOICE_ALIASES; default: the table)")
     s.add_argument("--compile-cache", metavar="DIR|off",
                    help="persistent XLA compilation cache, so a restart skips compiling (QTTS_COMPILE_CACHE; "
                         "default $XDG_CACHE_HOME/qtts-jax/xla, else ~/.cache/qtts-jax/xla)")
@@ -56,6 +59,6 @@ def serve(args) -> int:
 
     keys = ("model", "host", "port", "slots", "context", "frames_per_step", "dtype", "ttfa_target_ms",
             "starvation_ms", "max_queue", "max_input_chars", "drain_timeout_s", "voices_dir", "compile_cache")
-    keys += ("header_timeout_s", "idle_timeout_s", "max_connections")
+    keys += ("header_timeout_s", "idle_timeout_s", "max_connections", "voice_aliases")
     settings = Settings.from_env(**{k: getattr(args, k) for k in keys})
     return run(settings)

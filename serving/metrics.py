@@ -2,16 +2,32 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 _LAT = (0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 _HEAD = (-1.0, -0.5, -0.2, -0.1, -0.05, 0.0, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _STEP = (0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64)
+_E2E = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
+_CHARS = (10, 25, 50, 100, 200, 400, 800, 1600, 3200, 6400)
+_AUDIO = (0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
 
 
 class Metrics:
-    def __init__(self, engine, scheduler):
+    def __init__(self, engine, scheduler, model: str = "unknown", info: dict[str, str] | None = None):
         r = self.registry = CollectorRegistry()
+        self.model = model
+        # per synthesis request, by model (what vLLM/TGI dashboards chart): end to end, input size, output size
+        self.request_duration = Histogram("qtts_request_duration_seconds",
+                                          "Speech request end to end: body read to last byte or cancel",
+                                          ["model", "endpoint"], buckets=_E2E, registry=r)
+        self.input_chars = Histogram("qtts_request_input_chars", "Characters of input text per speech request",
+                                     ["model"], buckets=_CHARS, registry=r)
+        self.output_audio = Histogram("qtts_request_audio_seconds", "Seconds of audio sent per speech request",
+                                      ["model"], buckets=_AUDIO, registry=r)
+        self.unrouted = Counter("qtts_unrouted_requests", "Requests for a path or method no endpoint serves",
+                                ["status"], registry=r)
+        Info("qtts_build", "Build and configuration of this server", registry=r).info(
+            {"model": model, **(info or {})})
         self.requests = Counter("qtts_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"],
                                 registry=r)
         self.ttfa = Histogram("qtts_ttfa_seconds", "Submit to first audio chunk handed to the client", buckets=_LAT,
@@ -50,6 +66,11 @@ class Metrics:
         for s in st.recent_frame_s[len(st.recent_frame_s) - new:] if new > 0 else ():
             self.step.observe(s)
         self._iterations_seen = st.iterations
+
+    def observe_request(self, endpoint: str, seconds: float, chars: int, audio_s: float) -> None:
+        self.request_duration.labels(self.model, endpoint).observe(seconds)
+        self.input_chars.labels(self.model).observe(chars)
+        self.output_audio.labels(self.model).observe(audio_s)
 
     def observe_first_chunk(self, timings) -> None:
         t = timings

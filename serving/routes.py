@@ -21,8 +21,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from qtts_jax.request import Request, RequestError
 from serving import app as app_mod
 from serving import voice_routes
-from serving.audio_encoders import CONTENT_TYPES, SAMPLE_RATE, encode_whole, make_encoder
-from serving.schemas import ApiError, bad, from_request_error, parse_speech, speech_schema
+from serving.audio_encoders import CONTENT_TYPES, SAMPLE_RATE, SAMPLES_PER_FRAME, encode_whole, make_encoder
+from serving.schemas import (OPENAI_MODEL_ALIASES, ApiError, base64_chars, from_request_error, parse_speech,
+                             read_json, speech_options, speech_schema)
 
 REQUEST_ID = web.RequestKey("request_id", str)
 _RID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -35,16 +36,6 @@ def request_id(request: web.Request) -> str:
     return rid
 
 
-async def read_json(request: web.Request):
-    raw = await request.read()  # 413 above client_max_size (turned into JSON by the middleware)
-    if not raw:
-        raise bad("body", "is empty; send a JSON object", "invalid_json")
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise bad("body", f"is not valid JSON ({str(exc)[:100]})", "invalid_json") from None
-
-
 def served_names(app) -> tuple[str, ...]:
     return (app[app_mod.MODEL].name, "qwen3-tts")
 
@@ -52,15 +43,17 @@ def served_names(app) -> tuple[str, ...]:
 class Utterance:
     """One admitted request on its way out: the engine stream plus its playback tracking and metrics."""
 
-    def __init__(self, app, req: Request, schedule, rid: str, endpoint: str):
+    def __init__(self, app, req: Request, schedule, rid: str, endpoint: str, started: float | None = None):
         self.app, self.rid, self.endpoint = app, rid, endpoint
+        self.started = time.perf_counter() if started is None else started
         sched = app[app_mod.SCHEDULER]
         self.predicted_ttfa = sched.admit()  # raises 429/503
         try:
             self.stream = app[app_mod.BRIDGE].submit(req, schedule)
         except RequestError as exc:
             raise from_request_error(exc) from None
-        self.track = sched.open(rid, self.stream.stream.frames_cap or self.stream.stream.prepared["cap"])
+        self.cap_frames = self.stream.stream.frames_cap or self.stream.stream.prepared["cap"]
+        self.track = sched.open(rid, self.cap_frames)
         self.frames = 0
         self.samples = 0
         self.first = True
@@ -98,7 +91,10 @@ class Utterance:
         elif outcome is None:
             outcome = "ok" if self.error is None else ("cancelled" if self.error == "cancelled" else "error")
         self.app[app_mod.SCHEDULER].close(self.track)
-        self.app[app_mod.METRICS].requests.labels(self.endpoint, outcome).inc()
+        metrics = self.app[app_mod.METRICS]
+        metrics.requests.labels(self.endpoint, outcome).inc()
+        metrics.observe_request(self.endpoint, time.perf_counter() - self.started, self.text_chars,
+                                self.samples / SAMPLE_RATE)
 
     def timings(self) -> dict:
         t = self.stream.timings.as_dict()
@@ -132,13 +128,20 @@ def _audio_headers(fmt: str, rid: str, u: Utterance) -> dict:
 
 async def speech(request: web.Request) -> web.StreamResponse:
     app = request.app
+    started = time.perf_counter()
     rid = request_id(request)
-    settings = app[app_mod.SETTINGS]
-    body = await read_json(request)
-    p = parse_speech(body, model=app[app_mod.MODEL], served_names=served_names(app),
-                     codec_sizes=app[app_mod.ENGINE].config.codec_sizes, max_input_chars=settings.max_input_chars,
-                     voices=app.get(app_mod.VOICES))
-    u = Utterance(app, p.request, p.schedule, rid, "/v1/audio/speech")
+    settings, model = app[app_mod.SETTINGS], app[app_mod.MODEL]
+    # a Base model's body may carry a base64 ref_audio as large as a registration's recording
+    limit = settings.max_body_bytes + (base64_chars(settings.max_voice_upload_bytes) if app_mod.VOICES in app else 0)
+    opts = speech_options(await read_json(request, limit), model=model, max_input_chars=settings.max_input_chars,
+                          max_ref_audio_bytes=settings.max_voice_upload_bytes)
+    prompt = None
+    if "ref_audio" in opts:
+        prompt = await voice_routes.inline_voice(app, opts["ref_audio"], opts.get("ref_text"))
+    p = parse_speech(opts, model=model, served_names=served_names(app),
+                     codec_sizes=app[app_mod.ENGINE].config.codec_sizes, voices=app.get(app_mod.VOICES),
+                     aliases=app[app_mod.ALIASES], prompt=prompt)
+    u = Utterance(app, p.request, p.schedule, rid, "/v1/audio/speech", started)
     try:
         if not p.stream:
             return await _whole(request, u, p.response_format)
@@ -164,6 +167,8 @@ async def _whole(request, u: Utterance, fmt: str) -> web.Response:
     headers = _audio_headers(fmt, u.rid, u)
     headers["X-Audio-Frames"] = str(u.frames)
     headers["X-Timings"] = json.dumps(u.timings(), separators=(",", ":"))
+    if u.samples:  # real-time factor as the batched Rust server reports it: seconds taken per second of audio
+        headers["X-RTF"] = f"{(time.perf_counter() - u.started) / (u.samples / SAMPLE_RATE):.4f}"
     ctype = headers.pop("Content-Type")
     return web.Response(body=data, headers=headers, content_type=ctype.split(";")[0])
 
@@ -182,10 +187,13 @@ async def _chunked(request, u: Utterance, fmt: str) -> web.StreamResponse:
     it, first = await _first(u)
     if first is None and u.error is not None:
         raise _engine_error(u)
-    resp = web.StreamResponse(headers=_audio_headers(fmt, u.rid, u))
+    headers = _audio_headers(fmt, u.rid, u)
+    if fmt in ("pcm", "wav"):  # what the batched Rust server's streaming clients read
+        headers["X-Audio-Format"] = f"pcm-s16le-{SAMPLE_RATE}-mono"
+    resp = web.StreamResponse(headers=headers)
     resp.enable_chunked_encoding()
     await resp.prepare(request)
-    enc = make_encoder(fmt, streaming=True)
+    enc = make_encoder(fmt, streaming=True, total_samples=u.cap_frames * SAMPLES_PER_FRAME)
     if first is not None:
         await _write(resp, enc.encode(first))
         async for pcm in it:
@@ -241,7 +249,10 @@ async def _sse(request, u: Utterance, fmt: str) -> web.StreamResponse:
 
 
 async def health(request):
-    return web.json_response({"status": "ok"})
+    """Liveness, plus the load figures the batched Rust server's clients read (queue_depth, max_batch)."""
+    stats = request.app[app_mod.ENGINE].stats()
+    return web.json_response({"status": "ok", "queue_depth": stats.queued, "max_batch": stats.slots,
+                              "active": stats.live})
 
 
 async def ready(request):
@@ -258,20 +269,35 @@ async def ready(request):
     return web.json_response(body, status=503, headers={"Retry-After": "5"})
 
 
+def _model_card(app, model_id: str) -> dict:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "qtts-jax", "info": app[app_mod.MODEL].info()}
+
+
 async def models(request):
     app = request.app
-    info = app[app_mod.MODEL].info()
-    return web.json_response({"object": "list", "data": [
-        {"id": info["model"], "object": "model", "created": 0, "owned_by": "qtts-jax", "info": info}]})
+    return web.json_response({"object": "list", "data": [_model_card(app, app[app_mod.MODEL].info()["model"])]})
+
+
+async def model(request):
+    """One model by id: the served one, or an OpenAI model name that requests may use for it."""
+    app, model_id = request.app, request.match_info["model_id"]
+    if model_id not in served_names(app) + OPENAI_MODEL_ALIASES:
+        raise ApiError(404, "model_not_found", f"model {model_id!r} is not served here; this server serves "
+                                               f"{served_names(app)[0]!r}", "model")
+    return web.json_response(_model_card(app, model_id))
 
 
 async def voices(request):
-    store = request.app.get(app_mod.VOICES)
+    app = request.app
+    store, table = app.get(app_mod.VOICES), app[app_mod.ALIASES]
+    aliases = [{"id": name, "voice": target, "available": store is None or target in store}
+               for name, target in sorted(table.items())]
     if store is not None:
-        return web.json_response({"voices": store.describe()})
-    info = request.app[app_mod.MODEL].info()
+        return web.json_response({"voices": store.describe(), "aliases": aliases})
+    info = app[app_mod.MODEL].info()
     return web.json_response({"voices": [
-        {"id": s, "name": s, "languages": info["languages"], "model": info["model"]} for s in info["speakers"]]})
+        {"id": s, "name": s, "languages": info["languages"], "model": info["model"]} for s in info["speakers"]],
+        "aliases": aliases})
 
 
 async def metrics(request):
@@ -300,16 +326,20 @@ def openapi_document(app) -> dict:
             "/v1/audio/speech": {"post": {
                 "operationId": "createSpeech",
                 "requestBody": {"required": True, "content": {"application/json": {
-                    "schema": speech_schema(settings.max_input_chars)}}},
+                    "schema": speech_schema(settings.max_input_chars, settings.max_voice_upload_bytes)}}},
                 "responses": {"200": {"description": "Audio (whole file, chunked stream or SSE)", "content": audio},
                               "400": err, "413": err, "429": err, "503": err}}},
             "/health": {"get": {"operationId": "health", "responses": simple}},
             "/ready": {"get": {"operationId": "ready", "responses": {**simple, "503": err}}},
             "/v1/models": {"get": {"operationId": "listModels", "responses": simple}},
+            "/v1/models/{model_id}": {
+                "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "get": {"operationId": "getModel", "responses": {**simple, "404": err}}},
             "/v1/audio/voices": {
                 "get": {"operationId": "listVoices", "responses": simple},
                 "post": {"operationId": "registerVoice", "requestBody": {"required": True, "content": {
-                    "multipart/form-data": {"schema": voice_routes.FORM_SCHEMA}}},
+                    "multipart/form-data": {"schema": voice_routes.FORM_SCHEMA},
+                    "application/json": {"schema": voice_routes.FORM_SCHEMA}}},
                     "responses": {"201": simple["200"], "400": err, "409": err, "413": err}}},
             "/v1/audio/voices/{name}": {
                 "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
@@ -327,6 +357,7 @@ def setup(app: web.Application) -> None:
     r.add_get("/health", health)
     r.add_get("/ready", ready)
     r.add_get("/v1/models", models)
+    r.add_get("/v1/models/{model_id}", model)
     r.add_get("/v1/audio/voices", voices)
     voice_routes.setup(app)
     r.add_get("/openapi.json", openapi)

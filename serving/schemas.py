@@ -7,17 +7,21 @@ document and the code cannot drift. Types are strict (a bool is not a number, a 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from typing import Any
 
-from qtts_jax.request import Request, RequestError
-from serving.audio_encoders import FORMATS
+from qtts_jax.request import Request, RequestError, VoicePrompt
+from serving.audio_encoders import FORMATS, STREAM_BY_DEFAULT
 
 MAX_SEED = 2**32 - 1
 OPENAI_MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 # engine/Request field -> API field, so errors name what the caller sent
 API_FIELD = {"text": "input", "speaker": "voice", "instruct": "instructions"}
+# ISO 639-1 codes (and xx-YY locales) -> the model's language names, for clients of the batched Rust server
+LANGUAGE_CODES = {"zh": "chinese", "en": "english", "de": "german", "it": "italian", "pt": "portuguese",
+                  "es": "spanish", "ja": "japanese", "ko": "korean", "fr": "french", "ru": "russian"}
 
 
 class ApiError(Exception):
@@ -57,6 +61,22 @@ def check_text(field: str, text: str) -> str:
     if m := _CONTROL.search(text):
         raise bad(field, f"must not contain control characters (found U+{ord(m.group()):04X})", "invalid_text")
     return text
+
+
+async def read_json(request, limit: int) -> Any:
+    """The body as JSON, read up to `limit` bytes (413 naming `body` beyond; a route may allow more than the
+    app-wide size, e.g. for base64 audio)."""
+    data = bytearray()
+    while chunk := await request.content.readany():
+        data += chunk
+        if len(data) > limit:
+            raise ApiError(413, "body_too_large", f"request body too large: more than {limit} bytes", "body")
+    if not data:
+        raise bad("body", "is empty; send a JSON object", "invalid_json")
+    try:
+        return json.loads(bytes(data))
+    except (ValueError, RecursionError) as exc:
+        raise bad("body", f"is not valid JSON ({str(exc)[:100]})", "invalid_json") from None
 
 
 def from_request_error(exc: RequestError) -> ApiError:
@@ -105,21 +125,31 @@ class Field:
         return out
 
 
-def speech_fields(max_input_chars: int = 4096) -> dict[str, Field]:
+def base64_chars(n_bytes: int) -> int:
+    """The longest base64 text (or data: URL of it) for `n_bytes` of data."""
+    return 4 * ((n_bytes + 2) // 3) + 64
+
+
+def speech_fields(max_input_chars: int = 4096, max_ref_audio_bytes: int = 16 * 1024 * 1024) -> dict[str, Field]:
     return {
         "model": Field("string", "Served model name (or an OpenAI alias tts-1, tts-1-hd, gpt-4o-mini-tts)",
                        max_length=256),
         "input": Field("string", "Text to speak", required=True, max_length=max_input_chars),
-        "voice": Field("voice", "Speaker name, or a registered cloned voice on Base models (see /v1/audio/voices), "
-                               "or {\"id\": name}", required=True),
-        "response_format": Field("string", "Audio format", enum=FORMATS, default="mp3"),
+        "voice": Field("voice", "Speaker name, an OpenAI voice name (alloy, ash, …: see aliases in "
+                                "/v1/audio/voices), a registered cloned voice on Base models, or {\"id\": name}. "
+                                "Optional for bodies that use text or ref_audio (the batched Rust server's clients)",
+                       required=True),
+        "response_format": Field("string", "Audio format (default mp3; wav for bodies that use text)", enum=FORMATS,
+                                 default="mp3"),
         "speed": Field("number", "Playback speed; only 1.0 is supported (other values are refused)",
                        minimum=0.25, maximum=4.0, default=1.0),
         "instructions": Field("string", "Style instruction (models that accept one)", max_length=4096),
         "stream_format": Field("string", "audio: bytes of the format; sse: speech.audio.delta events",
                                enum=("audio", "sse"), default="audio"),
-        "stream": Field("boolean", "Send audio as it is generated (chunked) instead of one file", default=False),
-        "language": Field("string", "Language name or auto", max_length=32, default="auto"),
+        "stream": Field("boolean", "Send audio as it is generated (chunked) instead of one file; default true "
+                                   "(false for flac and for bodies that use text)"),
+        "language": Field("string", "Language name, ISO 639-1 code (en, es, fr, …) or auto", max_length=32,
+                          default="auto"),
         "seed": Field("integer", "Sampling seed; same seed, same audio", minimum=0, maximum=MAX_SEED, default=0),
         "greedy": Field("boolean", "Argmax decoding for talker and code predictor"),
         "temperature": Field("number", "Sampling temperature", minimum=0, exclusive_minimum=True, maximum=10),
@@ -129,6 +159,13 @@ def speech_fields(max_input_chars: int = 4096) -> dict[str, Field]:
                                     exclusive_minimum=True, maximum=10),
         "max_frames": Field("integer", "Cap on 80 ms frames", minimum=1, maximum=100_000),
         "chunk_schedule": Field("schedule", "Frames per audio chunk, in order, the last repeating (e.g. [1,2,4,8])"),
+        # the batched Rust server's request fields
+        "text": Field("string", "Same as input (either one)", max_length=max_input_chars),
+        "voice_id": Field("string", "Same as voice", max_length=64),
+        "ref_audio": Field("string", "Base models: base64 WAV (or other audio) to clone the voice from for this "
+                                     "request; cached by content", max_length=base64_chars(max_ref_audio_bytes)),
+        "ref_text": Field("string", "Transcript of ref_audio (ICL cloning); without it, x-vector only",
+                          max_length=4096),
     }
 
 
@@ -180,6 +217,7 @@ class SpeechParams:
     stream: bool
     stream_format: str
     schedule: tuple[int, ...] | None
+    rust_dialect: bool  # the body used `text`: a client of the batched Rust server (whole WAV by default)
 
 
 def parse_options(body: Any, fields: dict[str, Field], *, required: bool = True) -> dict:
@@ -200,9 +238,48 @@ def parse_options(body: Any, fields: dict[str, Field], *, required: bool = True)
     return out
 
 
+def language(value: str) -> str:
+    """A language name, `auto`, or an ISO 639-1 code / locale (en, es-MX, fr_FR) -> the name the model knows."""
+    code = value.strip().lower().replace("_", "-").split("-")[0]
+    return LANGUAGE_CODES.get(code, value)
+
+
+def resolve_voice(voice: str | None, *, model, voices=None, aliases: dict[str, str] | None = None):
+    """A voice name (speaker, OpenAI alias or registered voice) -> (speaker, prompt); 400 naming `voice`."""
+    cfg, aliases = model.cfg, aliases or {}
+    if voice is None:
+        return None, None
+    name = voice.lower()
+    if cfg.model_type == "custom_voice":
+        speaker = name if name in cfg.speakers else aliases.get(name)
+        if speaker is None:
+            raise bad("voice", f"{voice!r} is not one of {sorted(cfg.speakers)} nor an OpenAI voice name "
+                               f"{sorted(aliases)}", "unknown_voice")
+        return speaker, None
+    if cfg.model_type == "base":
+        found = voices.get(name) if voices is not None else None
+        if found is None and name in aliases:
+            target = aliases[name]
+            found = voices.get(target) if voices is not None else None
+            if found is None:
+                raise bad("voice", f"{voice!r} is an OpenAI voice name; on this Base model it stands for the "
+                                   f"registered voice {target!r}, which is not registered: register it with "
+                                   f"POST /v1/audio/voices (name={target}, audio=@recording.wav, transcript=…), "
+                                   f"map the name to another voice with --voice-aliases {name}=NAME, or send "
+                                   "ref_audio (base64) with the request", "unknown_voice")
+        if found is None:
+            known = voices.names()[:20] if voices is not None else []
+            raise bad("voice", f"{voice!r} is not a registered voice (POST /v1/audio/voices to register one; "
+                               f"registered: {known})", "unknown_voice")
+        return None, found.prompt
+    raise bad("voice", f"a {cfg.model_type} model has no named voices")
+
+
 def build_request(opts: dict, *, model, served_names: tuple[str, ...], codec_sizes: tuple[int, ...],
-                  voices=None) -> tuple[Request, tuple[int, ...] | None]:
-    """Checked options -> a resolved-valid `Request` (model-level checks raise `ApiError` 400)."""
+                  voices=None, aliases: dict[str, str] | None = None, prompt: VoicePrompt | None = None
+                  ) -> tuple[Request, tuple[int, ...] | None]:
+    """Checked options -> a resolved-valid `Request` (model-level checks raise `ApiError` 400). `prompt` is a
+    voice cloned for this request from its `ref_audio`."""
     if "model" in opts and opts["model"] not in served_names + OPENAI_MODEL_ALIASES:
         raise bad("model", f"{opts['model']!r} is not served here; use one of {list(served_names)}", "model_not_found")
     if "input" in opts and not opts["input"].strip():
@@ -216,24 +293,15 @@ def build_request(opts: dict, *, model, served_names: tuple[str, ...], codec_siz
         if any(n not in codec_sizes for n in schedule):
             raise bad("chunk_schedule", f"each entry must be one of {list(codec_sizes)}")
     voice = opts.get("voice")
-    cfg = model.cfg
-    speaker = prompt = None
-    if cfg.model_type == "custom_voice":
-        speaker = voice.lower() if voice else None
-        if speaker is not None and speaker not in cfg.speakers:
-            raise bad("voice", f"{voice!r} is not one of {sorted(cfg.speakers)}", "unknown_voice")
-    elif cfg.model_type == "base" and voice:
-        found = voices.get(voice.lower()) if voices is not None else None
-        if found is None:
-            known = voices.names()[:20] if voices is not None else []
-            raise bad("voice", f"{voice!r} is not a registered voice (POST /v1/audio/voices to register one; "
-                               f"registered: {known})", "unknown_voice")
-        prompt = found.prompt
-    elif voice:
-        raise bad("voice", f"a {cfg.model_type} model has no named voices")
+    if prompt is not None:
+        if voice is not None:
+            raise bad("ref_audio", "give either voice or ref_audio, not both", "conflict")
+        speaker = None
+    else:
+        speaker, prompt = resolve_voice(voice, model=model, voices=voices, aliases=aliases)
     greedy = opts.get("greedy")
     req = Request(
-        text=opts.get("input", ""), speaker=speaker, voice=prompt, language=opts.get("language", "auto"),
+        text=opts.get("input", ""), speaker=speaker, voice=prompt, language=language(opts.get("language", "auto")),
         instruct=opts.get("instructions") or None, seed=opts.get("seed", 0), greedy=greedy,
         subtalker_greedy=greedy, temperature=opts.get("temperature"), top_k=opts.get("top_k"),
         top_p=opts.get("top_p"), repetition_penalty=opts.get("repetition_penalty"),
@@ -246,20 +314,49 @@ def build_request(opts: dict, *, model, served_names: tuple[str, ...], codec_siz
     return req, schedule
 
 
-def parse_speech(body: Any, *, model, served_names, codec_sizes, max_input_chars: int, voices=None) -> SpeechParams:
-    opts = parse_options(body, speech_fields(max_input_chars))
-    req, schedule = build_request(opts, model=model, served_names=served_names, codec_sizes=codec_sizes,
-                                  voices=voices)
+def speech_options(body: Any, *, model, max_input_chars: int, max_ref_audio_bytes: int) -> dict:
+    """The speech body's checked options, its dialect folded in: `text` -> `input`, `voice_id` -> `voice`, and
+    (for bodies that use `text`, as the Rust server's clients send) `voice` defaults to `alloy` on CustomVoice."""
+    opts = parse_options(body, speech_fields(max_input_chars, max_ref_audio_bytes), required=False)
+    for alias, name in (("text", "input"), ("voice_id", "voice")):
+        if alias in opts:
+            if name in opts:
+                raise bad(alias, f"give either {name} or {alias}, not both", "conflict")
+            opts[name] = opts.pop(alias)
+    if "text" in body:
+        opts["_dialect"] = "rust"
+    if "input" not in opts:
+        raise bad("input", "is required", "missing_field")
+    if "ref_text" in opts and "ref_audio" not in opts:
+        raise bad("ref_text", "is the transcript of ref_audio: send ref_audio too", "missing_field")
+    if "ref_audio" in opts:
+        if model.cfg.model_type != "base":
+            raise bad("ref_audio", f"cloning a voice needs a Base checkpoint; this server runs a "
+                                   f"{model.cfg.model_type} model", "unsupported")
+    if "voice" not in opts and "ref_audio" not in opts:
+        if opts.get("_dialect") == "rust" and model.cfg.model_type == "custom_voice":
+            opts["voice"] = "alloy"
+        else:
+            raise bad("voice", "is required", "missing_field")
+    return opts
+
+
+def parse_speech(opts: dict, *, model, served_names, codec_sizes, voices=None, aliases=None,
+                 prompt: VoicePrompt | None = None) -> SpeechParams:
+    """Options from `speech_options` -> what to synthesise and how to send it."""
+    rust = opts.get("_dialect") == "rust"
+    req, schedule = build_request({k: v for k, v in opts.items() if k not in ("ref_audio", "ref_text", "_dialect")},
+                                  model=model, served_names=served_names, codec_sizes=codec_sizes, voices=voices,
+                                  aliases=aliases, prompt=prompt)
+    fmt = opts.get("response_format", "wav" if rust else "mp3")
     stream_format = opts.get("stream_format", "audio")
-    return SpeechParams(
-        request=req, response_format=opts.get("response_format", "mp3"),
-        stream=opts.get("stream", False) or stream_format == "sse", stream_format=stream_format,
-        schedule=schedule,
-    )
+    stream = opts.get("stream", False if rust else fmt in STREAM_BY_DEFAULT)
+    return SpeechParams(request=req, response_format=fmt, stream=stream or stream_format == "sse",
+                        stream_format=stream_format, schedule=schedule, rust_dialect=rust)
 
 
-def speech_schema(max_input_chars: int = 4096) -> dict:
-    fields = speech_fields(max_input_chars)
+def speech_schema(max_input_chars: int = 4096, max_ref_audio_bytes: int = 16 * 1024 * 1024) -> dict:
+    fields = speech_fields(max_input_chars, max_ref_audio_bytes)
     return {
         "type": "object",
         "properties": {k: f.schema() for k, f in fields.items()},

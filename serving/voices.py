@@ -9,6 +9,7 @@ from another checkpoint would silently give a different voice, so such files are
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import io
 import json
 import logging
@@ -34,7 +35,12 @@ class Voice:
     info: dict  # created, mode, seconds, transcript, consent, source_rate, channels, frames, fingerprint
 
     def describe(self) -> dict:
-        return {"id": self.name, "name": self.name, **{k: v for k, v in self.info.items() if k != "fingerprint"}}
+        """The voice as the API shows it, with the fields of OpenAI's voice object (object, type, created_at)."""
+        out = {"id": self.name, "name": self.name, "object": "audio.voice", "type": "audio_sample",
+               **{k: v for k, v in self.info.items() if k != "fingerprint"}}
+        if "created" in self.info:
+            out["created_at"] = int(datetime.datetime.fromisoformat(self.info["created"]).timestamp())
+        return out
 
 
 class VoiceStore:

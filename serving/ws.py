@@ -88,7 +88,7 @@ class Session:
         return build_request({**self.options, "input": text}, model=self.app[app_mod.MODEL],
                              served_names=served_names(self.app),
                              codec_sizes=self.app[app_mod.ENGINE].config.codec_sizes,
-                             voices=self.app.get(app_mod.VOICES))
+                             voices=self.app.get(app_mod.VOICES), aliases=self.app[app_mod.ALIASES])
 
     async def handle(self, msg: dict) -> None:
         kind = msg.get("type")
