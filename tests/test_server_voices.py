@@ -9,6 +9,7 @@ import json
 
 import aiohttp
 import numpy as np
+import openai
 import pytest
 import pytest_asyncio
 import soundfile as sf
@@ -16,6 +17,7 @@ import soundfile as sf
 from qtts_jax.engine import Engine, EngineConfig
 from qtts_jax.model import load_model
 from qtts_jax.request import Request
+from serving import voice_routes
 from serving.app import ENGINE, VOICE_WARMUP, VOICES, Settings, create_app
 from serving.audio_encoders import to_s16
 from test_server import assert_same_audio, pcm, wait_ready
@@ -185,7 +187,12 @@ async def test_bad_registrations_get_4xx_naming_the_field(make_client):
         assert r.status == status and body["error"]["param"] == param, body
         return body["error"]["message"]
 
-    await expect(json.dumps({"name": "x"}), 400, "body", headers={"Content-Type": "application/json"})
+    await expect(json.dumps({"name": "x"}), 400, "audio", headers={"Content-Type": "application/json"})
+    await expect(json.dumps(["x"]), 400, "body", headers={"Content-Type": "application/json"})
+    await expect(json.dumps({"name": "x", "audio_sample": 5}), 400, "audio_sample",
+                 headers={"Content-Type": "application/json"})
+    await expect(json.dumps({"name": "x", "audio": "/etc/passwd"}), 400, "audio",
+                 headers={"Content-Type": "application/json"})
     await expect(form(audio=good), 400, "name")
     await expect(form("bad name!", good), 400, "name")
     await expect(form("nofile"), 400, "audio")  # url-encoded: the file is missing
@@ -203,6 +210,68 @@ async def test_bad_registrations_get_4xx_naming_the_field(make_client):
     r = await client.post("/v1/audio/voices", data=form("twice", good, replace="true", xvector_only="true"))
     assert r.status == 201 and (await r.json())["mode"] == "xvector"
     assert (await client.get("/v1/audio/voices/none")).status == 404
+
+
+async def test_openai_sdk_voice_creation_json_registration_and_openai_voice_names(make_client, model):
+    """OpenAI voice names on a Base model are a 400 that says how to register one, until a voice of that name
+    exists; the OpenAI SDK's `voices.create` (multipart `audio_sample`) and a JSON body with base64 register."""
+    client = await make_client()
+    r = await client.post("/v1/audio/speech", json={"input": "Hi.", "voice": "alloy"})
+    err = (await r.json())["error"]
+    assert r.status == 400 and err["param"] == "voice" and "POST /v1/audio/voices" in err["message"]
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused-locally", max_retries=0)
+    voice = await sdk.audio.voices.create(name="alloy", consent="cons_local", audio_sample=(
+        "alloy.wav", wav_bytes(recording(1.3, pitch=160, seed=8)), "audio/wav"))
+    assert (voice.id, voice.object, voice.type) == ("alloy", "audio.voice", "audio_sample") and voice.created_at > 0
+    await sdk.close()
+    got = await speech(client, "alloy", "Now it exists.", seed=2)
+    assert_same_audio(got, offline(model, client.app[VOICES].get("alloy").prompt, "Now it exists.", seed=2))
+    b64 = base64.b64encode(wav_bytes(recording(1.2, pitch=130))).decode()
+    r = await client.post("/v1/audio/voices", json={"name": "jay", "audio_sample": b64, "xvector_only": True})
+    assert r.status == 201 and (await r.json())["mode"] == "xvector"
+    aliases = {a["id"]: a for a in (await (await client.get("/v1/audio/voices")).json())["aliases"]}
+    assert aliases["alloy"]["available"] is True and aliases["ash"] == {"id": "ash", "voice": "ash",
+                                                                          "available": False}
+
+
+async def test_inline_ref_audio_clones_per_request_and_is_cached_by_content(make_client, model, monkeypatch):
+    """The batched Rust server's per-request cloning: `text`, an ISO `language`, base64 `ref_audio` and `ref_text`
+    give a whole WAV with x-rtf in the cloned voice; the same reference again is not re-encoded; bad references
+    are 400s naming ref_audio, with the registry's checks."""
+    client = await make_client(inline_voice_cache=1)
+    clones = []
+    real = voice_routes._clone
+    monkeypatch.setattr(voice_routes, "_clone", lambda *a: clones.append(1) or real(*a))
+    wav = wav_bytes(recording(1.5, pitch=200, seed=5))
+    body = {"text": "Cloned inline.", "language": "en", "ref_audio": base64.b64encode(wav).decode(),
+            "ref_text": "Hello, it is me.", "max_frames": 8, "seed": 3}
+    first = await client.post("/v1/audio/speech", json=body)
+    assert first.status == 200, await first.text()
+    assert first.headers["Content-Type"] == "audio/wav" and float(first.headers["x-rtf"]) > 0
+    audio, rate = sf.read(io.BytesIO(await first.read()), dtype="int16")
+    prompt = model.clone_voice(wav, "Hello, it is me.", trailing_silence_s=0.5)
+    (res,) = model.generate(Request("Cloned inline.", voice=prompt, language="english", seed=3, max_frames=8))
+    assert rate == 24000
+    assert_same_audio(audio.astype(np.int32), to_s16(res.audio).astype(np.int32))
+    again = await client.post("/v1/audio/speech", json=body)
+    assert np.array_equal(sf.read(io.BytesIO(await again.read()), dtype="int16")[0], audio) and len(clones) == 1
+    other = {**body, "ref_audio": base64.b64encode(wav_bytes(recording(1.2, pitch=120))).decode()}
+    del other["ref_text"]  # x-vector only
+    assert (await client.post("/v1/audio/speech", json=other)).status == 200 and len(clones) == 2
+    assert len(client.app[voice_routes.INLINE]) == 1  # bounded: the older one was dropped
+
+    async def expect(change: dict, param: str, code: str | None = None):
+        r = await client.post("/v1/audio/speech", json={k: v for k, v in {**body, **change}.items() if v is not None})
+        err = (await r.json())["error"]
+        assert r.status == 400 and err["param"] == param and (code is None or err["code"] == code), err
+
+    await expect({"ref_audio": base64.b64encode(wav_bytes(recording(0.4))).decode()}, "ref_audio")
+    await expect({"ref_audio": base64.b64encode(wav_bytes(recording(1.5) * 1e-4)).decode()}, "ref_audio")
+    await expect({"ref_audio": "/etc/passwd"}, "ref_audio", "path_not_accepted")
+    await expect({"ref_audio": "not base64!"}, "ref_audio")
+    await expect({"voice": "alice"}, "ref_audio", "conflict")
+    await expect({"ref_audio": None, "ref_text": None}, "voice", "missing_field")  # a Base model has no default
+    await expect({"ref_audio": None}, "ref_text", "missing_field")
 
 
 async def test_voices_from_another_model_or_damaged_files_are_skipped(make_client, tmp_path):
