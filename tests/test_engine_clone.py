@@ -60,4 +60,7 @@ def test_cloned_voices_are_isolated_in_one_batch(engine, model):
     for req, (stream, col) in zip(reqs, together):
         (solo_stream, solo), = run(engine, [(0, req)])
         np.testing.assert_array_equal(np.stack(stream.codes), np.stack(solo_stream.codes))
-        np.testing.assert_allclose(col.audio, solo.audio, atol=1e-6)
+        # Audio to the streaming codec's rounding floor (test_codec_streaming's 1e-5): rows share codec calls
+        # whose chunk length is the longest due chunk, so a row's convolutions run at other lengths than alone.
+        # A voice leaking into another would differ by ~1e-1.
+        np.testing.assert_allclose(col.audio, solo.audio, atol=1e-5)
