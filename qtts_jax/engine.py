@@ -46,7 +46,7 @@ import numpy as np
 
 from qtts_jax import sampling, talker
 from qtts_jax.codec import streaming as codec_streaming
-from qtts_jax.generate import RowSettings, RowState, frame_step
+from qtts_jax.generate import RowSettings, RowState, frame_step, pad_prompts
 from qtts_jax.model import Model
 from qtts_jax.prompt import build_prompt, embed_prompt
 from qtts_jax.request import Request, RequestError
@@ -449,26 +449,16 @@ class Engine:
         """Stacked prefill inputs for `items` (slot, prepared), padded to `size` rows aimed past the last slot."""
         cfg, c = self.model.cfg, self.config
         bucket = items[0][1]["bucket"]
-        h, groups = cfg.talker.hidden_size, cfg.num_code_groups
         slots = np.full(size, c.slots, np.int32)
-        text = np.full((size, bucket), -1, np.int32)
-        codec = np.full((size, bucket), -1, np.int32)
-        frames = np.full((size, bucket, groups), -1, np.int32)
-        speaker_row = np.full(size, -1, np.int32)
-        speaker = np.zeros((size, h), np.float32)
-        valid = np.zeros((size, bucket), bool)
-        valid[:, -1] = True  # padding rows attend to one (empty) row, not none
+        # padding rows: a one-row blank prompt, so that they attend to something
+        prompts = [p["prompt"] for _, p in items] + [_blank_prompt(cfg, 1)] * (size - len(items))
+        text, codec, frames, speaker_row, speaker, valid = pad_prompts(prompts, bucket, cfg)
         trailing = np.full((size, c.max_trailing + 1), cfg.text.tts_pad, np.int32)
         knobs = np.ones((size, 5), np.float32)
         ints = np.zeros((size, 7), np.uint32)
         for i, (slot, prepared) in enumerate(items):
             req, p = prepared["request"], prepared["prompt"]
-            pad = bucket - len(p)
             slots[i] = slot
-            text[i, pad:], codec[i, pad:], frames[i, pad:] = p.text, p.codec, p.frames
-            valid[i] = np.arange(bucket) >= pad
-            if p.speaker is not None:
-                speaker_row[i], speaker[i] = p.speaker_row + pad, p.speaker
             trailing[i, : len(p.trailing)] = p.trailing
             knobs[i] = [req.temperature, req.top_p, req.repetition_penalty, req.subtalker_temperature,
                         req.subtalker_top_p]

@@ -131,7 +131,7 @@ class Generator:
         length = _bucket(max(len(p) for p in prompts))
         horizon = max(r.max_frames for r in requests)
         capacity = _bucket(length + horizon)
-        batch = _pad_prompts(prompts, length, cfg)
+        batch = pad_prompts(prompts, length, cfg)
         trailing_len = _bucket(max(len(p.trailing) for p in prompts) + 1, 8)
         trailing_ids = np.full((len(prompts), trailing_len), cfg.text.tts_pad, np.int32)
         for i, p in enumerate(prompts):
@@ -157,7 +157,7 @@ class Generator:
         return out
 
 
-def _pad_prompts(prompts: list[Prompt], length: int, cfg: ModelConfig):
+def pad_prompts(prompts: list[Prompt], length: int, cfg: ModelConfig):
     """Left-pad every prompt to `length` (pads have no parts, so they embed to zero, and are masked)."""
     b, groups, h = len(prompts), cfg.num_code_groups, cfg.talker.hidden_size
     text = np.full((b, length), -1, np.int32)

@@ -86,17 +86,8 @@ def forward(
     rows = start + jnp.arange(t)
     mask = key_valid[None, :] & (jnp.arange(capacity)[None, :] <= rows[:, None])
     scale = cfg.head_dim**-0.5
-    eps = cfg.rms_norm_eps
 
-    def layer(carry, xs):
-        h, cache = carry
-        p, i = xs
-        a = rms_norm(h, p["ln1"], eps)
-        q = (a @ p["wq"]).reshape(t, cfg.num_heads, cfg.head_dim)
-        k = (a @ p["wk"]).reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        v = (a @ p["wv"]).reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        q = apply_rope(rms_norm(q, p["q_norm"], eps), cos, sin)
-        k = apply_rope(rms_norm(k, p["k_norm"], eps), cos, sin)
+    def attend(q, k, v, cache, i):
         # The whole cache rides in the carry and is updated in place at (layer i, row start), so a
         # step never copies it (threading per-layer slices through xs/ys would).
         at = (i, start, 0, 0)
@@ -104,7 +95,29 @@ def forward(
             jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), at),
             jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), at),
         )
-        h = h + _attention(q, cache.k[i], cache.v[i], mask, scale) @ p["wo"]
+        return _attention(q, cache.k[i], cache.v[i], mask, scale), cache
+
+    return _layers(params, cfg, x, cos, sin, cache, attend)
+
+
+def _layers(params: dict, cfg: DecoderConfig, x, cos, sin, cache: KVCache, attend) -> tuple[jax.Array, KVCache]:
+    """The layer stack in one scan: norms, projections, RoPE and the MLP around `attend(q, k, v, cache, i)`,
+    which writes layer i's new keys/values and returns the attention output [N, heads*D] (one sequence's
+    own cache, or rows of a shared one) and the cache."""
+    n = x.shape[0]
+    eps = cfg.rms_norm_eps
+
+    def layer(carry, xs):
+        h, cache = carry
+        p, i = xs
+        a = rms_norm(h, p["ln1"], eps)
+        q = (a @ p["wq"]).reshape(n, cfg.num_heads, cfg.head_dim)
+        k = (a @ p["wk"]).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        v = (a @ p["wv"]).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        q = apply_rope(rms_norm(q, p["q_norm"], eps), cos, sin)
+        k = apply_rope(rms_norm(k, p["k_norm"], eps), cos, sin)
+        out, cache = attend(q, k, v, cache, i)
+        h = h + out @ p["wo"]
         m = rms_norm(h, p["ln2"], eps)
         h = h + (jax.nn.silu(m @ p["gate"]) * (m @ p["up"])) @ p["down"]
         return (h, cache), None
@@ -134,33 +147,19 @@ def forward_rows(
     is read (the rows' keys/values) and written (one row per sequence and layer): the whole cache stays in
     its one layout in the loop carry, with no per-call copy or transpose of it.
     """
-    b = x.shape[0]
     capacity = cache.k.shape[2]
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, x.dtype)  # [B, D]: row b's own position
     mask = key_valid & (jnp.arange(capacity)[None, :] <= rows[:, None])  # [B, S]
     scale = cfg.head_dim**-0.5
-    eps = cfg.rms_norm_eps
 
-    def layer(carry, xs):
-        h, cache = carry
-        p, i = xs
-        a = rms_norm(h, p["ln1"], eps)
-        q = (a @ p["wq"]).reshape(b, cfg.num_heads, cfg.head_dim)
-        k = (a @ p["wk"]).reshape(b, cfg.num_kv_heads, cfg.head_dim)
-        v = (a @ p["wv"]).reshape(b, cfg.num_kv_heads, cfg.head_dim)
-        q = apply_rope(rms_norm(q, p["q_norm"], eps), cos, sin)
-        k = apply_rope(rms_norm(k, p["k_norm"], eps), cos, sin)
+    def attend(q, k, v, cache, i):
         cache = KVCache(
             cache.k.at[i, slots, rows].set(k.astype(cache.k.dtype), mode="drop"),
             cache.v.at[i, slots, rows].set(v.astype(cache.v.dtype), mode="drop"),
         )
         keys = jnp.take(cache.k[i], slots, axis=0, mode="clip")  # [B, S, KVH, D]: only these rows are read
         values = jnp.take(cache.v[i], slots, axis=0, mode="clip")
-        attn = jax.vmap(_attention, in_axes=(0, 0, 0, 0, None))(q[:, None], keys, values, mask[:, None], scale)
-        h = h + attn[:, 0] @ p["wo"]
-        m = rms_norm(h, p["ln2"], eps)
-        h = h + (jax.nn.silu(m @ p["gate"]) * (m @ p["up"])) @ p["down"]
-        return (h, cache), None
+        out = jax.vmap(_attention, in_axes=(0, 0, 0, 0, None))(q[:, None], keys, values, mask[:, None], scale)
+        return out[:, 0], cache
 
-    (h, cache), _ = jax.lax.scan(layer, (x, cache), (params["layers"], jnp.arange(cfg.num_layers)))
-    return rms_norm(h, params["norm"], eps), cache
+    return _layers(params, cfg, x, cos, sin, cache, attend)
