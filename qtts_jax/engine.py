@@ -212,6 +212,7 @@ class Engine:
         self.prefill_costs: dict = {}  # requests -> seconds, measured
         self._iteration_s = 0.0
         self._recent_frame_s: collections.deque[float] = collections.deque(maxlen=64)
+        self._profile = _IterationProfile()
         self.iterations = 0
         self.clock = time.perf_counter  # see `set_clock`
         self._stats: EngineStats = self._snapshot()
@@ -285,8 +286,10 @@ class Engine:
     def run_once(self) -> bool:
         """One loop iteration (see the module docstring). False when there is nothing to do."""
         t0 = self.clock()
+        parts = _PartTimer()
         self._reap_cancelled()
         joined, prefill_done = self._admit()
+        parts.mark("admit")
         live = [i for i, s in enumerate(self.slots) if s is not None and not s.lm_done]
         if not live and self._audio is None and not any(s is not None and s.pending for s in self.slots):
             with self._lock:  # streams may have left (cancelled): admission must not see them for ever
@@ -301,7 +304,9 @@ class Engine:
             mask = np.zeros(b, bool)
             mask[: len(live)] = True
             self.state, out = self._program("step", b, n)(self.model.params, self.state, idx, mask)
+        parts.mark("step_dispatch")
         self._hand_out_audio()  # the step above runs on the device meanwhile
+        parts.mark("hand_out")
         if prefill_done is not None:
             np.asarray(prefill_done)
             now = self.clock()
@@ -309,6 +314,7 @@ class Engine:
                 s.timings.prefilled = now
         if out is not None:
             frames, valid = np.asarray(out[0]), np.asarray(out[1])  # the one host sync per step call
+            parts.mark("device_wait")
             now = self.clock()
             self._recent_frame_s.append((now - t0) / n)
             for j, slot in enumerate(live):
@@ -324,7 +330,10 @@ class Engine:
                     stream.lm_done = True
                     if stream.pending == 0 and stream.inflight == 0:  # ended with nothing left to decode
                         self._finish(stream)
+        parts.mark("bookkeeping")
         self._decode_audio(self.clock())
+        parts.mark("codec_dispatch")
+        self._profile.add(parts, live=len(live), frames=n, joined=len(joined))
         elapsed = self.clock() - t0
         self._iteration_s = elapsed if not self.iterations else 0.8 * self._iteration_s + 0.2 * elapsed
         if out is not None:  # what an iteration really takes, host work and any prefill included
@@ -627,6 +636,42 @@ class Engine:
             queued, self.queue = list(self.queue), collections.deque()
         for s in queued:
             self._finish(s, error=message)
+
+
+class _PartTimer:
+    """Wall time of each part of one iteration (always the real clock: tests may simulate the loop's)."""
+
+    def __init__(self):
+        self.last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, part: str) -> None:
+        now = time.perf_counter()
+        self.seconds[part] = self.seconds.get(part, 0.0) + now - self.last
+        self.last = now
+
+
+class _IterationProfile:
+    """Where busy iterations spend their time, logged as means every `every_s` (the evidence for tuning the
+    loop: host work that does not overlap the device shows up outside `device_wait`)."""
+
+    def __init__(self, every_s: float = 2.0):
+        self.every_s = every_s
+        self._reset(time.perf_counter())
+
+    def _reset(self, now: float) -> None:
+        self.since, self.iterations, self.sums = now, 0, collections.Counter()
+
+    def add(self, parts: _PartTimer, **counts: int) -> None:
+        self.iterations += 1
+        self.sums.update(parts.seconds)
+        self.sums.update({k: float(v) for k, v in counts.items()})
+        now = time.perf_counter()
+        if now - self.since >= self.every_s:
+            mean = {k: round(v / self.iterations * (1 if k in counts else 1e3), 2) for k, v in self.sums.items()}
+            log.info("iterations: %d in %.1f s; mean per iteration (ms, or count): %s", self.iterations,
+                     now - self.since, mean)
+            self._reset(now)
 
 
 _WARMUP = Request(
