@@ -32,7 +32,7 @@ def local_server(model: str = "tiny-random", slots: int | str = 4, context: int 
                  extra_args: tuple[str, ...] = ()):
     """Yields the base URL of a ready server on 127.0.0.1; SIGTERM (then kill) on exit. `slots` may be "auto"."""
     port = free_port()
-    args = [sys.executable, "-m", "qtts_jax.cli", "serve", "--model", model, "--host", "127.0.0.1",
+    args = [sys.executable, "-m", "qtts_cli", "serve", "--model", model, "--host", "127.0.0.1",
             "--port", str(port), "--slots", str(1 if serialised else slots), "--context", str(context),
             "--frames-per-step", str(frames_per_step), *extra_args]
     if serialised:

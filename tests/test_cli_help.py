@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+import pytest
+
+from qtts_cli.main import main
 from serving.app import Settings
 from serving.cli import ENV_ONLY, add_serve_parser
 
@@ -24,3 +27,12 @@ def test_every_serve_flag_names_its_default():
     for action in _serve_parser()._actions:
         if action.dest != "help":
             assert "default" in (action.help or ""), action.option_strings
+
+
+def test_qtts_jax_assembles_the_library_server_and_study_commands(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "{synth,info,serve,study}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert capsys.readouterr().out.startswith("usage: qtts-jax serve")

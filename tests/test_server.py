@@ -45,7 +45,7 @@ def serve_process(request, tmp_path_factory):
         port = s.getsockname()[1]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "QTTS_DRAIN_TIMEOUT_S": "20"}
     log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "qtts_jax.cli", "serve", "--model", "tiny-random", "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "qtts_cli", "serve", "--model", "tiny-random", "--port",
                              str(port), "--slots", "1", "--context", "128", "--frames-per-step", "1"], env=env, stdout=log, stderr=log)
     yield proc, f"http://127.0.0.1:{port}", log
     if proc.poll() is None:

@@ -108,7 +108,7 @@ def start_and_stop(tmp_path, *args: str) -> tuple[int, str, float]:
     port = free_port()
     log_path = tmp_path / f"serve-{time.monotonic_ns()}.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "qtts_jax.cli", "serve", "--model", "tiny-random", "--port",
+        proc = subprocess.Popen([sys.executable, "-m", "qtts_cli", "serve", "--model", "tiny-random", "--port",
                                  str(port), "--frames-per-step", "1", *args], stdout=log, stderr=log,
                                 env={**os.environ, "JAX_PLATFORMS": "cpu", "QTTS_DRAIN_TIMEOUT_S": "1",
                                      "QTTS_WARMUP": "0"})

@@ -161,7 +161,7 @@ def test_progress_bar_draws_only_on_a_terminal():
 
 
 def test_cli_help_names_the_command_it_was_run_as_and_shows_defaults(capsys):
-    from qtts_jax.cli import main
+    from qtts_cli.main import main
 
     with pytest.raises(SystemExit):
         main(["study", "capacity", "--help"])
@@ -173,7 +173,7 @@ def test_cli_help_names_the_command_it_was_run_as_and_shows_defaults(capsys):
 
 
 def test_info_says_a_tiny_preset_is_tiny(capsys):
-    from qtts_jax.cli import main
+    from qtts_cli.main import main
 
     assert main(["info", "--model", "tiny-random"]) == 0
     assert json.loads(capsys.readouterr().out)["size"] == "tiny (random; follows 1b7 rules)"

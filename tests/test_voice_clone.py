@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from qtts_jax import cli
+import qtts_cli.main as cli
 from qtts_jax.audio import to_int16
 from qtts_jax.model import load_model
 from qtts_jax.request import Request

@@ -1,4 +1,5 @@
-"""`qtts-jax` command line: `synth` (text -> WAV) and `info` (what a checkpoint is)."""
+"""`qtts-jax` command line: `synth` (text -> WAV) and `info` (what a checkpoint is) from the library, `serve`
+from `serving.cli` and `study` from `studies.cli`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 
 from qtts_jax.checkpoint import CheckpointError
 from qtts_jax.request import Request, RequestError
+from serving.cli import add_serve_parser, serve
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,8 +39,6 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--codes-out", help="also save the codes [frames, 16] as .npy")
     i = sub.add_parser("info", help="print what a checkpoint is (kind, size, speakers, languages)")
     i.add_argument("--model", required=True)
-    from serving.cli import add_serve_parser  # `serve`: the HTTP/WebSocket server (serving/)
-
     add_serve_parser(sub)
     sub.add_parser("study", help="capacity studies of a server: `qtts-jax study {capacity,sustained,fleet} --help`",
                    add_help=False)
@@ -53,8 +53,6 @@ def main(argv: list[str] | None = None) -> int:
         return study_main(argv[1:], prog="qtts-jax study")
     args = _parser().parse_args(argv)
     if args.command == "serve":
-        from serving.cli import serve
-
         # JAX probes for a TPU on every start and logs the missing libtpu.so, which reads as an error on CPU/GPU
         logging.getLogger("jax._src.xla_bridge").addFilter(lambda r: "libtpu.so" not in r.getMessage())
         return serve(args)
@@ -103,7 +101,3 @@ def main(argv: list[str] | None = None) -> int:
     if model.is_noise:
         print(f"note: {model.name} has random weights, so this audio is noise", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
