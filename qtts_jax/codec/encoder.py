@@ -23,9 +23,7 @@ import numpy as np
 from jax import lax
 
 from qtts_jax.codec.config import CodecConfig, CodecEncoderConfig
-from qtts_jax.codec.decoder import _attention, _layer_norm, _rope_tables
-
-_DIMS = ("NWC", "WIO", "NWC")
+from qtts_jax.codec.layers import CONV_DIMS, attention, layer_norm, rope_tables
 
 
 class EncoderActivations(NamedTuple):
@@ -96,7 +94,7 @@ def _conv(x: jax.Array, p: dict, pad_mode: str, stride: int = 1, dilation: int =
         x = _fill_tail(x, valid, pad_mode)
     pads = ((0, 0), (k_eff - stride, -length % stride), (0, 0))
     x = jnp.pad(x, pads, mode="constant" if pad_mode == "constant" else "edge")
-    y = lax.conv_general_dilated(x, p["w"], (stride,), "VALID", rhs_dilation=(dilation,), dimension_numbers=_DIMS)
+    y = lax.conv_general_dilated(x, p["w"], (stride,), "VALID", rhs_dilation=(dilation,), dimension_numbers=CONV_DIMS)
     return y + p["b"] if "b" in p else y
 
 
@@ -120,13 +118,13 @@ def _transformer(p: dict, e: CodecEncoderConfig, x: jax.Array) -> jax.Array:
     """Pre-LayerNorm layers with LayerScale'd residuals and no final norm. Attention is plain causal over
     all past steps: the reference never applies the config's sliding window (see `CodecEncoderConfig`)."""
     t = x.shape[1]
-    cos, sin = _rope_tables(e, np.arange(t))
+    cos, sin = rope_tables(e, np.arange(t))
     mask = np.tril(np.ones((t, t), bool))
 
     def layer(h, lp):
-        attended, _ = _attention(_layer_norm(h, lp["attn_norm"], e.norm_eps), lp, e, cos, sin, mask)
+        attended, _ = attention(layer_norm(h, lp["attn_norm"], e.norm_eps), lp, e, cos, sin, mask)
         h = h + lp["attn_scale"] * attended
-        m = _layer_norm(h, lp["mlp_norm"], e.norm_eps)
+        m = layer_norm(h, lp["mlp_norm"], e.norm_eps)
         return h + lp["mlp_scale"] * (jax.nn.gelu(m @ lp["fc1"], approximate=False) @ lp["fc2"]), None
 
     return lax.scan(layer, x, p["layers"])[0]

@@ -22,7 +22,7 @@ import numpy as np
 
 from qtts_jax.checkpoint import AS_IS, CONV, LINEAR, Entry, load_table, read_safetensors, unflatten
 from qtts_jax.codec.config import CodecConfig
-from qtts_jax.codec.weights import CODEBOOK_EPS, _listify, _Table, attention_rows, layer_scale_rows
+from qtts_jax.codec.weights import CODEBOOK_EPS, NameTable, attention_rows, layer_scale_rows, listify
 
 _RVQ = {"semantic": "encoder.quantizer.semantic_residual_vector_quantizer",
         "acoustic": "encoder.quantizer.acoustic_residual_vector_quantizer"}
@@ -33,7 +33,7 @@ def codec_encoder_table(cfg: CodecConfig) -> tuple[list[Entry], dict[str, tuple[
     e = cfg.encoder
     if e is None:
         raise ValueError("this speech tokenizer config has no encoder_config")
-    t = _Table()
+    t = NameTable()
     # SEANet: HF numbers every module of one flat list, the parameter-free ELUs included.
     t.conv("encoder.encoder.layers.0.conv", "seanet/conv_in", e.kernel_size, 1, e.num_filters)
     index, width = 1, e.num_filters
@@ -94,7 +94,7 @@ def _finish(tree: dict, cfg: CodecConfig, dtype) -> dict:
         "acoustic_proj": raw["acoustic_proj"][0] if "acoustic_proj" in raw else eye,
         "codebooks": sums / np.maximum(usage, CODEBOOK_EPS)[..., None],
     }
-    return jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), _listify(tree))
+    return jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), listify(tree))
 
 
 def random_encoder_params(cfg: CodecConfig, seed: int, dtype=np.float32) -> dict:

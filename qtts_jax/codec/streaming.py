@@ -25,16 +25,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from qtts_jax.codec.config import RESIDUAL_DILATIONS, CodecConfig, CodecDecoderConfig
-from qtts_jax.codec.decoder import (
-    _causal_conv,
-    _causal_conv_transpose,
-    _convnext,
-    _dequantize,
-    _linear,
-    _residual_unit,
-    _rope_tables,
-    _snake,
-    _transformer_layer,
+from qtts_jax.codec.layers import (
+    causal_conv,
+    causal_conv_transpose,
+    convnext,
+    dequantize,
+    linear,
+    residual_unit,
+    rope_tables,
+    snake,
+    transformer_layer,
 )
 from qtts_jax.codec.weights import codec_decoder_table
 from qtts_jax.transformer import rms_norm
@@ -113,25 +113,25 @@ def decode_step(
         tails[name] = _window(extended, count * (x.shape[1] // n), kept)
         return extended, kept
 
-    x, history = with_history("pre_conv", _dequantize(params["quantizer"], codes))
-    x = _causal_conv(x, params["pre_conv"], history=history)
+    x, history = with_history("pre_conv", dequantize(params["quantizer"], codes))
+    x = causal_conv(x, params["pre_conv"], history=history)
     x, keys, values = _transformer_step(params["transformer"], d, x, state, count)
     for s, (stage, factor) in enumerate(zip(params["upsample"], d.upsampling_ratios)):
-        x = _causal_conv_transpose(x, stage["conv"], factor)  # kernel == stride (weights.py): no history
+        x = causal_conv_transpose(x, stage["conv"], factor)  # kernel == stride (weights.py): no history
         x, history = with_history(f"upsample/{s}/convnext", x)
-        x = _convnext(x, stage["convnext"], history=history)
+        x = convnext(x, stage["convnext"], history=history)
 
     voc = params["vocoder"]
     x, history = with_history("vocoder/conv_in", x)
-    x = _causal_conv(x, voc["conv_in"], history=history)
+    x = causal_conv(x, voc["conv_in"], history=history)
     for b, (block, rate) in enumerate(zip(voc["blocks"], d.upsample_rates)):
         x, history = with_history(f"vocoder/blocks/{b}/conv", x)
-        x = _causal_conv_transpose(_snake(x, block["snake"]), block["conv"], rate, history=history)
+        x = causal_conv_transpose(snake(x, block["snake"]), block["conv"], rate, history=history)
         for u, (unit, dilation) in enumerate(zip(block["units"], RESIDUAL_DILATIONS)):
             x, history = with_history(f"vocoder/blocks/{b}/units/{u}", x)
-            x = _residual_unit(x, unit, dilation, history=history)
+            x = residual_unit(x, unit, dilation, history=history)
     x, history = with_history("vocoder/conv_out", x)
-    x = _causal_conv(_snake(x, voc["snake_out"]), voc["conv_out"], history=history)
+    x = causal_conv(snake(x, voc["snake_out"]), voc["conv_out"], history=history)
     audio = jnp.clip(x[..., 0], -1.0, 1.0).astype(jnp.float32)
 
     new = StreamState(state.position + count, keys, values, tails)
@@ -155,15 +155,15 @@ def _transformer_step(p: dict, d: CodecDecoderConfig, x: jax.Array, state: Strea
     distance = query_pos[:, :, None] - key_pos[:, None, :]
     mask = (distance >= 0) & (distance < d.sliding_window) & (key_pos[:, None, :] >= 0)
     mask = mask[:, None, None]  # broadcast over [kv heads, group] of the scores
-    cos, sin = _rope_tables(d, query_pos, jnp)
+    cos, sin = rope_tables(d, query_pos, jnp)
 
     def layer_step(h, xs):
         layer, past_k, past_v = xs
         past_kv = (past_k.astype(h.dtype), past_v.astype(h.dtype))
-        h, (k, v) = _transformer_layer(h, layer, d, cos, sin, mask, past_kv)
+        h, (k, v) = transformer_layer(h, layer, d, cos, sin, mask, past_kv)
         return h, (_window(k, count, past), _window(v, count, past))  # the window ending at frame count
 
     caches = (jnp.moveaxis(state.keys, 1, 0), jnp.moveaxis(state.values, 1, 0))  # scan over layers
-    x, (keys, values) = lax.scan(layer_step, _linear(x, p["input_proj"]), (p["layers"], *caches))
-    x = _linear(rms_norm(x, p["norm"], d.rms_norm_eps), p["output_proj"])
+    x, (keys, values) = lax.scan(layer_step, linear(x, p["input_proj"]), (p["layers"], *caches))
+    x = linear(rms_norm(x, p["norm"], d.rms_norm_eps), p["output_proj"])
     return x, jnp.moveaxis(keys, 0, 1), jnp.moveaxis(values, 0, 1)

@@ -26,8 +26,9 @@ from qtts_jax.codec.config import RESIDUAL_DILATIONS, CodecConfig
 CODEBOOK_EPS = 1e-5  # EuclideanCodebook.epsilon: usage is clamped to this before dividing
 
 
-class _Table:
-    """Collects name-table rows together with our leaf shapes."""
+class NameTable:
+    """Collects name-table rows together with our leaf shapes (the decoder's table here, the encoder's in
+    `encoder_weights`)."""
 
     def __init__(self) -> None:
         self.entries: list[Entry] = []
@@ -68,7 +69,7 @@ def layer_scale_rows(h: int) -> list[tuple]:
 def codec_decoder_table(cfg: CodecConfig) -> tuple[list[Entry], dict[str, tuple[int, ...]]]:
     """The decoder's name table and our shape for every leaf (before the codebook tables are combined)."""
     d = cfg.decoder
-    t = _Table()
+    t = NameTable()
     q = "decoder.quantizer"
     n_rest = d.num_quantizers - 1
     t.add(f"{q}.rvq_first.vq.layers.0._codebook.embedding_sum", "raw/first_sum", (d.codebook_size, d.rvq_dim))
@@ -139,7 +140,7 @@ def load_codec_params(directory: Path, cfg: CodecConfig, dtype=np.float32) -> di
     tree = load_table(tensors, entries, shapes, np.float32, f"speech tokenizer decoder ({directory})")
     raw = tree.pop("raw")
     tree["quantizer"] = _quantizer(raw)
-    tree = _listify(tree)
+    tree = listify(tree)
     return jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), tree)
 
 
@@ -154,11 +155,11 @@ def _quantizer(raw: dict) -> dict:
     }
 
 
-def _listify(tree):
+def listify(tree):
     """Turn dicts keyed "0".."n-1" (per-block params of differing shapes) into lists."""
     if not isinstance(tree, dict):
         return tree
-    out = {k: _listify(v) for k, v in tree.items()}
+    out = {k: listify(v) for k, v in tree.items()}
     if out and all(k.isdigit() for k in out):
         return [out[str(i)] for i in range(len(out))]
     return out
@@ -199,4 +200,4 @@ def random_codec_params(cfg: CodecConfig, seed: int, dtype=np.float32) -> dict:
         flat[path] = value.astype(np.float32)
     tree = unflatten(flat)
     tree["quantizer"] = _quantizer(tree.pop("raw"))
-    return jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), _listify(tree))
+    return jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), listify(tree))
