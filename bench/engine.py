@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 
 from qtts_jax.engine import Engine, EngineConfig  # noqa: E402
 from qtts_jax.codec import encoder as codec_encoder  # noqa: E402
+from qtts_jax.codec.config import SAMPLE_RATE  # noqa: E402
 from qtts_jax.model import load_model  # noqa: E402
 from qtts_jax.request import Request, VoicePrompt  # noqa: E402
 from qtts_jax.speaker.ecapa import speaker_embedding  # noqa: E402
@@ -148,7 +149,7 @@ def bench_slots(model, slots: int, args) -> dict:
         "compile_s": round(compile_s, 1),
         "iteration_ms_by_rows_x_frames": costs,
         "prefill_ms_by_requests": {r: round(v * 1e3, 2) for r, v in sorted(engine.prefill_costs.items())},
-        "steady_audio_s_per_wall_s": round(audio[0] / 24000 / wall, 1),
+        "steady_audio_s_per_wall_s": round(audio[0] / SAMPLE_RATE / wall, 1),
         "steady_ms_per_iteration": round(wall / max(iterations, 1) * 1e3, 2),
         "burst_first_pcm_ms_p50_p95_max": [round(float(np.percentile(burst_first, q)), 1) for q in (50, 95, 100)],
         "ttfa_idle_ms": ttfa_idle,
@@ -171,7 +172,7 @@ def bench_clone(model, args) -> dict:
     rng = np.random.default_rng(0)
     registration = []
     for seconds in (3.0, 10.0, 20.0):
-        wav = (0.3 * rng.standard_normal(int(seconds * 24000))).astype(np.float32)
+        wav = (0.3 * rng.standard_normal(int(seconds * SAMPLE_RATE))).astype(np.float32)
         spk = timed(lambda: speaker_embedding(enc.speaker_params, enc.speaker_cfg, wav), args.repeats + 1)
         enc_t = timed(lambda: codec_encoder.encode(enc.codec_encoder_params, enc.codec_cfg, wav), args.repeats + 1)
         registration.append({
@@ -192,8 +193,8 @@ def bench_clone(model, args) -> dict:
                           frames_per_step=args.frames_per_step, frames_cap_base=args.context, sampler=args.sampler)
     engine = Engine(model, config)
     engine.warmup()
-    wav = (0.3 * rng.standard_normal(10 * 24000)).astype(np.float32)
-    icl = model.clone_voice((wav, 24000), "The ten seconds of reference speech say this sentence, and more.")
+    wav = (0.3 * rng.standard_normal(10 * SAMPLE_RATE)).astype(np.float32)
+    icl = model.clone_voice((wav, SAMPLE_RATE), "The ten seconds of reference speech say this sentence, and more.")
     xvec = VoicePrompt(icl.xvector)
     prime = timed(lambda: engine._prime(icl.ref_codes), args.repeats)
     engine.prepare_voice(icl.ref_codes)

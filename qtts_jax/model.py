@@ -12,7 +12,7 @@ import numpy as np
 from qtts_jax import presets
 from qtts_jax.clone import VoiceEncoders
 from qtts_jax.codec import decoder as codec_decoder
-from qtts_jax.codec.config import CodecConfig, released_config_dict, tiny_config_dict
+from qtts_jax.codec.config import SAMPLE_RATE, CodecConfig, released_config_dict, tiny_config_dict
 from qtts_jax.codec.weights import load_codec_params, random_codec_params
 from qtts_jax.config import ModelConfig, SamplingDefaults, load_config
 from qtts_jax.generate import Generator
@@ -24,7 +24,6 @@ from qtts_jax.weights import load_params, random_params
 
 log = logging.getLogger(__name__)
 
-SAMPLE_RATE = 24000
 PRESETS = ("tiny-random", "tiny-random-base", "0.6b", "1.7b", "0.6b-base", "1.7b-base")
 
 

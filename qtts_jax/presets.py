@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from tokenizers import pre_tokenizers
 
+from qtts_jax.codec.config import SAMPLE_RATE
 from qtts_jax.text import byte_level_bpe
 
 LANGUAGES = {
@@ -46,7 +47,7 @@ def model_config(
         tts_model_size=size,
         tts_model_type=kind,
         **text_ids,
-        speaker_encoder_config={"enc_dim": talker["hidden_size"], "sample_rate": 24000},
+        speaker_encoder_config={"enc_dim": talker["hidden_size"], "sample_rate": SAMPLE_RATE},
         talker_config=dict(
             talker,
             code_predictor_config=predictor,

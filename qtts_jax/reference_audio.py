@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from qtts_jax.codec.config import SAMPLE_RATE
 from qtts_jax.request import RequestError
 
-SAMPLE_RATE = 24000
 FIELD = "audio"
 
 

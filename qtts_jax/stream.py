@@ -15,13 +15,14 @@ from typing import Callable
 
 import numpy as np
 
+from qtts_jax.codec.config import SAMPLE_RATE, SAMPLES_PER_FRAME
 from qtts_jax.request import Request
 
 _ids = itertools.count(1)
 
 # Frames per audio chunk, in order; the last size repeats. One frame first, so audio leaves early.
 DEFAULT_SCHEDULE = (1, 2, 4, 8)
-FRAME_SECONDS = 1920 / 24000  # audio per codec frame
+FRAME_SECONDS = SAMPLES_PER_FRAME / SAMPLE_RATE  # audio per codec frame
 
 
 @dataclasses.dataclass

@@ -22,8 +22,8 @@ import struct
 
 import numpy as np
 
-SAMPLE_RATE = 24000
-SAMPLES_PER_FRAME = 1920  # one 80 ms codec frame at 24 kHz
+from qtts_jax.codec.config import SAMPLE_RATE, SAMPLES_PER_FRAME
+
 FORMATS = ("mp3", "opus", "aac", "wav", "pcm", "flac")
 # streamed unless the request says "stream": false; FLAC is a whole file unless it says "stream": true, since a
 # streamed FLAC must state a length up front (the frame cap, padded with silence) and a whole one is exact

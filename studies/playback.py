@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from qtts_jax.codec.config import SAMPLE_RATE
+
 
 @dataclasses.dataclass(frozen=True)
 class Playback:
@@ -18,7 +20,7 @@ class Playback:
     audio_s: float
 
 
-def simulate(arrivals: list[tuple[float, int]], sample_rate: int = 24_000, buffer_ms: float = 0.0) -> Playback:
+def simulate(arrivals: list[tuple[float, int]], sample_rate: int = SAMPLE_RATE, buffer_ms: float = 0.0) -> Playback:
     """Plays `(arrival_time_s, samples)` chunks in order; starts at the first chunk, or once `buffer_ms`
     of audio has arrived (or the stream has ended with less)."""
     if buffer_ms < 0:

@@ -26,13 +26,13 @@ import uuid
 import aiohttp
 import numpy as np
 
+from qtts_jax.codec.config import SAMPLE_RATE
 from studies.corpora import load_corpus
 from studies.gpu import GpuSampler
 from studies.load import speak, wait_ready
 from studies.records import RequestRecord
 from studies.stats import percentile
 from studies.sweep import run_sync
-from studies.validate import SAMPLE_RATE
 
 WORKLOADS = ("plain", "processed")
 PAUSE_MS = 120.0

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-SAMPLE_RATE = 24_000
+from qtts_jax.codec.config import SAMPLE_RATE
+
 SAMPLE_FORMATS = {"s16le": np.dtype("<i2"), "f32le": np.dtype("<f4")}
 
 

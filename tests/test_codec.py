@@ -13,7 +13,7 @@ import pytest
 import safetensors.numpy
 
 from qtts_jax.checkpoint import CheckpointError, read_safetensors
-from qtts_jax.codec.config import CodecConfig
+from qtts_jax.codec.config import CodecConfig, tiny_config_dict
 from qtts_jax.codec.decoder import chunked_decode, decode
 from qtts_jax.codec.weights import load_codec_params
 
@@ -170,3 +170,11 @@ def test_config_lacking_a_field_is_refused(checkpoint, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(d))
     with pytest.raises(CheckpointError, match="hidden_size"):
         CodecConfig.from_file(tmp_path)
+
+
+@pytest.mark.parametrize("field, value", [("input_sample_rate", 16000), ("output_sample_rate", 48000),
+                                          ("decode_upsample_rate", 960)])
+def test_config_with_other_audio_rates_is_refused(field, value):
+    """Stream timing, the server and the studies use codec.config's SAMPLE_RATE and SAMPLES_PER_FRAME."""
+    with pytest.raises(CheckpointError, match=f"{value}.*this port serves 24000 Hz audio in frames of 1920 samples"):
+        CodecConfig.from_dict({**tiny_config_dict(), field: value})

@@ -17,6 +17,11 @@ from typing import Any, Mapping
 from qtts_jax.checkpoint import CheckpointError
 
 MODEL_TYPE = "qwen3_tts_tokenizer_12hz"
+# The 12 Hz family's audio: 24 kHz mono in frames of 1920 samples (80 ms). `CodecConfig.from_dict` refuses a
+# file with other rates, so code with no config at hand (stream timing, the server's encoders, studies)
+# imports these instead of restating them.
+SAMPLE_RATE = 24000
+SAMPLES_PER_FRAME = 1920
 # Fixed by the reference's vocoder block (three residual units per block), not read from the config.
 RESIDUAL_DILATIONS = (1, 3, 9)
 
@@ -90,7 +95,7 @@ class CodecEncoderConfig:
     encoder builds a plain causal mask and never applies it, so the reference attends to all past frames.
     """
 
-    sampling_rate: int = 24000
+    sampling_rate: int = SAMPLE_RATE
     num_filters: int = 64
     num_residual_layers: int = 1
     upsampling_ratios: tuple[int, ...] = (8, 6, 5, 4)  # SEANet applies them in reverse
@@ -179,7 +184,7 @@ class CodecConfig:
     decoder: CodecDecoderConfig
     encoder: CodecEncoderConfig | None = None  # None when the file has no encoder_config
     encoder_valid_num_quantizers: int = 16  # codes keep this many of the encoder's codebooks
-    encode_downsample_rate: int = 1920
+    encode_downsample_rate: int = SAMPLES_PER_FRAME
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "CodecConfig":
@@ -193,8 +198,14 @@ class CodecConfig:
             decoder=CodecDecoderConfig.from_dict(d["decoder_config"]),
             encoder=CodecEncoderConfig.from_dict(d["encoder_config"]) if d.get("encoder_config") is not None else None,
             encoder_valid_num_quantizers=int(d.get("encoder_valid_num_quantizers", 16)),
-            encode_downsample_rate=int(d.get("encode_downsample_rate", 1920)),
+            encode_downsample_rate=int(d.get("encode_downsample_rate", SAMPLES_PER_FRAME)),
         )
+        rates = (cfg.input_sample_rate, cfg.output_sample_rate, cfg.decode_upsample_rate)
+        if rates != (SAMPLE_RATE, SAMPLE_RATE, SAMPLES_PER_FRAME):
+            raise CheckpointError(
+                f"speech tokenizer input/output_sample_rate {rates[0]}/{rates[1]} Hz, decode_upsample_rate {rates[2]}: "
+                f"this port serves {SAMPLE_RATE} Hz audio in frames of {SAMPLES_PER_FRAME} samples"
+            )
         if cfg.decode_upsample_rate != cfg.decoder.samples_per_frame:
             raise CheckpointError(
                 f"decode_upsample_rate {cfg.decode_upsample_rate} != product of the decoder's rates "
@@ -234,14 +245,14 @@ def _require(d: Mapping[str, Any], where: str, keys: list[str]) -> None:
         raise CheckpointError(f"{where} lacks required field(s): {', '.join(missing)}")
 
 
-# Top-level fields of the released file: 16 of the encoder's codebooks, 24 kHz, 1920 samples per frame.
+# Top-level fields of the released file: 16 of the encoder's codebooks, and the family's audio rates.
 _RELEASED_TOP_LEVEL = {
     "model_type": MODEL_TYPE,
     "encoder_valid_num_quantizers": 16,
-    "input_sample_rate": 24000,
-    "output_sample_rate": 24000,
-    "decode_upsample_rate": 1920,
-    "encode_downsample_rate": 1920,
+    "input_sample_rate": SAMPLE_RATE,
+    "output_sample_rate": SAMPLE_RATE,
+    "decode_upsample_rate": SAMPLES_PER_FRAME,
+    "encode_downsample_rate": SAMPLES_PER_FRAME,
 }
 
 
@@ -280,8 +291,8 @@ def tiny_config_dict(num_hidden_layers: int = 2) -> dict:
             "upsampling_ratios": [2, 2],
         },
         "encoder_config": {
-            "sampling_rate": 24000,
-            "frame_rate": 12.5,
+            "sampling_rate": SAMPLE_RATE,
+            "frame_rate": SAMPLE_RATE / SAMPLES_PER_FRAME,
             "audio_channels": 1,
             "hidden_size": 16,
             "num_filters": 4,
@@ -306,7 +317,7 @@ def tiny_config_dict(num_hidden_layers: int = 2) -> dict:
 def released_encoder_config_dict() -> dict:
     """The released ``encoder_config`` (architecture note §2.3): HF ``MimiConfig`` defaults, spelled out."""
     return {
-        "sampling_rate": 24000, "frame_rate": 12.5, "audio_channels": 1, "num_filters": 64,
+        "sampling_rate": SAMPLE_RATE, "frame_rate": SAMPLE_RATE / SAMPLES_PER_FRAME, "audio_channels": 1, "num_filters": 64,
         "num_residual_layers": 1, "upsampling_ratios": [8, 6, 5, 4], "kernel_size": 7, "last_kernel_size": 3,
         "residual_kernel_size": 3, "dilation_growth_rate": 2, "use_causal_conv": True, "pad_mode": "constant",
         "compress": 2, "trim_right_ratio": 1.0, "use_conv_shortcut": False, "hidden_size": 512,

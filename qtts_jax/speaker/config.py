@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from qtts_jax.checkpoint import CheckpointError
+from qtts_jax.codec.config import SAMPLE_RATE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +26,7 @@ class SpeakerEncoderConfig:
     enc_attention_channels: int = 128
     enc_res2net_scale: int = 8
     enc_se_channels: int = 128
-    sample_rate: int = 24000
+    sample_rate: int = SAMPLE_RATE
 
     def __post_init__(self) -> None:
         ch, scale = self.enc_channels, self.enc_res2net_scale

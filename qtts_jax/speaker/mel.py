@@ -17,7 +17,8 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-SAMPLE_RATE = 24000
+from qtts_jax.codec.config import SAMPLE_RATE
+
 N_FFT = 1024
 HOP = 256
 N_MELS = 128
