@@ -116,7 +116,7 @@ def bench_slots(model, slots: int, args) -> dict:
 
     # a burst: slots-1 requests at once, then a newcomer beside them once they play
     sink = lambda chunk: None  # noqa: E731
-    burst = [engine.submit(long_request(i + 1, frames, voice), sink) for i in range(slots - 1)]
+    burst = [engine.submit(engine.prepare(long_request(i + 1, frames, voice)), sink) for i in range(slots - 1)]
     t0 = time.perf_counter()
     while any(s.timings.first_chunk is None for s in burst):
         engine.run_once()
@@ -201,15 +201,15 @@ def bench_clone(model, args) -> dict:
     out = {"registration": registration, "encoder_warmup_30s_remaining_buckets_s": round(warmup_s, 1),
            "clone_slots": slots, "icl_reference_frames": len(icl.ref_codes),
            "prime_codec_ms": round(statistics.median(prime) * 1e3, 2),
-           "icl_prompt_rows": len(engine._prepare(long_request(0, 8, icl))["prompt"]),
-           "xvector_prompt_rows": len(engine._prepare(long_request(0, 8, xvec))["prompt"])}
+           "icl_prompt_rows": len(engine.prepare(long_request(0, 8, icl)).prompt),
+           "xvector_prompt_rows": len(engine.prepare(long_request(0, 8, xvec)).prompt)}
     for name, voice in (("xvector", xvec), ("icl", icl)):
         out[f"ttfa_idle_{name}_ms"] = statistics.median(
             first_pcm(engine, long_request(k, 8, voice), to_the_end=True)["first_chunk_ms"] for k in range(5))
     sink = lambda chunk: None  # noqa: E731
     frames = args.context - 256 - 8
     for i in range(slots - 2):
-        engine.submit(long_request(100 + i, frames, xvec), sink)
+        engine.submit(engine.prepare(long_request(100 + i, frames, xvec)), sink)
     for _ in range(12):  # past every stream's first chunks: steady state
         engine.run_once()
     beside = {"xvector": [], "icl": []}
@@ -230,7 +230,7 @@ def first_pcm(engine: Engine, request: Request, to_the_end: bool = False) -> dic
     """Timings up to the request's first PCM; ``to_the_end`` also lets it finish, freeing its slot for the
     next measurement (else a run of measurements fills the engine and the later ones queue)."""
     got = []
-    stream = engine.submit(request, got.append)
+    stream = engine.submit(engine.prepare(request), got.append)
     while not any(len(c.pcm) for c in got):
         engine.run_once()
     timings = stream.timings.as_dict()

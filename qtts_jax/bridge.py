@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from qtts_jax.engine import Engine
-from qtts_jax.request import Request
+from qtts_jax.job import Job
 from qtts_jax.stream import Chunk, Stream
 
 
@@ -51,8 +51,8 @@ class AsyncEngine:
     async def stop(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
 
-    def submit(self, request: Request, schedule=None) -> AsyncStream:
-        """Queue a request; raises `RequestError` at once for a request the engine cannot take."""
+    def submit(self, job: Job) -> AsyncStream:
+        """Queue a job from `Engine.prepare` (where a request the engine cannot take is refused)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Chunk] = asyncio.Queue()
         out = AsyncStream(queue)
@@ -63,5 +63,5 @@ class AsyncEngine:
             except RuntimeError:  # the event loop is gone: nobody listens, so stop generating
                 out.stream.cancel()
 
-        out.stream = self.engine.submit(request, deliver, schedule)
+        out.stream = self.engine.submit(job, deliver)
         return out

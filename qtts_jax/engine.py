@@ -47,6 +47,7 @@ import numpy as np
 from qtts_jax import sampling, talker
 from qtts_jax.codec import streaming as codec_streaming
 from qtts_jax.generate import RowSettings, RowState, frame_step, pad_prompts
+from qtts_jax.job import Job
 from qtts_jax.model import Model
 from qtts_jax.prompt import build_prompt, embed_prompt
 from qtts_jax.request import Request, RequestError
@@ -219,11 +220,28 @@ class Engine:
 
     # ---- public API -------------------------------------------------------------------------
 
-    def submit(self, request: Request, on_chunk, schedule=None) -> Stream:
-        """Validate and queue a request; raises `RequestError` (incl. `PromptTooLong`) at once."""
-        stream = Stream(request, on_chunk, schedule or self.config.schedule)
+    def prepare(self, request: Request, schedule: tuple[int, ...] | None = None) -> Job:
+        """The one validation of a request: resolve it, lay out and bucket its prompt, fix its frame cap and its
+        chunk schedule (the engine's by default). Raises `RequestError` (incl. `PromptTooLong`) at once, before
+        anything is queued; safe from any thread (it reads only the model and the config)."""
+        model, c = self.model, self.config
+        schedule = tuple(schedule or c.schedule)
+        if any(n not in c.codec_sizes for n in schedule):  # the codec is compiled for these chunk sizes only
+            raise RequestError("chunk_schedule", f"each entry must be one of {list(c.codec_sizes)}")
+        req = request.resolved(model.cfg, model.defaults)
+        prompt = build_prompt(model.cfg, model.tokenizer, req)
+        bucket = next((b for b in c.prompt_buckets if b >= len(prompt)), None)
+        if bucket is None:
+            raise PromptTooLong("text", f"prompt of {len(prompt)} tokens exceeds the largest bucket {max(c.prompt_buckets)}")
+        if len(prompt.trailing) > c.max_trailing:
+            raise PromptTooLong("text", f"{len(prompt.trailing)} streaming text tokens exceed {c.max_trailing}")
+        cap = min(req.max_frames, prompt.frame_cap(c.frames_cap_base, c.frames_per_text_token), c.context - bucket)
+        return Job(request=req, prompt=prompt, bucket=bucket, frames_cap=cap, schedule=schedule)
+
+    def submit(self, job: Job, on_chunk) -> Stream:
+        """Queue a job from `prepare`; its chunks go to `on_chunk`, called on the engine thread."""
+        stream = Stream(job, on_chunk)
         stream.timings.submitted = self.clock()
-        stream.prepared = self._prepare(request)  # raises before anything is queued
         with self._wake:
             self.queue.append(stream)
             self._wake.notify()
@@ -259,10 +277,6 @@ class Engine:
         with self._lock:
             self._stats = self._snapshot()
 
-    def check(self, request: Request) -> None:
-        """Raise the `RequestError` (incl. `PromptTooLong`) that `submit` would, without queueing anything."""
-        self._prepare(request)
-
     def prepare_voice(self, ref_codes: np.ndarray) -> None:
         """Compute and cache the codec state after an ICL voice's reference codes (thread-safe; the server
         calls it when a voice is registered, so the first request with it does not pay for it)."""
@@ -280,7 +294,7 @@ class Engine:
         with self._lock:
             queued = list(self.queue)
             return dataclasses.replace(
-                self._stats, queued=len(queued), queued_frames=tuple(s.prepared["cap"] for s in queued),
+                self._stats, queued=len(queued), queued_frames=tuple(s.frames_cap for s in queued),
                 oldest_wait_s=self.clock() - queued[0].timings.submitted if queued else 0.0)
 
     def run_once(self) -> bool:
@@ -385,7 +399,7 @@ class Engine:
             slots=c.slots, live=len(in_slots), queued=len(queued),
             oldest_wait_s=now - queued[0].timings.submitted if queued else 0.0,
             frames_left=tuple(0 if s.lm_done else max(s.frames_cap - len(s.codes), 0) for s in in_slots),
-            queued_frames=tuple(s.prepared["cap"] for s in queued),
+            queued_frames=tuple(s.frames_cap for s in queued),
             ladder=c.ladder, prefill_sizes=c.prefill_sizes, frames_per_step=c.frames_per_step,
             step_costs=dict(self.step_costs), prefill_costs=dict(self.prefill_costs),
             iteration_s=self._iteration_s, min_headroom_s=min(headrooms) if headrooms else None,
@@ -402,19 +416,6 @@ class Engine:
         b = rung(self.config.ladder, len(live))
         fits = [n for n in self.config.step_sizes if self.step_costs.get((b, n), 0.0) <= budget]
         return max(fits, default=1)
-
-    def _prepare(self, request: Request) -> dict:
-        """Resolve, lay out and bucket the prompt now, so a request that cannot fit is refused at once."""
-        model, c = self.model, self.config
-        req = request.resolved(model.cfg, model.defaults)
-        prompt = build_prompt(model.cfg, model.tokenizer, req)
-        bucket = next((b for b in c.prompt_buckets if b >= len(prompt)), None)
-        if bucket is None:
-            raise PromptTooLong("text", f"prompt of {len(prompt)} tokens exceeds the largest bucket {max(c.prompt_buckets)}")
-        if len(prompt.trailing) > c.max_trailing:
-            raise PromptTooLong("text", f"{len(prompt.trailing)} streaming text tokens exceed {c.max_trailing}")
-        cap = min(req.max_frames, prompt.frame_cap(c.frames_cap_base, c.frames_per_text_token), c.context - bucket)
-        return {"request": req, "prompt": prompt, "bucket": bucket, "cap": cap}
 
     def _admit(self) -> tuple[list[Stream], jax.Array | None]:
         """Give every waiting request that fits a free slot and prefill them together: one call per prompt
@@ -436,11 +437,10 @@ class Engine:
         now = self.clock()
         groups = collections.defaultdict(list)
         for stream in joined:
-            stream.frames_cap = stream.prepared["cap"]
             self.slots[stream.slot] = stream
             stream.timings.admitted = now
-            groups[stream.prepared["bucket"]].append(stream)
-            voice = stream.prepared["request"].voice
+            groups[stream.job.bucket].append(stream)
+            voice = stream.job.request.voice
             if voice is not None and voice.ref_codes is not None:
                 self.codec_state = self._codec_load(self.codec_state, self._primed_state(voice.ref_codes),
                                                     np.int32(stream.slot))
@@ -450,35 +450,36 @@ class Engine:
             for at in range(0, len(streams), c.max_prefill):
                 part = streams[at : at + c.max_prefill]
                 r = rung(c.prefill_sizes, len(part))
-                args = self._insert_args([(s.slot, s.prepared) for s in part], r)
+                args = self._insert_args([(s.slot, s.job) for s in part], r)
                 self.state, done = self._program("insert", bucket, r)(self.model.params, self.state, *args)
         return joined, done
 
-    def _insert_args(self, items: list[tuple[int, dict]], size: int) -> tuple:
-        """Stacked prefill inputs for `items` (slot, prepared), padded to `size` rows aimed past the last slot."""
+    def _insert_args(self, items: list[tuple[int, Job]], size: int) -> tuple:
+        """Stacked prefill inputs for `items` (slot, job), padded to `size` rows aimed past the last slot."""
         cfg, c = self.model.cfg, self.config
-        bucket = items[0][1]["bucket"]
+        bucket = items[0][1].bucket
         slots = np.full(size, c.slots, np.int32)
         # padding rows: a one-row blank prompt, so that they attend to something
-        prompts = [p["prompt"] for _, p in items] + [_blank_prompt(cfg, 1)] * (size - len(items))
+        prompts = [job.prompt for _, job in items] + [_blank_prompt(cfg, 1)] * (size - len(items))
         text, codec, frames, speaker_row, speaker, valid = pad_prompts(prompts, bucket, cfg)
         trailing = np.full((size, c.max_trailing + 1), cfg.text.tts_pad, np.int32)
         knobs = np.ones((size, 5), np.float32)
         ints = np.zeros((size, 7), np.uint32)
-        for i, (slot, prepared) in enumerate(items):
-            req, p = prepared["request"], prepared["prompt"]
+        for i, (slot, job) in enumerate(items):
+            req, p = job.request, job.prompt
             slots[i] = slot
             trailing[i, : len(p.trailing)] = p.trailing
             knobs[i] = [req.temperature, req.top_p, req.repetition_penalty, req.subtalker_temperature,
                         req.subtalker_top_p]
-            ints[i] = np.array([req.seed & 0xFFFFFFFF, req.top_k, req.subtalker_top_k, prepared["cap"], len(p),
+            ints[i] = np.array([req.seed & 0xFFFFFFFF, req.top_k, req.subtalker_top_k, job.frames_cap, len(p),
                                 int(req.greedy), int(req.subtalker_greedy)], np.int64).astype(np.uint32)
         return (slots, text, codec, frames, speaker_row, speaker, valid, trailing, knobs, ints)
 
     def _dummy_inserts(self, bucket: int, size: int) -> tuple:
         """Prefill inputs of `size` padding rows (every write dropped): for compiling and timing."""
-        prepared = {"request": _WARMUP, "prompt": _blank_prompt(self.model.cfg, bucket), "bucket": bucket, "cap": 1}
-        return self._insert_args([(self.config.slots, prepared)], size)
+        job = Job(request=_WARMUP, prompt=_blank_prompt(self.model.cfg, bucket), bucket=bucket, frames_cap=1,
+                  schedule=self.config.schedule)
+        return self._insert_args([(self.config.slots, job)], size)
 
     def _lower(self, kind: str, a: int, b: int):
         """The program `kind` for one ladder rung, lowered on padding inputs (the shapes the loop passes)."""

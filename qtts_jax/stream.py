@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from qtts_jax.codec.config import SAMPLE_RATE, SAMPLES_PER_FRAME
-from qtts_jax.request import Request
+from qtts_jax.job import Job
 
 _ids = itertools.count(1)
 
@@ -63,14 +63,11 @@ class Timings:
 class Stream:
     """Handle of one submitted request. `cancel()` is safe from any thread."""
 
-    def __init__(self, request: Request, on_chunk: Callable[[Chunk], None], schedule=DEFAULT_SCHEDULE):
+    def __init__(self, job: Job, on_chunk: Callable[[Chunk], None]):
         self.id = next(_ids)
-        self.request = request
+        self.job = job  # the request as prepared: resolved, its prompt, bucket, frame cap and chunk schedule
         self.on_chunk = on_chunk
-        self.schedule = tuple(schedule)
         self.timings = Timings(submitted=time.perf_counter())
-        self.prepared: dict | None = None  # resolved request, prompt, bucket, frame cap (set by the engine)
-        self.frames_cap = 0  # set at admission
         self.slot: int | None = None
         self.codes: list[np.ndarray] = []  # every frame, for callers that want the codes
         self.pending = 0  # frames generated but not yet handed to the codec
@@ -89,9 +86,14 @@ class Stream:
     def cancelled(self) -> bool:
         return self._cancel.is_set()
 
+    @property
+    def frames_cap(self) -> int:
+        return self.job.frames_cap
+
     def next_chunk_frames(self) -> int:
         """Frames the next chunk should hold, per the schedule."""
-        return self.schedule[min(self.chunks_sent, len(self.schedule) - 1)]
+        schedule = self.job.schedule
+        return schedule[min(self.chunks_sent, len(schedule) - 1)]
 
     def buffered(self, now: float) -> float | None:
         """Audio a zero-buffer listener still has queued at `now` if playback began with the first chunk

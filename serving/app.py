@@ -1,4 +1,4 @@
-"""aiohttp app factory: settings, typed app keys, the engine's life in a cleanup_ctx, JSON errors, drain.
+"""aiohttp app factory: the engine's life in a cleanup_ctx, the routes, JSON errors, drain.
 
 The engine compiles and warms up in a background task, so `/health` answers at once and `/ready` turns
 200 only after warmup and one calibration request (which seeds the scheduler's step-time estimate).
@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import time
 import weakref
 from pathlib import Path
@@ -21,99 +20,19 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from qtts_jax import compile_cache, sizing
 from qtts_jax.bridge import AsyncEngine
-from qtts_jax.engine import Engine, EngineConfig
+from qtts_jax.engine import Engine
 from qtts_jax.request import Request
-from serving import aliases
+from serving import aliases, routes, ws
 from serving.connections import Runner
+from serving.errors import ApiError
+from serving.keys import (ALIASES, BRIDGE, ENGINE, METRICS, MODEL, REQUEST_ID, SCHEDULER, SERVED_NAMES, SETTINGS,
+                          SOCKETS, VOICE_WARMUP, VOICES, WARMUP_ERROR, WARMUP_TASK)
 from serving.metrics import Metrics
-from serving.scheduler import AdmissionConfig, Scheduler
-from serving.schemas import ApiError
+from serving.scheduler import Scheduler
+from serving.settings import Settings
 from serving.voices import VoiceStore
 
 log = logging.getLogger("serving")
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    model: str = "tiny-random"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    slots: int | str = 8  # or "auto": as many as the accelerator's free memory holds (qtts_jax/sizing.py)
-    context: int = 1024
-    frames_per_step: int = 4
-    dtype: str = "float32"
-    ttfa_target_ms: float = 300.0
-    starvation_ms: float = 100.0
-    max_queue: int | None = None
-    max_input_chars: int = 4096
-    max_body_bytes: int = 256 * 1024
-    drain_timeout_s: float = 30.0
-    ws_max_messages_per_s: float = 50.0
-    ws_max_message_bytes: int = 64 * 1024
-    ws_max_pending_utterances: int = 8
-    # connections (`run` only): slowloris, idle sockets and descriptor exhaustion (serving/connections.py)
-    header_timeout_s: float = 10.0  # from a request's first byte to its last header line, else 408 and closed
-    idle_timeout_s: float = 75.0  # a connection with no request in progress is closed after this
-    max_connections: int = 512  # open HTTP and WebSocket connections; one more gets 503 and is closed
-    warmup: bool = True
-    voices_dir: str = "voices"  # Base models: registered voices, one file each, reloaded at start-up
-    max_voices: int = 1000
-    max_voice_upload_bytes: int = 16 * 1024 * 1024
-    voice_min_seconds: float = 1.0
-    voice_max_seconds: float = 30.0
-    voice_trailing_silence_ms: int = 500  # appended before encoding ICL codes, against phoneme bleed
-    warm_voice_encoders: bool = True  # after /ready: compile the encoders for every recording length bucket
-    compile_cache: str = "default"  # persistent XLA cache (`run` only): "default", "off" or a directory
-    # OpenAI voice names -> this model's voices: "" (the default table), "a=b,c=d" over it, a JSON file, or "none"
-    voice_aliases: str = ""
-    inline_voice_cache: int = 32  # Base models: voices cloned from a request's ref_audio, kept by content hash
-
-    @classmethod
-    def from_env(cls, **overrides) -> "Settings":
-        """QTTS_<FIELD> environment variables (e.g. QTTS_SLOTS=16), then explicit overrides."""
-        values = {}
-        for f in dataclasses.fields(cls):
-            raw = os.environ.get(f"QTTS_{f.name.upper()}")
-            if raw is None:
-                continue
-            kind = f.type if isinstance(f.type, str) else f.type.__name__
-            if kind == "int | str":  # a count or a word (slots: "auto")
-                values[f.name] = int(raw) if raw.isdigit() else raw
-            elif "int" in kind and "None" in kind:
-                values[f.name] = None if raw.lower() in ("", "none") else int(raw)
-            elif kind.startswith("int"):
-                values[f.name] = int(raw)
-            elif kind.startswith("float"):
-                values[f.name] = float(raw)
-            elif kind.startswith("bool"):
-                values[f.name] = raw.lower() in ("1", "true", "yes", "on")
-            else:
-                values[f.name] = raw
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
-
-    def engine_config(self) -> EngineConfig:
-        buckets = tuple(b for b in (32, 64, 128, 256) if b < self.context // 2) or (min(32, self.context // 2),)
-        return EngineConfig(slots=self.slots, context=self.context, frames_per_step=self.frames_per_step,
-                            prompt_buckets=buckets, max_trailing=min(256, self.context // 2))
-
-    def admission(self) -> AdmissionConfig:
-        return AdmissionConfig(ttfa_target_s=self.ttfa_target_ms / 1000, starvation_s=self.starvation_ms / 1000,
-                               max_queue=self.max_queue)
-
-
-SETTINGS = web.AppKey("settings", Settings)
-MODEL = web.AppKey("model", object)
-ENGINE = web.AppKey("engine", Engine)
-BRIDGE = web.AppKey("bridge", AsyncEngine)
-SCHEDULER = web.AppKey("scheduler", Scheduler)
-METRICS = web.AppKey("metrics", Metrics)
-SOCKETS = web.AppKey("sockets", weakref.WeakSet)
-WARMUP_TASK = web.AppKey("warmup_task", asyncio.Task)
-WARMUP_ERROR = web.AppKey("warmup_error", list)
-VOICES = web.AppKey("voices", VoiceStore)  # set only for Base models
-VOICE_WARMUP = web.AppKey("voice_warmup", list)  # the background encoder compilation, once started
-ALIASES = web.AppKey("aliases", dict)  # OpenAI voice name -> speaker (CustomVoice) or registered voice (Base)
 
 
 def json_error(err: ApiError, request_id: str | None = None) -> web.Response:
@@ -145,7 +64,7 @@ async def error_middleware(request: web.Request, handler):
         return await handler(request)
     except ApiError as err:
         count(err.status, _outcome(err.status))
-        return json_error(err, request.get(_request_key()))
+        return json_error(err, request.get(REQUEST_ID))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -153,13 +72,13 @@ async def error_middleware(request: web.Request, handler):
         code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(exc.status, "http_error")
         msg = exc.reason if exc.status != 413 else f"request body too large: {exc.text}"
         count(exc.status, _outcome(exc.status))
-        return json_error(ApiError(exc.status, code, msg, field), request.get(_request_key()))
+        return json_error(ApiError(exc.status, code, msg, field), request.get(REQUEST_ID))
     except (RequestPayloadError, HttpProcessingError) as exc:
         # the body itself is malformed (Content-Encoding, chunking, a multipart part's headers): the client's fault
         reason = getattr(exc, "message", None) or str(exc).strip().splitlines()[-1].strip()
         count(400, "bad_request")
         resp = json_error(ApiError(400, "invalid_body", f"body: could not be read ({reason[:200]})", "body"),
-                          request.get(_request_key()))
+                          request.get(REQUEST_ID))
         request.content.feed_eof()  # the rest is unreadable: do not drain it, close the connection instead
         resp.force_close()
         return resp
@@ -168,19 +87,11 @@ async def error_middleware(request: web.Request, handler):
     except Exception:
         log.exception("unhandled error in %s", endpoint)
         count(500, "error")
-        return json_error(ApiError(500, "internal_error", "internal server error"), request.get(_request_key()))
-
-
-def _request_key():
-    from serving.routes import REQUEST_ID
-
-    return REQUEST_ID
+        return json_error(ApiError(500, "internal_error", "internal server error"), request.get(REQUEST_ID))
 
 
 def create_app(settings: Settings = Settings(), model=None, engine: Engine | None = None) -> web.Application:
     """The server. Pass an already built (and possibly warmed) `engine` to share one between apps (tests)."""
-    from serving import routes, ws
-
     if engine is None:
         if model is None:
             import jax.numpy as jnp
@@ -197,6 +108,7 @@ def create_app(settings: Settings = Settings(), model=None, engine: Engine | Non
                           handler_args={"max_field_size": 16384})
     app[SETTINGS] = settings
     app[MODEL] = engine.model
+    app[SERVED_NAMES] = (engine.model.name, "qwen3-tts")
     cfg = engine.model.cfg
     app[ALIASES] = aliases.table(settings.voice_aliases, cfg.model_type, cfg.speakers)  # ValueError if wrong
     app[ENGINE] = engine
@@ -259,7 +171,7 @@ async def _warm_up(app: web.Application) -> None:
         voice = stored[0].prompt if stored else None  # a Base model calibrates once it has a voice
         if cfg.model_type != "base" or voice is not None:
             req = Request("Warm up.", speaker=speaker, voice=voice, max_frames=4, greedy=True, subtalker_greedy=True)
-            stream = app[BRIDGE].submit(req)
+            stream = app[BRIDGE].submit(engine.prepare(req))
             async for _ in stream:
                 pass
             sched.observe(stream.timings)

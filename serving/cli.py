@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-# serving.app.Settings fields without a flag (tests/test_cli_help.py keeps this list equal to them)
+# serving.settings.Settings fields without a flag (tests/test_cli_help.py keeps this list equal to them)
 ENV_ONLY = ("QTTS_MAX_BODY_BYTES", "QTTS_WS_MAX_MESSAGES_PER_S", "QTTS_WS_MAX_MESSAGE_BYTES",
             "QTTS_WS_MAX_PENDING_UTTERANCES", "QTTS_WARMUP", "QTTS_MAX_VOICES", "QTTS_MAX_VOICE_UPLOAD_BYTES",
             "QTTS_VOICE_MIN_SECONDS", "QTTS_VOICE_MAX_SECONDS", "QTTS_VOICE_TRAILING_SILENCE_MS",

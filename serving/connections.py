@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_protocol import RequestHandler
 
-from serving.schemas import ApiError
+from serving.errors import ApiError
 
 
 class _Connection(RequestHandler):

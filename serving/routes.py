@@ -18,14 +18,15 @@ import numpy as np
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from qtts_jax.request import Request, RequestError
-from serving import app as app_mod
 from serving import voice_routes
 from serving.audio_encoders import CONTENT_TYPES, SAMPLE_RATE, SAMPLES_PER_FRAME, encode_whole, make_encoder
-from serving.schemas import (OPENAI_MODEL_ALIASES, ApiError, base64_chars, from_request_error, parse_speech,
-                             read_json, speech_options, speech_schema)
+from serving.errors import ApiError
+from serving.keys import (ALIASES, ENGINE, METRICS, MODEL, REQUEST_ID, SCHEDULER, SERVED_NAMES, SETTINGS, VOICES,
+                          WARMUP_ERROR)
+from serving.schemas import (OPENAI_MODEL_ALIASES, base64_chars, parse_speech, read_json, speech_options,
+                             speech_schema)
+from serving.utterance import Utterance
 
-REQUEST_ID = web.RequestKey("request_id", str)
 _RID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -34,79 +35,6 @@ def request_id(request: web.Request) -> str:
     rid = rid if _RID.match(rid) else uuid.uuid4().hex
     request[REQUEST_ID] = rid
     return rid
-
-
-def served_names(app) -> tuple[str, ...]:
-    return (app[app_mod.MODEL].name, "qwen3-tts")
-
-
-class Utterance:
-    """One admitted request on its way out: the engine stream plus its playback tracking and metrics."""
-
-    def __init__(self, app, req: Request, schedule, rid: str, endpoint: str, started: float | None = None):
-        self.app, self.rid, self.endpoint = app, rid, endpoint
-        self.started = time.perf_counter() if started is None else started
-        sched = app[app_mod.SCHEDULER]
-        self.predicted_ttfa = sched.admit()  # raises 429/503
-        try:
-            self.stream = app[app_mod.BRIDGE].submit(req, schedule)
-        except RequestError as exc:
-            raise from_request_error(exc) from None
-        self.cap_frames = self.stream.stream.frames_cap or self.stream.stream.prepared["cap"]
-        self.track = sched.open(rid, self.cap_frames)
-        self.frames = 0
-        self.samples = 0
-        self.first = True
-        self.done = False
-        self.error: str | None = None
-        self.text_chars = len(req.text)
-
-    async def chunks(self):
-        """Yields non-empty PCM arrays; records playback headroom, late chunks and the TTFA breakdown."""
-        metrics, sched = self.app[app_mod.METRICS], self.app[app_mod.SCHEDULER]
-        async for chunk in self.stream:
-            if chunk.final:
-                self.done = True
-                self.error = chunk.error
-            if len(chunk.pcm):
-                if self.first:
-                    self.first = False
-                    metrics.observe_first_chunk(self.stream.timings)
-                    sched.observe(self.stream.timings)
-                headroom = self.track.on_audio(len(chunk.pcm) / SAMPLE_RATE)
-                if headroom is not None:
-                    metrics.headroom.observe(headroom)
-                    if headroom < 0:
-                        metrics.late_chunks.inc()
-                self.frames += chunk.frames
-                self.samples += len(chunk.pcm)
-                metrics.audio_seconds.inc(len(chunk.pcm) / SAMPLE_RATE)
-                yield chunk.pcm
-        metrics.collect_steps()
-
-    def close(self, outcome: str | None = None) -> None:
-        if not self.done:
-            self.stream.cancel()
-            outcome = outcome or "cancelled"
-        elif outcome is None:
-            outcome = "ok" if self.error is None else ("cancelled" if self.error == "cancelled" else "error")
-        self.app[app_mod.SCHEDULER].close(self.track)
-        metrics = self.app[app_mod.METRICS]
-        metrics.requests.labels(self.endpoint, outcome).inc()
-        metrics.observe_request(self.endpoint, time.perf_counter() - self.started, self.text_chars,
-                                self.samples / SAMPLE_RATE)
-
-    def timings(self) -> dict:
-        t = self.stream.timings.as_dict()
-        t["predicted_ttfa_ms"] = round(self.predicted_ttfa * 1000, 3)
-        t["late_chunks"] = self.track.late_chunks
-        t["worst_headroom_ms"] = None if self.track.worst_headroom is None else round(
-            self.track.worst_headroom * 1000, 3)
-        return t
-
-    def summary(self) -> dict:
-        return {"request_id": self.rid, "frames": self.frames, "audio_seconds": round(self.samples / SAMPLE_RATE, 4),
-                "sample_rate": SAMPLE_RATE, "timings": self.timings()}
 
 
 def _server_timing(t: dict) -> str:
@@ -130,18 +58,17 @@ async def speech(request: web.Request) -> web.StreamResponse:
     app = request.app
     started = time.perf_counter()
     rid = request_id(request)
-    settings, model = app[app_mod.SETTINGS], app[app_mod.MODEL]
+    settings, model = app[SETTINGS], app[MODEL]
     # a Base model's body may carry a base64 ref_audio as large as a registration's recording
-    limit = settings.max_body_bytes + (base64_chars(settings.max_voice_upload_bytes) if app_mod.VOICES in app else 0)
+    limit = settings.max_body_bytes + (base64_chars(settings.max_voice_upload_bytes) if VOICES in app else 0)
     opts = speech_options(await read_json(request, limit), model=model, max_input_chars=settings.max_input_chars,
                           max_ref_audio_bytes=settings.max_voice_upload_bytes)
     prompt = None
     if "ref_audio" in opts:
         prompt = await voice_routes.inline_voice(app, opts["ref_audio"], opts.get("ref_text"))
-    p = parse_speech(opts, model=model, served_names=served_names(app),
-                     codec_sizes=app[app_mod.ENGINE].config.codec_sizes, voices=app.get(app_mod.VOICES),
-                     aliases=app[app_mod.ALIASES], prompt=prompt)
-    u = Utterance(app, p.request, p.schedule, rid, "/v1/audio/speech", started)
+    p = parse_speech(opts, engine=app[ENGINE], served_names=app[SERVED_NAMES], voices=app.get(VOICES),
+                     aliases=app[ALIASES], prompt=prompt)
+    u = Utterance(app, p.job, rid, "/v1/audio/speech", started)
     try:
         if not p.stream:
             return await _whole(request, u, p.response_format)
@@ -193,7 +120,7 @@ async def _chunked(request, u: Utterance, fmt: str) -> web.StreamResponse:
     resp = web.StreamResponse(headers=headers)
     resp.enable_chunked_encoding()
     await resp.prepare(request)
-    enc = make_encoder(fmt, streaming=True, total_samples=u.cap_frames * SAMPLES_PER_FRAME)
+    enc = make_encoder(fmt, streaming=True, total_samples=u.job.frames_cap * SAMPLES_PER_FRAME)
     if first is not None:
         await _write(resp, enc.encode(first))
         async for pcm in it:
@@ -239,9 +166,9 @@ async def _sse(request, u: Utterance, fmt: str) -> web.StreamResponse:
         await resp.write(_sse_event({"type": "error", "error": {"code": "engine_error", "message": u.error}}))
     else:
         await delta(enc.finish())
+        chars = len(u.job.request.text)
         done = {"type": "speech.audio.done",
-                "usage": {"input_tokens": u.text_chars, "output_tokens": u.frames,
-                          "total_tokens": u.text_chars + u.frames}}
+                "usage": {"input_tokens": chars, "output_tokens": u.frames, "total_tokens": chars + u.frames}}
         done.update(u.summary())
         await resp.write(_sse_event(done))
     await resp.write_eof()
@@ -250,58 +177,58 @@ async def _sse(request, u: Utterance, fmt: str) -> web.StreamResponse:
 
 async def health(request):
     """Liveness, plus the load figures the batched Rust server's clients read (queue_depth, max_batch)."""
-    stats = request.app[app_mod.ENGINE].stats()
+    stats = request.app[ENGINE].stats()
     return web.json_response({"status": "ok", "queue_depth": stats.queued, "max_batch": stats.slots,
                               "active": stats.live})
 
 
 async def ready(request):
     app = request.app
-    sched = app[app_mod.SCHEDULER]
+    sched = app[SCHEDULER]
     if sched.accepting:
-        e = app[app_mod.ENGINE]
-        return web.json_response({"status": "ready", "slots": e.config.slots, "active": e.active,
-                                  "queued": len(e.queue)})
-    status = "draining" if sched.draining else ("failed" if app[app_mod.WARMUP_ERROR] else "warming")
+        stats = app[ENGINE].stats()  # the engine's published snapshot: its slots and queue are its thread's
+        return web.json_response({"status": "ready", "slots": stats.slots, "active": stats.live,
+                                  "queued": stats.queued})
+    status = "draining" if sched.draining else ("failed" if app[WARMUP_ERROR] else "warming")
     body = {"status": status}
-    if app[app_mod.WARMUP_ERROR]:
-        body["error"] = app[app_mod.WARMUP_ERROR][0]
+    if app[WARMUP_ERROR]:
+        body["error"] = app[WARMUP_ERROR][0]
     return web.json_response(body, status=503, headers={"Retry-After": "5"})
 
 
 def _model_card(app, model_id: str) -> dict:
-    return {"id": model_id, "object": "model", "created": 0, "owned_by": "qtts-jax", "info": app[app_mod.MODEL].info()}
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "qtts-jax", "info": app[MODEL].info()}
 
 
 async def models(request):
     app = request.app
-    return web.json_response({"object": "list", "data": [_model_card(app, app[app_mod.MODEL].info()["model"])]})
+    return web.json_response({"object": "list", "data": [_model_card(app, app[MODEL].info()["model"])]})
 
 
 async def model(request):
     """One model by id: the served one, or an OpenAI model name that requests may use for it."""
     app, model_id = request.app, request.match_info["model_id"]
-    if model_id not in served_names(app) + OPENAI_MODEL_ALIASES:
+    if model_id not in app[SERVED_NAMES] + OPENAI_MODEL_ALIASES:
         raise ApiError(404, "model_not_found", f"model {model_id!r} is not served here; this server serves "
-                                               f"{served_names(app)[0]!r}", "model")
+                                               f"{app[SERVED_NAMES][0]!r}", "model")
     return web.json_response(_model_card(app, model_id))
 
 
 async def voices(request):
     app = request.app
-    store, table = app.get(app_mod.VOICES), app[app_mod.ALIASES]
+    store, table = app.get(VOICES), app[ALIASES]
     aliases = [{"id": name, "voice": target, "available": store is None or target in store}
                for name, target in sorted(table.items())]
     if store is not None:
         return web.json_response({"voices": store.describe(), "aliases": aliases})
-    info = app[app_mod.MODEL].info()
+    info = app[MODEL].info()
     return web.json_response({"voices": [
         {"id": s, "name": s, "languages": info["languages"], "model": info["model"]} for s in info["speakers"]],
         "aliases": aliases})
 
 
 async def metrics(request):
-    m = request.app[app_mod.METRICS]
+    m = request.app[METRICS]
     m.collect_steps()
     return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -311,7 +238,7 @@ async def openapi(request):
 
 
 def openapi_document(app) -> dict:
-    settings = app[app_mod.SETTINGS]
+    settings = app[SETTINGS]
     err = {"description": "JSON error naming the field", "content": {"application/json": {"schema": {
         "type": "object", "properties": {"error": {"type": "object", "properties": {
             "message": {"type": "string"}, "type": {"type": "string"}, "code": {"type": "string"},

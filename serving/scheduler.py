@@ -25,7 +25,7 @@ import math
 import time
 
 from qtts_jax.stream import FRAME_SECONDS
-from serving.schemas import ApiError
+from serving.errors import ApiError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Request bodies: strict validation into a `Request`, every failure an `ApiError` naming the field.
+"""Request bodies: strict validation into the engine's `Job`, every failure an `ApiError` naming the field.
 
 One table (`SPEECH_FIELDS`) drives both the validator and the JSON Schema in `/openapi.json`, so the
 document and the code cannot drift. Types are strict (a bool is not a number, a float is not an int).
@@ -12,41 +12,16 @@ import math
 import re
 from typing import Any
 
+from qtts_jax.job import Job
 from qtts_jax.request import Request, RequestError, VoicePrompt
 from serving.audio_encoders import FORMATS, STREAM_BY_DEFAULT
+from serving.errors import ApiError, bad, from_request_error
 
 MAX_SEED = 2**32 - 1
 OPENAI_MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
-# engine/Request field -> API field, so errors name what the caller sent
-API_FIELD = {"text": "input", "speaker": "voice", "instruct": "instructions"}
 # ISO 639-1 codes (and xx-YY locales) -> the model's language names, for clients of the batched Rust server
 LANGUAGE_CODES = {"zh": "chinese", "en": "english", "de": "german", "it": "italian", "pt": "portuguese",
                   "es": "spanish", "ja": "japanese", "ko": "korean", "fr": "french", "ru": "russian"}
-
-
-class ApiError(Exception):
-    """An error response: HTTP status, machine code, the offending field (or None), a message."""
-
-    def __init__(self, status: int, code: str, message: str, field: str | None = None,
-                 retry_after: float | None = None):
-        super().__init__(message)
-        self.status, self.code, self.message, self.field, self.retry_after = status, code, message, field, retry_after
-
-    def body(self) -> dict:
-        err = {"message": self.message, "type": _ERROR_TYPES.get(self.status, "server_error"), "code": self.code,
-               "param": self.field}
-        if self.retry_after is not None:
-            err["retry_after"] = self.retry_after
-        return {"error": err}
-
-
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-                408: "invalid_request_error", 409: "invalid_request_error",
-                413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
-
-
-def bad(field: str | None, message: str, code: str = "invalid_value") -> ApiError:
-    return ApiError(400, code, f"{field}: {message}" if field else message, field)
 
 
 # C0/C1 controls and DEL, except tab, line feed and carriage return; surrogates left unpaired by JSON "\ud800"
@@ -77,12 +52,6 @@ async def read_json(request, limit: int) -> Any:
         return json.loads(bytes(data))
     except (ValueError, RecursionError) as exc:
         raise bad("body", f"is not valid JSON ({str(exc)[:100]})", "invalid_json") from None
-
-
-def from_request_error(exc: RequestError) -> ApiError:
-    field = API_FIELD.get(exc.field, exc.field)
-    msg = str(exc).split(": ", 1)[-1]
-    return bad(field, msg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,11 +181,10 @@ def _check(name: str, f: Field, v: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class SpeechParams:
-    request: Request
+    job: Job  # what to synthesise, prepared by the engine (resolved once, its chunk schedule in it)
     response_format: str
     stream: bool
     stream_format: str
-    schedule: tuple[int, ...] | None
     rust_dialect: bool  # the body used `text`: a client of the batched Rust server (whole WAV by default)
 
 
@@ -275,11 +243,11 @@ def resolve_voice(voice: str | None, *, model, voices=None, aliases: dict[str, s
     raise bad("voice", f"a {cfg.model_type} model has no named voices")
 
 
-def build_request(opts: dict, *, model, served_names: tuple[str, ...], codec_sizes: tuple[int, ...],
-                  voices=None, aliases: dict[str, str] | None = None, prompt: VoicePrompt | None = None
-                  ) -> tuple[Request, tuple[int, ...] | None]:
-    """Checked options -> a resolved-valid `Request` (model-level checks raise `ApiError` 400). `prompt` is a
-    voice cloned for this request from its `ref_audio`."""
+def build_job(opts: dict, *, engine, served_names: tuple[str, ...], voices=None,
+              aliases: dict[str, str] | None = None, prompt: VoicePrompt | None = None) -> Job:
+    """Checked options -> the engine's `Job` (`engine.prepare`: the request resolved, its prompt laid out and
+    bounded, once); model- and engine-level refusals are `ApiError` 400 naming the field. `prompt` is a voice
+    cloned for this request from its `ref_audio`."""
     if "model" in opts and opts["model"] not in served_names + OPENAI_MODEL_ALIASES:
         raise bad("model", f"{opts['model']!r} is not served here; use one of {list(served_names)}", "model_not_found")
     if "input" in opts and not opts["input"].strip():
@@ -287,18 +255,13 @@ def build_request(opts: dict, *, model, served_names: tuple[str, ...], codec_siz
     if opts.get("speed", 1.0) != 1.0:
         raise bad("speed", "only 1.0 is supported: time-stretching would change the voice, so it is refused "
                            "rather than ignored", "unsupported")
-    schedule = None
-    if "chunk_schedule" in opts:
-        schedule = tuple(opts["chunk_schedule"])
-        if any(n not in codec_sizes for n in schedule):
-            raise bad("chunk_schedule", f"each entry must be one of {list(codec_sizes)}")
     voice = opts.get("voice")
     if prompt is not None:
         if voice is not None:
             raise bad("ref_audio", "give either voice or ref_audio, not both", "conflict")
         speaker = None
     else:
-        speaker, prompt = resolve_voice(voice, model=model, voices=voices, aliases=aliases)
+        speaker, prompt = resolve_voice(voice, model=engine.model, voices=voices, aliases=aliases)
     greedy = opts.get("greedy")
     req = Request(
         text=opts.get("input", ""), speaker=speaker, voice=prompt, language=language(opts.get("language", "auto")),
@@ -307,11 +270,11 @@ def build_request(opts: dict, *, model, served_names: tuple[str, ...], codec_siz
         top_p=opts.get("top_p"), repetition_penalty=opts.get("repetition_penalty"),
         max_frames=opts.get("max_frames"),
     )
+    schedule = tuple(opts["chunk_schedule"]) if "chunk_schedule" in opts else None
     try:
-        req.resolved(model.cfg, model.defaults)
+        return engine.prepare(req, schedule)
     except RequestError as exc:
         raise from_request_error(exc) from None
-    return req, schedule
 
 
 def speech_options(body: Any, *, model, max_input_chars: int, max_ref_audio_bytes: int) -> dict:
@@ -341,18 +304,17 @@ def speech_options(body: Any, *, model, max_input_chars: int, max_ref_audio_byte
     return opts
 
 
-def parse_speech(opts: dict, *, model, served_names, codec_sizes, voices=None, aliases=None,
+def parse_speech(opts: dict, *, engine, served_names, voices=None, aliases=None,
                  prompt: VoicePrompt | None = None) -> SpeechParams:
-    """Options from `speech_options` -> what to synthesise and how to send it."""
+    """Options from `speech_options` -> what to synthesise (the engine's `Job`) and how to send it."""
     rust = opts.get("_dialect") == "rust"
-    req, schedule = build_request({k: v for k, v in opts.items() if k not in ("ref_audio", "ref_text", "_dialect")},
-                                  model=model, served_names=served_names, codec_sizes=codec_sizes, voices=voices,
-                                  aliases=aliases, prompt=prompt)
+    job = build_job({k: v for k, v in opts.items() if k not in ("ref_audio", "ref_text", "_dialect")},
+                    engine=engine, served_names=served_names, voices=voices, aliases=aliases, prompt=prompt)
     fmt = opts.get("response_format", "wav" if rust else "mp3")
     stream_format = opts.get("stream_format", "audio")
     stream = opts.get("stream", False if rust else fmt in STREAM_BY_DEFAULT)
-    return SpeechParams(request=req, response_format=fmt, stream=stream or stream_format == "sse",
-                        stream_format=stream_format, schedule=schedule, rust_dialect=rust)
+    return SpeechParams(job=job, response_format=fmt, stream=stream or stream_format == "sse",
+                        stream_format=stream_format, rust_dialect=rust)
 
 
 def speech_schema(max_input_chars: int = 4096, max_ref_audio_bytes: int = 16 * 1024 * 1024) -> dict:

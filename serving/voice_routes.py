@@ -20,8 +20,9 @@ from aiohttp.multipart import parse_content_disposition
 
 from qtts_jax.reference_audio import AudioLimits, decode_base64_audio, load_reference_audio
 from qtts_jax.request import Request, RequestError, VoicePrompt
-from serving import app as app_mod
-from serving.schemas import ApiError, bad, base64_chars, check_text, from_request_error, read_json
+from serving.errors import ApiError, bad, from_request_error
+from serving.keys import ENGINE, MODEL, SETTINGS, VOICES
+from serving.schemas import base64_chars, check_text, read_json
 from serving.voices import NAME, Voice
 
 TEXT_FIELDS = {"name": 64, "transcript": 4096, "consent": 1000, "xvector_only": 8, "trailing_silence_ms": 8,
@@ -64,9 +65,9 @@ def setup(app: web.Application) -> None:
 
 
 def _store(app):
-    store = app.get(app_mod.VOICES)
+    store = app.get(VOICES)
     if store is None:
-        kind = app[app_mod.MODEL].cfg.model_type
+        kind = app[MODEL].cfg.model_type
         raise ApiError(400, "unsupported", f"voice cloning needs a Base checkpoint; this server runs a {kind} model",
                        "model")
     return store
@@ -74,7 +75,7 @@ def _store(app):
 
 async def register(request: web.Request) -> web.Response:
     app = request.app
-    store, settings = _store(app), app[app_mod.SETTINGS]
+    store, settings = _store(app), app[SETTINGS]
     if request.content_type == "application/json":
         form = await _read_json_form(request, settings.max_voice_upload_bytes)
     else:
@@ -129,7 +130,7 @@ async def inline_voice(app, ref_audio: str, ref_text: str | None) -> VoicePrompt
     """A speech request's own voice from its base64 `ref_audio` (the batched Rust server's per-request cloning),
     checked as a registration is. Kept in a bounded LRU keyed by the audio's and transcript's hash, so a client
     that sends the same reference with every request pays for the encoders once."""
-    settings, cache = app[app_mod.SETTINGS], app[INLINE]
+    settings, cache = app[SETTINGS], app[INLINE]
     data = audio_from_text(ref_audio.encode("utf-8", "replace"), "ref_audio")
     transcript = (ref_text or "").strip() or None
     key = hashlib.sha256(data + b"\0" + (transcript or "").encode()).hexdigest()
@@ -154,11 +155,11 @@ async def inline_voice(app, ref_audio: str, ref_text: str | None) -> VoicePrompt
 
 def _clone(app, audio: bytes, transcript, xvector_only, silence_ms, limits):
     """Off the event loop: decode, encode, check the prompt fits, prime the codec state (ICL)."""
-    model, engine = app[app_mod.MODEL], app[app_mod.ENGINE]
+    model, engine = app[MODEL], app[ENGINE]
     ref = load_reference_audio(audio, limits)
     prompt = model.clone_voice(ref, transcript, xvector_only, silence_ms / 1000)
     try:
-        engine.check(Request("Check.", voice=prompt, max_frames=1))
+        engine.prepare(Request("Check.", voice=prompt, max_frames=1))  # the voice's prompt fits this engine
     except RequestError:
         seconds = ref.seconds + silence_ms / 1000
         raise RequestError("audio", f"with its transcript, {seconds:.1f} s of reference is too long a prompt for "

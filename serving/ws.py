@@ -30,10 +30,12 @@ import uuid
 
 from aiohttp import WSMsgType, web
 
-from serving import app as app_mod
+from qtts_jax.job import Job
 from serving.audio_encoders import SAMPLE_RATE, to_s16
-from serving.routes import Utterance, served_names
-from serving.schemas import ApiError, bad, build_request, check_text, parse_options, speech_fields
+from serving.errors import ApiError, bad
+from serving.keys import ALIASES, ENGINE, SCHEDULER, SERVED_NAMES, SETTINGS, SOCKETS, VOICES
+from serving.schemas import build_job, check_text, parse_options, speech_fields
+from serving.utterance import Utterance
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ class Session:
     def __init__(self, request: web.Request, ws: web.WebSocketResponse):
         self.app = request.app
         self.ws = ws
-        self.settings = self.app[app_mod.SETTINGS]
+        self.settings = self.app[SETTINGS]
         all_fields = speech_fields(self.settings.max_input_chars)
         self.fields = {k: all_fields[k] for k in SESSION_FIELDS}
         self.options: dict = {}
@@ -84,11 +86,11 @@ class Session:
         self._tokens -= 1
         return True
 
-    def _request(self, text: str):
-        return build_request({**self.options, "input": text}, model=self.app[app_mod.MODEL],
-                             served_names=served_names(self.app),
-                             codec_sizes=self.app[app_mod.ENGINE].config.codec_sizes,
-                             voices=self.app.get(app_mod.VOICES), aliases=self.app[app_mod.ALIASES])
+    def _job(self, text: str) -> Job:
+        """The session's options and `text`, prepared by the engine (400 naming the field if it cannot be)."""
+        return build_job({**self.options, "input": text}, engine=self.app[ENGINE],
+                         served_names=self.app[SERVED_NAMES], voices=self.app.get(VOICES),
+                         aliases=self.app[ALIASES])
 
     async def handle(self, msg: dict) -> None:
         kind = msg.get("type")
@@ -99,7 +101,7 @@ class Session:
             opts = {**self.options, **parse_options(session, self.fields, required=False)}
             saved, self.options = self.options, opts
             try:
-                self._request("check")  # model-level checks (voice, language, instructions) now, not later
+                self._job("check")  # model-level checks (voice, language, instructions) now, not later
             except ApiError:
                 self.options = saved
                 raise
@@ -123,10 +125,10 @@ class Session:
             if self.pending.qsize() >= self.settings.ws_max_pending_utterances:
                 raise ApiError(429, "too_many_utterances",
                                f"at most {self.settings.ws_max_pending_utterances} utterances may wait", "text")
-            req, schedule = self._request(text)
+            job = self._job(text)  # a text the engine cannot take is refused now, not when its turn comes
             uid = self.next_id
             self.next_id += 1
-            await self.pending.put((uid, self.generation, req, schedule))
+            await self.pending.put((uid, self.generation, job))
             await self.send({"type": "utterance.queued", "utterance_id": uid})
         elif kind == "cancel":
             self.generation += 1
@@ -146,12 +148,12 @@ class Session:
             if item is None:
                 await self.ws.close(code=1000, message=b"bye")
                 return
-            uid, gen, req, schedule = item
+            uid, gen, job = item
             if gen != self.generation:
                 await self.send({"type": "utterance.done", "utterance_id": uid, "cancelled": True, "frames": 0})
                 continue
             try:
-                await self._speak(uid, gen, req, schedule)
+                await self._speak(uid, gen, job)
             except ApiError as err:
                 await self.error(err, uid)
             except ConnectionError:  # the client is gone: nothing is left to tell it
@@ -160,9 +162,9 @@ class Session:
                 log.exception("websocket utterance %d failed", uid)
                 await self.error(ApiError(500, "internal_error", "the utterance failed; the server logged why"), uid)
 
-    async def _speak(self, uid: int, gen: int, req, schedule) -> None:
+    async def _speak(self, uid: int, gen: int, job: Job) -> None:
         rid = f"{uuid.uuid4().hex}"
-        u = Utterance(self.app, req, schedule, rid, "/v1/audio/speech/stream")
+        u = Utterance(self.app, job, rid, "/v1/audio/speech/stream")
         self.current, self.current_id = u, uid
         try:
             await self.send({"type": "utterance.started", "utterance_id": uid, "request_id": rid})
@@ -199,13 +201,13 @@ class Session:
 
 async def speech_socket(request: web.Request) -> web.WebSocketResponse:
     app = request.app
-    sched = app[app_mod.SCHEDULER]
+    sched = app[SCHEDULER]
     if not sched.accepting:
         sched.admit()  # raises the 503 with Retry-After before the upgrade
-    settings = app[app_mod.SETTINGS]
+    settings = app[SETTINGS]
     ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=settings.ws_max_message_bytes)
     await ws.prepare(request)
-    app[app_mod.SOCKETS].add(ws)
+    app[SOCKETS].add(ws)
     session = Session(request, ws)
     await session.send({"type": "session.created", "session": {}, "sample_rate": SAMPLE_RATE,
                         "format": "pcm_s16le"})

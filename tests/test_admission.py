@@ -11,7 +11,7 @@ import pytest
 from qtts_jax.engine import EngineStats, rung
 from qtts_jax.stream import FRAME_SECONDS
 from serving.scheduler import AdmissionConfig, Scheduler
-from serving.schemas import ApiError
+from serving.errors import ApiError
 
 LADDER = (8, 16, 32, 64)
 PREFILLS = (1, 2, 4, 8, 16, 32)

@@ -53,7 +53,7 @@ def run(engine, plan, max_iters=500):
         for i, (at, req) in enumerate(plan):
             if at == it:
                 col = Collector()
-                out[i] = (engine.submit(req, col), col)
+                out[i] = (engine.submit(engine.prepare(req), col), col)
         busy = engine.run_once()
         if not busy and all(o is not None and o[1].final for o in out):
             return out
@@ -126,7 +126,7 @@ def test_seeded_request_same_alone_in_any_slot_and_beside_others(engine):
 
 def test_cancel_frees_slot_at_next_step(engine):
     col = Collector()
-    stream = engine.submit(Request("Cancel me please.", speaker="ryan", max_frames=100, **GREEDY), col)
+    stream = engine.submit(engine.prepare(Request("Cancel me please.", speaker="ryan", max_frames=100, **GREEDY)), col)
     for _ in range(3):
         engine.run_once()
     assert stream.slot is not None and engine.slots[stream.slot] is stream
@@ -140,7 +140,8 @@ def test_cancel_frees_slot_at_next_step(engine):
 def test_stats_follow_a_cancel_that_leaves_the_engine_idle(engine):
     """The snapshot admission reads must not keep a cancelled stream: an idle engine that still looked busy
     would be refused work for ever."""
-    stream = engine.submit(Request("Leaving early.", speaker="ryan", max_frames=100, **GREEDY), Collector())
+    stream = engine.submit(engine.prepare(Request("Leaving early.", speaker="ryan", max_frames=100, **GREEDY)),
+                           Collector())
     for _ in range(3):
         engine.run_once()
     assert engine.stats().live == 1 and engine.stats().frames_left[0] > 0
@@ -153,12 +154,11 @@ def test_stats_follow_a_cancel_that_leaves_the_engine_idle(engine):
 
 def test_guards(engine, model):
     with pytest.raises(PromptTooLong) as err:
-        engine.submit(Request("x" * 400, speaker="ryan"), Collector())
+        engine.prepare(Request("x" * 400, speaker="ryan"))
     assert err.value.field == "text"
     # runaway guard: no explicit max_frames, the cap comes from the text length
     (stream, col), = run(engine, [(0, Request("Hi.", speaker="ryan", **GREEDY))])
-    prepared = stream.prepared
-    assert stream.frames_cap == prepared["cap"] < CONFIG.context
+    assert stream.frames_cap == stream.job.frames_cap < CONFIG.context
     assert len(stream.codes) <= stream.frames_cap
 
 
@@ -183,12 +183,13 @@ def test_asyncio_bridge_streams_chunks_with_timings(engine):
         bridge = AsyncEngine(engine)
         await bridge.start(warmup=False)  # the module's engine is compiled already
         try:
-            streams = [bridge.submit(Request(t, speaker="ryan", max_frames=6, **GREEDY)) for t in TEXTS[:3]]
+            streams = [bridge.submit(engine.prepare(Request(t, speaker="ryan", max_frames=6, **GREEDY)))
+                       for t in TEXTS[:3]]
             results = []
             for s in streams:
                 chunks = [c async for c in s]
                 results.append((s, chunks))
-            cancelled = bridge.submit(Request("Gone.", speaker="ryan", max_frames=200, **GREEDY))
+            cancelled = bridge.submit(engine.prepare(Request("Gone.", speaker="ryan", max_frames=200, **GREEDY)))
             first = await cancelled.__anext__()
             cancelled.cancel()
             rest = [c async for c in cancelled]

@@ -442,6 +442,28 @@ async def test_websocket_flood_closes_with_policy_violation(make_client):
     assert msg.type.name == "CLOSE" and msg.data == 1008
 
 
+async def test_a_request_is_resolved_once_from_validation_to_the_engine(client, monkeypatch):
+    """An HTTP request and a WebSocket utterance each resolve their `Request` exactly once: validation, admission
+    and the engine all use the `Job` that `Engine.prepare` made from it."""
+    real, resolved = Request.resolved, []
+    monkeypatch.setattr(Request, "resolved", lambda self, *a: resolved.append(self.text) or real(self, *a))
+    r = await client.post("/v1/audio/speech", json={**SPEECH, "input": "Once over HTTP.", "max_frames": 2,
+                                                    "response_format": "pcm"})
+    assert r.status == 200 and await r.read()
+    assert resolved == ["Once over HTTP."]
+    ws = await client.ws_connect("/v1/audio/speech/stream")
+    await ws.receive_json()
+    await ws.send_json({"type": "session.update", "session": {"voice": "ryan", "max_frames": 2}})
+    assert (await ws.receive_json())["type"] == "session.updated"
+    resolved.clear()  # the session's options were checked with a placeholder text
+    await ws.send_json({"type": "input_text.append", "text": "Once over the socket."})
+    await ws.send_json({"type": "input_text.commit"})
+    events, audio = await ws_events(ws, lambda e: e["type"] == "utterance.done")
+    assert audio and not events[-1]["cancelled"]
+    assert resolved == ["Once over the socket."]
+    await ws.close()
+
+
 @pytest.fixture
 def live_server(engine):
     """The app on a real loopback socket, served from its own thread and event loop (for sync clients)."""

@@ -1,0 +1,32 @@
+"""The app's typed keys: what `create_app` stores on the application (and on each request) for the routes to
+read. Routes import these, never the app factory, so the factory can import the routes."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+
+from aiohttp import web
+
+from qtts_jax.bridge import AsyncEngine
+from qtts_jax.engine import Engine
+from serving.metrics import Metrics
+from serving.scheduler import Scheduler
+from serving.settings import Settings
+from serving.voices import VoiceStore
+
+SETTINGS = web.AppKey("settings", Settings)
+MODEL = web.AppKey("model", object)
+SERVED_NAMES = web.AppKey("served_names", tuple)  # model names a request may ask for: this model's and generic
+ENGINE = web.AppKey("engine", Engine)
+BRIDGE = web.AppKey("bridge", AsyncEngine)
+SCHEDULER = web.AppKey("scheduler", Scheduler)
+METRICS = web.AppKey("metrics", Metrics)
+SOCKETS = web.AppKey("sockets", weakref.WeakSet)
+WARMUP_TASK = web.AppKey("warmup_task", asyncio.Task)
+WARMUP_ERROR = web.AppKey("warmup_error", list)
+VOICES = web.AppKey("voices", VoiceStore)  # set only for Base models
+VOICE_WARMUP = web.AppKey("voice_warmup", list)  # the background encoder compilation, once started
+ALIASES = web.AppKey("aliases", dict)  # OpenAI voice name -> speaker (CustomVoice) or registered voice (Base)
+
+REQUEST_ID = web.RequestKey("request_id", str)  # set by the speech route, echoed on its error responses

@@ -1,0 +1,79 @@
+"""The server's settings: defaults, then QTTS_* environment variables, then flags (`serving/cli.py`); they also
+derive the engine's and admission's configurations."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from qtts_jax.engine import EngineConfig
+from serving.scheduler import AdmissionConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    model: str = "tiny-random"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    slots: int | str = 8  # or "auto": as many as the accelerator's free memory holds (qtts_jax/sizing.py)
+    context: int = 1024
+    frames_per_step: int = 4
+    dtype: str = "float32"
+    ttfa_target_ms: float = 300.0
+    starvation_ms: float = 100.0
+    max_queue: int | None = None
+    max_input_chars: int = 4096
+    max_body_bytes: int = 256 * 1024
+    drain_timeout_s: float = 30.0
+    ws_max_messages_per_s: float = 50.0
+    ws_max_message_bytes: int = 64 * 1024
+    ws_max_pending_utterances: int = 8
+    # connections (`run` only): slowloris, idle sockets and descriptor exhaustion (serving/connections.py)
+    header_timeout_s: float = 10.0  # from a request's first byte to its last header line, else 408 and closed
+    idle_timeout_s: float = 75.0  # a connection with no request in progress is closed after this
+    max_connections: int = 512  # open HTTP and WebSocket connections; one more gets 503 and is closed
+    warmup: bool = True
+    voices_dir: str = "voices"  # Base models: registered voices, one file each, reloaded at start-up
+    max_voices: int = 1000
+    max_voice_upload_bytes: int = 16 * 1024 * 1024
+    voice_min_seconds: float = 1.0
+    voice_max_seconds: float = 30.0
+    voice_trailing_silence_ms: int = 500  # appended before encoding ICL codes, against phoneme bleed
+    warm_voice_encoders: bool = True  # after /ready: compile the encoders for every recording length bucket
+    compile_cache: str = "default"  # persistent XLA cache (`run` only): "default", "off" or a directory
+    # OpenAI voice names -> this model's voices: "" (the default table), "a=b,c=d" over it, a JSON file, or "none"
+    voice_aliases: str = ""
+    inline_voice_cache: int = 32  # Base models: voices cloned from a request's ref_audio, kept by content hash
+
+    @classmethod
+    def from_env(cls, **overrides) -> "Settings":
+        """QTTS_<FIELD> environment variables (e.g. QTTS_SLOTS=16), then explicit overrides."""
+        values = {}
+        for f in dataclasses.fields(cls):
+            raw = os.environ.get(f"QTTS_{f.name.upper()}")
+            if raw is None:
+                continue
+            kind = f.type if isinstance(f.type, str) else f.type.__name__
+            if kind == "int | str":  # a count or a word (slots: "auto")
+                values[f.name] = int(raw) if raw.isdigit() else raw
+            elif "int" in kind and "None" in kind:
+                values[f.name] = None if raw.lower() in ("", "none") else int(raw)
+            elif kind.startswith("int"):
+                values[f.name] = int(raw)
+            elif kind.startswith("float"):
+                values[f.name] = float(raw)
+            elif kind.startswith("bool"):
+                values[f.name] = raw.lower() in ("1", "true", "yes", "on")
+            else:
+                values[f.name] = raw
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def engine_config(self) -> EngineConfig:
+        buckets = tuple(b for b in (32, 64, 128, 256) if b < self.context // 2) or (min(32, self.context // 2),)
+        return EngineConfig(slots=self.slots, context=self.context, frames_per_step=self.frames_per_step,
+                            prompt_buckets=buckets, max_trailing=min(256, self.context // 2))
+
+    def admission(self) -> AdmissionConfig:
+        return AdmissionConfig(ttfa_target_s=self.ttfa_target_ms / 1000, starvation_s=self.starvation_ms / 1000,
+                               max_queue=self.max_queue)
