@@ -10,11 +10,14 @@ few live streams steps as fast as a small one, and the cache is only touched whe
 One iteration of the loop (`run_once`):
 1. every waiting request that has a free slot is prefilled, all of them in one call per prompt bucket, so a
    burst of N arrivals costs about one prefill;
-2. the live rows step `n` frames in one `lax.scan`: one frame when a stream has just joined (its first
-   audio leaves after one frame), else the most frames whose measured cost fits inside every playing
-   stream's playback headroom (audio handed out minus audio a zero-buffer listener has played);
-3. while that step runs on the device, the host hands out the audio of the previous codec call;
-4. each stream's new frames become audio in ONE codec call for all rows with a chunk due, each row with its
+2. the newcomers step their first frame and decode it in one small program of their own, queued first, so
+   their first audio does not wait for the playing streams' step nor hold it to one frame;
+3. the playing rows step `n` frames in one `lax.scan`: the most frames whose measured cost fits inside every
+   playing stream's playback headroom (audio handed out minus audio a zero-buffer listener has played), short
+   enough that a newcomer does not wait long for it unless only a longer step keeps up with playback;
+4. while those run on the device, the host hands out the audio of the previous codec call, then the
+   newcomers' first chunks;
+5. each stream's new frames become audio in ONE codec call for all rows with a chunk due, each row with its
    own frame count: a chunk follows the stream's schedule (1, 2, 4, 8 ... frames) unless its headroom
    would not last another iteration, when it goes out at once.
 
@@ -51,6 +54,7 @@ from qtts_jax.job import Job
 from qtts_jax.model import Model
 from qtts_jax.prompt import build_prompt, embed_prompt
 from qtts_jax.request import Request, RequestError
+from qtts_jax.codec.config import SAMPLES_PER_FRAME
 from qtts_jax.stream import DEFAULT_SCHEDULE, FRAME_SECONDS, Chunk, Stream
 from qtts_jax.transformer import KVCache
 
@@ -140,9 +144,11 @@ class EngineStats:
     queued_frames: tuple[int, ...]  # per waiting request: its frame cap
     ladder: tuple[int, ...]
     prefill_sizes: tuple[int, ...]
-    frames_per_step: int
+    step_sizes: tuple[int, ...]  # frames a step call may run
+    headroom_margin_s: float  # headroom the loop keeps in hand beyond an iteration's predicted cost
     step_costs: dict  # (rung, frames) -> seconds of one iteration stepping that many frames (step + codec)
     prefill_costs: dict  # requests per call -> seconds (largest prompt bucket)
+    first_costs: dict  # rung -> seconds of newcomers' first frame and its audio
     iteration_s: float  # recent iteration time (EMA)
     min_headroom_s: float | None  # least playback headroom among playing streams
     iterations: int
@@ -150,6 +156,9 @@ class EngineStats:
 
     def step_cost(self, live: int, frames: int) -> float:
         return self.step_costs[(rung(self.ladder, max(live, 1)), frames)]
+
+    def first_cost(self, newcomers: int) -> float:
+        return self.first_costs[rung(self.ladder, max(newcomers, 1))]
 
     def prefill_cost(self, requests: int) -> float:
         """Prefilling `requests` together: full calls of the largest size, then one for the rest."""
@@ -191,13 +200,16 @@ class Engine:
         self._jit_step = jax.jit(partial(_step, cfg=cfg, choose=_chooser(c.sampler)), donate_argnums=(1,),
                                  static_argnames="n")
         self._jit_codec = jax.jit(partial(_codec, cfg=codec_cfg), donate_argnums=(1,))
+        self._jit_first = jax.jit(partial(_first, cfg=cfg, codec_cfg=codec_cfg, choose=_chooser(c.sampler)),
+                                  donate_argnums=(2, 3))
         self._codec_one = jax.jit(
             lambda p, st, codes: codec_streaming.decode_step(p, codec_cfg, st, codes, jnp.full(1, codes.shape[1]))[1],
             donate_argnums=(1,),
         )
         self._codec_load = jax.jit(  # a one-slot state into slot `slot` of the batched one
             lambda st, one, slot: _set_slot(st, slot, jax.tree.map(lambda v: v[0], one)), donate_argnums=(0,))
-        self._programs: dict = {}  # ("insert", bucket, requests) | ("step"|"codec", rung, frames) -> compiled
+        # ("insert", bucket, requests) | ("step"|"codec", rung, frames) | ("first", rung, 1) -> compiled
+        self._programs: dict = {}
         self._primed: collections.OrderedDict[bytes, codec_streaming.StreamState] = collections.OrderedDict()
         self._primed_lock = threading.Lock()
         self.state = init_state(model, c)
@@ -211,6 +223,7 @@ class Engine:
         self._audio = None  # (device audio, [(stream, frames)]) of the codec call in flight
         self.step_costs: dict = {}  # (rung, frames) -> seconds per iteration, measured
         self.prefill_costs: dict = {}  # requests -> seconds, measured
+        self.first_costs: dict = {}  # rung -> seconds of newcomers' first frame and its audio, measured
         self._iteration_s = 0.0
         self._recent_frame_s: collections.deque[float] = collections.deque(maxlen=64)
         self._profile = _IterationProfile()
@@ -254,6 +267,7 @@ class Engine:
         t0 = time.perf_counter()
         keys = [("insert", bucket, r) for bucket in c.prompt_buckets for r in c.prefill_sizes]
         keys += [("step", b, n) for b in c.ladder for n in c.step_sizes]
+        keys += [("first", b, 1) for b in c.ladder]
         keys += [("codec", b, n) for b in c.ladder for n in c.codec_sizes]
         lowered = [self._lower(*key) for key in keys]  # tracing holds the GIL; compiling does not
 
@@ -309,50 +323,43 @@ class Engine:
             with self._lock:  # streams may have left (cancelled): admission must not see them for ever
                 self._stats = self._snapshot()
             return False
+        new = [i for i in live if not self.slots[i].codes]
+        playing = [i for i in live if self.slots[i].codes]
+        first = self._dispatch_first(new) if new else None
+        extra = (self.prefill_costs.get(rung(self.config.prefill_sizes, len(joined)), 0.0) if joined else 0.0) + (
+            self.first_costs.get(rung(self.config.ladder, len(new)), 0.0) if new else 0.0)
         out, n = None, 0
-        if live:
-            n = self._frames_for(live, joined, t0)
-            b = rung(self.config.ladder, len(live))
-            idx = np.full(b, self.config.slots, np.int32)
-            idx[: len(live)] = live
-            mask = np.zeros(b, bool)
-            mask[: len(live)] = True
-            self.state, out = self._program("step", b, n)(self.model.params, self.state, idx, mask)
-        parts.mark("step_dispatch")
-        self._hand_out_audio()  # the step above runs on the device meanwhile
+        if playing:
+            n = self._frames_for(playing, len(new), extra, t0)
+            b = rung(self.config.ladder, len(playing))
+            self.state, out = self._program("step", b, n)(self.model.params, self.state, *self._rows(playing, b))
+        parts.mark("dispatch")
+        self._hand_out_audio()  # the programs above run on the device meanwhile
         parts.mark("hand_out")
         if prefill_done is not None:
             np.asarray(prefill_done)
             now = self.clock()
             for s in joined:
                 s.timings.prefilled = now
+        if first is not None:
+            self._take_first(new, *first)
+            parts.mark("first")
         if out is not None:
             frames, valid = np.asarray(out[0]), np.asarray(out[1])  # the one host sync per step call
             parts.mark("device_wait")
             now = self.clock()
             self._recent_frame_s.append((now - t0) / n)
-            for j, slot in enumerate(live):
-                stream = self.slots[slot]
-                good = valid[:, j]
-                count = int(good.sum()) if good.all() else int(np.argmin(good))
-                if count:
-                    stream.codes.extend(frames[:count, j])
-                    stream.pending += count
-                    if stream.timings.first_frame is None:
-                        stream.timings.first_frame = now
-                if count < n or len(stream.codes) >= stream.frames_cap:
-                    stream.lm_done = True
-                    if stream.pending == 0 and stream.inflight == 0:  # ended with nothing left to decode
-                        self._finish(stream)
+            self._record(playing, frames, valid, now)
         parts.mark("bookkeeping")
         self._decode_audio(self.clock())
         parts.mark("codec_dispatch")
-        self._profile.add(parts, live=len(live), frames=n, joined=len(joined))
+        self._profile.add(parts, live=len(live), new=len(new), frames=n)
         elapsed = self.clock() - t0
         self._iteration_s = elapsed if not self.iterations else 0.8 * self._iteration_s + 0.2 * elapsed
-        if out is not None:  # what an iteration really takes, host work and any prefill included
-            key = (rung(self.config.ladder, len(live)), n)
-            self.step_costs[key] = 0.8 * self.step_costs.get(key, elapsed) + 0.2 * elapsed
+        if out is not None:  # what a step iteration really takes, host work included, newcomers' share not
+            key = (rung(self.config.ladder, len(playing)), n)
+            cost = max(elapsed - extra, 0.0)
+            self.step_costs[key] = 0.8 * self.step_costs.get(key, cost) + 0.2 * cost
         self.iterations += 1
         with self._lock:
             self._stats = self._snapshot()
@@ -400,22 +407,86 @@ class Engine:
             oldest_wait_s=now - queued[0].timings.submitted if queued else 0.0,
             frames_left=tuple(0 if s.lm_done else max(s.frames_cap - len(s.codes), 0) for s in in_slots),
             queued_frames=tuple(s.frames_cap for s in queued),
-            ladder=c.ladder, prefill_sizes=c.prefill_sizes, frames_per_step=c.frames_per_step,
-            step_costs=dict(self.step_costs), prefill_costs=dict(self.prefill_costs),
+            ladder=c.ladder, prefill_sizes=c.prefill_sizes, step_sizes=c.step_sizes,
+            headroom_margin_s=c.headroom_margin_s,
+            step_costs=dict(self.step_costs), prefill_costs=dict(self.prefill_costs), first_costs=dict(self.first_costs),
             iteration_s=self._iteration_s, min_headroom_s=min(headrooms) if headrooms else None,
             iterations=self.iterations, recent_frame_s=tuple(self._recent_frame_s),
         )
 
-    def _frames_for(self, live: list[int], joined: list[Stream], now: float) -> int:
-        """Frames this step runs: one while any live stream has no audio yet (its first chunk is one frame),
-        else the most whose iteration cost fits inside every playing stream's headroom and `max_step_s`."""
-        streams = [self.slots[i] for i in live]
-        if joined or any(s.timings.first_chunk is None for s in streams):
+    def _frames_for(self, playing: list[int], newcomers: int, extra_s: float, now: float) -> int:
+        """Frames the playing streams step this iteration (newcomers' prefill and first frame, `extra_s`, run
+        before it): one while any of them has no audio yet, else the most whose iteration fits inside every
+        one's headroom, and within `max_step_s` (a newcomer waits for the step in progress) unless only a
+        longer step keeps up with playback. Newcomers' one frame of audio must also last until their second
+        frame, at the end of the next iteration (taken to cost as much, with a one-frame step)."""
+        c = self.config
+        streams = [self.slots[i] for i in playing]
+        if any(s.timings.first_chunk is None for s in streams):
             return 1
-        budget = min(min(s.buffered(now) for s in streams) - self.config.headroom_margin_s, self.config.max_step_s)
-        b = rung(self.config.ladder, len(live))
-        fits = [n for n in self.config.step_sizes if self.step_costs.get((b, n), 0.0) <= budget]
-        return max(fits, default=1)
+        budget = min(s.buffered(now) for s in streams) - c.headroom_margin_s - extra_s
+        if newcomers:
+            nxt = self.step_costs.get((rung(c.ladder, len(playing) + newcomers), 1), 0.0)
+            budget = min(budget, FRAME_SECONDS - c.headroom_margin_s - extra_s - nxt)
+        b = rung(c.ladder, len(playing))
+        cost = {n: self.step_costs.get((b, n), 0.0) for n in c.step_sizes}
+        fits = [n for n in c.step_sizes if cost[n] <= budget]
+        brief = [n for n in fits if cost[n] <= c.max_step_s and cost[n] + extra_s <= n * FRAME_SECONDS]
+        return max(brief or fits, default=1)
+
+    def _rows(self, slots: list[int], b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Slot indices of a call of `b` rows (padding aimed past the last slot) and which rows are live."""
+        idx = np.full(b, self.config.slots, np.int32)
+        idx[: len(slots)] = slots
+        mask = np.zeros(b, bool)
+        mask[: len(slots)] = True
+        return idx, mask
+
+    def _dispatch_first(self, new: list[int]):
+        """Queue newcomers' first frame and its audio (one program) ahead of the playing streams' step."""
+        b = rung(self.config.ladder, len(new))
+        idx, mask = self._rows(new, b)
+        fresh, decode = np.zeros(b, bool), np.zeros(b, bool)
+        for j, slot in enumerate(new):
+            s = self.slots[slot]
+            fresh[j], decode[j] = s.fresh_codec, s.next_chunk_frames() == 1
+        self.state, self.codec_state, out = self._program("first", b, 1)(
+            self.model.params, self.model.codec_params, self.state, self.codec_state, idx, mask, fresh, decode)
+        return out, decode
+
+    def _take_first(self, new: list[int], out, decode: np.ndarray) -> None:
+        """Record newcomers' first frames and hand out the audio of those decoded with them."""
+        frames, valid, audio = (np.asarray(x) for x in out)
+        now = self.clock()
+        self._record(new, frames, valid, now)
+        for j, slot in enumerate(new):
+            s = self.slots[slot]
+            if not (decode[j] and valid[0, j]) or s.finished:
+                continue
+            s.fresh_codec = False
+            s.pending -= 1
+            s.decoded += 1
+            s.emit(Chunk(pcm=audio[j, :SAMPLES_PER_FRAME], first_frame=0, frames=1, sent_at=now))
+            if s.lm_done and s.pending == 0:
+                self._finish(s)
+
+    def _record(self, slots: list[int], frames: np.ndarray, valid: np.ndarray, now: float) -> None:
+        """New frames [n, B, 16] (valid [n, B]) of the streams in `slots`: a stream whose frames stop early, or
+        that reached its cap, is done with its LM (and finishes here if nothing of it is left to decode)."""
+        n = frames.shape[0]
+        for j, slot in enumerate(slots):
+            stream = self.slots[slot]
+            good = valid[:, j]
+            count = int(good.sum()) if good.all() else int(np.argmin(good))
+            if count:
+                stream.codes.extend(frames[:count, j])
+                stream.pending += count
+                if stream.timings.first_frame is None:
+                    stream.timings.first_frame = now
+            if count < n or len(stream.codes) >= stream.frames_cap:
+                stream.lm_done = True
+                if stream.pending == 0 and stream.inflight == 0:  # ended with nothing left to decode
+                    self._finish(stream)
 
     def _admit(self) -> tuple[list[Stream], jax.Array | None]:
         """Give every waiting request that fits a free slot and prefill them together: one call per prompt
@@ -487,6 +558,9 @@ class Engine:
         if kind == "insert":
             return self._jit_insert.lower(self.model.params, self.state, *self._dummy_inserts(a, b))
         idx, zeros = np.full(a, c.slots, np.int32), np.zeros(a, bool)
+        if kind == "first":
+            return self._jit_first.lower(self.model.params, self.model.codec_params, self.state, self.codec_state,
+                                         idx, zeros, zeros, zeros)
         if kind == "step":
             return self._jit_step.lower(self.model.params, self.state, idx, zeros, n=b)
         codes = np.zeros((a, b, cfg.num_code_groups), np.int32)
@@ -523,6 +597,12 @@ class Engine:
                                                          codes, np.full(b, n, np.int32))
             return audio
 
+        def first(b):
+            idx, zeros = np.full(b, c.slots, np.int32), np.zeros(b, bool)
+            self.state, self.codec_state, out = self._program("first", b, 1)(
+                self.model.params, self.model.codec_params, self.state, self.codec_state, idx, zeros, zeros, zeros)
+            return out
+
         def insert(r):
             bucket = max(c.prompt_buckets)
             self.state, done = self._program("insert", bucket, r)(self.model.params, self.state, *self._dummy_inserts(bucket, r))
@@ -533,6 +613,8 @@ class Engine:
                 chunk = min(max(c.schedule), max(n, 1))
                 chunk = min(s for s in c.codec_sizes if s >= chunk)
                 self.step_costs[b, n] = timed(partial(step, b, n)) + timed(partial(codec, b, chunk))
+        for b in c.ladder:
+            self.first_costs[b] = timed(partial(first, b))
         for r in c.prefill_sizes:
             self.prefill_costs[r] = timed(partial(insert, r))
         log.info("step costs (rows, frames) -> ms: %s", {k: round(v * 1e3, 1) for k, v in self.step_costs.items()})
@@ -607,7 +689,7 @@ class Engine:
             s.inflight = 0
             if s.finished:  # cancelled while its audio was in the codec
                 continue
-            s.emit(Chunk(pcm=audio[j, : f * 1920], first_frame=s.decoded - f, frames=f, sent_at=now))
+            s.emit(Chunk(pcm=audio[j, : f * SAMPLES_PER_FRAME], first_frame=s.decoded - f, frames=f, sent_at=now))
             if s.lm_done and s.pending == 0:
                 self._finish(s)
 
@@ -777,6 +859,17 @@ def _step(params, state: EngineState, idx, live, *, cfg, choose, n: int):
 
     (rows, cache, k), out = jax.lax.scan(body, (rows, state.cache, k0), None, length=n)
     return state._replace(rows=_put(state.rows, idx, rows), cache=cache, k=_put(state.k, idx, k)), out
+
+
+def _first(params, codec_params, state: EngineState, codec_state, idx, live, fresh, decode, *, cfg, codec_cfg, choose):
+    """Newcomers' first frame and its audio in one program, so their first chunk is ready before the longer
+    step of the playing streams that is queued behind it. Row j decodes its frame where `decode[j]` (its
+    schedule starts with a one-frame chunk) and the frame is valid; `fresh[j]` starts its codec state at zero."""
+    state, (frames, valid) = _step(params, state, idx, live, cfg=cfg, choose=choose, n=1)
+    count = (decode & valid[0]).astype(jnp.int32)
+    audio, codec_state = _codec(codec_params, codec_state, idx, fresh, jnp.moveaxis(frames, 0, 1), count,
+                                cfg=codec_cfg)
+    return state, codec_state, (frames, valid, audio)
 
 
 def _codec(params, state: codec_streaming.StreamState, idx, fresh, codes, count, *, cfg):

@@ -6,11 +6,12 @@ size, and of a prefill per batch of requests. A request is refused (429 + Retry-
 
 - its first audio is predicted later than the TTFA target: the rest of the iteration in progress, then the
   wait for a free slot (each stream ahead frees its slot after its frames left), then one prefill of
-  everything waiting and one one-frame iteration at the larger batch; or
+  everything waiting and the newcomers' first-frame program; or
 - one more stream would let the engine fall behind playback: while requests keep arriving, every iteration
-  steps one frame (a newcomer's first chunk is one frame) and prefills, so that iteration must take less
-  than the 80 ms of audio it gives each stream, or every playing stream would drain (by more than the
-  `starvation_s` a stream may lose over the frames it has left), or a playing stream is already further behind than that.
+  prefills and runs a first-frame program before the playing streams' step of n frames, so for some step
+  size that iteration must take less than the n x 80 ms of audio it gives each stream, or every playing
+  stream would drain (by more than the `starvation_s` a stream may lose over the frames it has left); or a
+  playing stream is already further behind than that.
 
 Below both limits nothing is refused; an idle engine always admits (its costs are measured at start-up).
 Each open stream is also tracked here as the client hears it (headroom when each chunk leaves), for metrics.
@@ -102,22 +103,23 @@ class Scheduler:
     # ---- admission --------------------------------------------------------------------------
 
     def predict(self, st) -> tuple[float, float, float]:
-        """(seconds until a slot is free, predicted TTFA, seconds of one prefilling one-frame iteration with
-        this request added) for a request arriving now, from the engine snapshot `st`."""
+        """(seconds until a slot is free, predicted TTFA, seconds per frame of the playing streams while
+        requests keep arriving, with this one added) for a request arriving now, from the engine snapshot."""
         batch = min(st.live + st.queued + 1, st.slots)
-        joining = st.prefill_cost(st.queued + 1) + st.step_cost(batch, 1)
-        # Frame time of the streams ahead: steady-state steps of several frames, unless the slots are full and
-        # requests wait; then each slot that frees takes a newcomer, and every iteration is a one-frame join.
-        frame_s = st.step_cost(st.live, st.frames_per_step) / st.frames_per_step
-        if st.live + st.queued >= st.slots:
-            frame_s = max(frame_s, st.prefill_cost(1) + st.step_cost(st.slots, 1))
+        newcomers = st.prefill_cost(st.queued + 1) + st.first_cost(st.queued + 1)
+        # each iteration with a newcomer: its prefill and first frame, then the playing streams' step, of as many
+        # frames as leave the newcomer's one frame of audio enough for the next such iteration (engine rule)
+        one = st.step_cost(batch, 1)
+        sizes = [n for n in st.step_sizes
+                 if st.step_cost(batch, n) <= FRAME_SECONDS - st.headroom_margin_s - newcomers - one] or [1]
+        frame_s = min((newcomers + st.step_cost(batch, n)) / n for n in sizes)
         free_at = [0.0] * (st.slots - st.live) + [left * frame_s for left in st.frames_left]
         heapq.heapify(free_at)
         for cap in st.queued_frames:  # those ahead of it take slots first
             heapq.heappush(free_at, heapq.heappop(free_at) + cap * frame_s)
         start = free_at[0]
-        service = max(joining, self._service or 0.0)
-        return start, st.iteration_s + start + service, joining
+        service = max(newcomers, self._service or 0.0)
+        return start, st.iteration_s + start + service, frame_s
 
     def admit(self) -> float:
         """Predicted TTFA in seconds, or raises ApiError 503/429 with a Retry-After."""
@@ -128,18 +130,18 @@ class Scheduler:
             raise ApiError(503, "draining", "the server is shutting down", retry_after=c.draining_retry_after_s)
         st = self.engine.stats()
         max_queue = st.slots if c.max_queue is None else c.max_queue
-        start, ttfa, joining = self.predict(st)
+        start, ttfa, frame_s = self.predict(st)
         if st.queued >= max_queue:
             raise ApiError(429, "queue_full", f"{st.queued} requests are already waiting",
                            retry_after=self._retry(start))
         if st.live == 0 and st.queued == 0:
             return ttfa  # idle: nothing to protect, and this is the best service there is
-        # each such iteration eats its overrun out of every stream's headroom, once per frame a stream has left
-        overrun = joining - (FRAME_SECONDS - _KEEP_AHEAD_S)
+        # each frame eats its overrun out of every stream's headroom, once per frame a stream has left
+        overrun = frame_s - (FRAME_SECONDS - _KEEP_AHEAD_S)
         if overrun > 0 and overrun * max(st.frames_left + st.queued_frames, default=1) > c.starvation_s:
-            raise ApiError(429, "overloaded", f"another stream would slow each engine iteration to "
-                           f"{joining * 1000:.0f} ms, longer than the {FRAME_SECONDS * 1000:.0f} ms of audio it "
-                           "makes: playing streams would run dry", retry_after=self._retry(start + joining))
+            raise ApiError(429, "overloaded", f"another stream would slow the engine to {frame_s * 1000:.0f} ms "
+                           f"per frame, longer than the {FRAME_SECONDS * 1000:.0f} ms of audio it makes: playing "
+                           "streams would run dry", retry_after=self._retry(start + frame_s))
         if st.min_headroom_s is not None and st.min_headroom_s < -c.starvation_s:
             raise ApiError(429, "overloaded", "a playing stream is already behind its listener",
                            retry_after=self._retry(-st.min_headroom_s))

@@ -26,13 +26,19 @@ def prefill_cost(requests: int) -> float:
     return 0.004 + 0.0005 * rung(PREFILLS, requests)
 
 
+def first_cost(newcomers: int) -> float:
+    """Newcomers' first frame and its audio: a one-frame call of their own rows."""
+    return iteration_cost(newcomers, 1)
+
+
 def snapshot(live=(), queued=(), slots=64, iteration_s=0.03, scale=1.0) -> EngineStats:
     """live: frames left per stream in a slot; queued: frame caps of waiting requests."""
     return EngineStats(
         slots=slots, live=len(live), queued=len(queued), oldest_wait_s=0.0, frames_left=tuple(live),
-        queued_frames=tuple(queued), ladder=LADDER, prefill_sizes=PREFILLS, frames_per_step=4,
+        queued_frames=tuple(queued), ladder=LADDER, prefill_sizes=PREFILLS, step_sizes=(1, 4),
         step_costs={(b, n): scale * iteration_cost(b, n) for b in LADDER for n in (1, 4)},
-        prefill_costs={r: scale * prefill_cost(r) for r in PREFILLS}, iteration_s=iteration_s,
+        prefill_costs={r: scale * prefill_cost(r) for r in PREFILLS},
+        first_costs={b: scale * first_cost(b) for b in LADDER}, headroom_margin_s=0.02, iteration_s=iteration_s,
         min_headroom_s=None, iterations=1, recent_frame_s=(),
     )
 
@@ -62,9 +68,9 @@ def test_not_ready_and_draining_are_503_with_retry_after():
     assert (err.value.status, err.value.code) == (503, "draining") and err.value.retry_after >= 1
 
 
-def test_free_slot_admits_with_ttfa_of_one_prefill_and_one_frame():
+def test_free_slot_admits_with_ttfa_of_one_prefill_and_one_first_frame():
     st = snapshot(live=[40] * 10)
-    expected = st.iteration_s + prefill_cost(1) + iteration_cost(11, 1)
+    expected = st.iteration_s + prefill_cost(1) + first_cost(1)
     assert ready_scheduler(st).admit() == pytest.approx(expected)
 
 
@@ -72,15 +78,16 @@ def test_burst_waiting_is_one_prefill_not_one_each():
     """Twenty requests already waiting for free slots add one 32-request prefill to the prediction, not 20."""
     st = snapshot(live=[40] * 10, queued=[48] * 20)
     ttfa = ready_scheduler(st).admit()
-    assert ttfa == pytest.approx(st.iteration_s + prefill_cost(21) + iteration_cost(31, 1))
+    assert ttfa == pytest.approx(st.iteration_s + prefill_cost(21) + first_cost(21))
     assert ttfa < 0.3
 
 
 def test_full_slots_wait_for_the_first_to_free_and_refuse_past_the_target():
-    per_frame = prefill_cost(1) + iteration_cost(64, 1)  # full slots: every iteration is a one-frame join
+    # full slots: every iteration takes a newcomer (prefill, first frame) before the others' step
+    newcomer = prefill_cost(1) + first_cost(1)
+    per_frame = newcomer + iteration_cost(64, 1)  # a longer step would leave the newcomer short of audio
     soon = snapshot(live=[3] + [40] * 63)  # one stream 3 frames from the end
-    assert ready_scheduler(soon).admit() == pytest.approx(
-        soon.iteration_s + 3 * per_frame + prefill_cost(1) + iteration_cost(64, 1))
+    assert ready_scheduler(soon).admit() == pytest.approx(soon.iteration_s + 3 * per_frame + newcomer)
     late = snapshot(live=[40] * 64)
     with pytest.raises(ApiError) as err:
         ready_scheduler(late).admit()
@@ -89,10 +96,12 @@ def test_full_slots_wait_for_the_first_to_free_and_refuse_past_the_target():
 
 
 def test_refuses_what_would_let_playing_streams_run_dry():
-    """An engine whose prefilling one-frame iteration outlasts a frame of audio (80 ms) refuses another stream,
-    even with free slots and a loose TTFA target; the same engine idle still admits."""
-    slow = snapshot(live=[40] * 4, scale=5.0)
-    assert slow.prefill_cost(1) + slow.step_cost(5, 1) > FRAME_SECONDS
+    """An engine that, taking a newcomer each iteration, spends more than a frame of audio (80 ms) per frame at
+    every step size refuses another stream, even with free slots and a loose TTFA target; the same engine idle
+    still admits."""
+    slow = snapshot(live=[40] * 4, scale=8.0)
+    newcomer = slow.prefill_cost(1) + slow.first_cost(1)
+    assert all((newcomer + slow.step_cost(5, n)) / n > FRAME_SECONDS for n in (1, 4))
     with pytest.raises(ApiError) as err:
         ready_scheduler(slow, ttfa_target_s=10.0).admit()
     assert err.value.status == 429 and "run dry" in err.value.message
@@ -130,9 +139,10 @@ class SimStream:
 
 def simulate(rate: float, seconds: float = 20.0, frames: int = 48, slots: int = 64, seed: int = 0) -> dict:
     """Poisson arrivals against the scheduler and an engine loop in simulated time that follows the real
-    engine's rules: every waiting request that has a slot joins, prefilled together; one frame per step while
-    anyone has just joined, else the most frames that fit every stream's headroom; frames go out each
-    iteration; a zero-buffer listener per stream."""
+    engine's rules: every waiting request that has a slot joins, prefilled together, and gets its first frame
+    from a call of its own; then the playing streams step the most frames that fit their headroom (and the
+    newcomers' until their next frame), preferring steps within 100 ms that keep up with playback; frames go
+    out each iteration; a zero-buffer listener per stream."""
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1 / rate, int(rate * seconds * 1.2)))
     arrivals = list(arrivals[arrivals < seconds])
@@ -156,18 +166,25 @@ def simulate(rate: float, seconds: float = 20.0, frames: int = 48, slots: int = 
         if not live:
             t = arrivals[0]
             continue
-        n = 1
-        if not joined and all(s.first_chunk is not None for s in live):
-            budget = min(s.first_chunk + s.sent * FRAME_SECONDS - t for s in live) - 0.02
-            n = 4 if iteration_cost(len(live), 4) <= budget else 1
-        last = (prefill_cost(len(joined)) if joined else 0.0) + iteration_cost(len(live), n)
+        playing = [s for s in live if s.first_chunk is not None]
+        extra = prefill_cost(len(joined)) + first_cost(len(joined)) if joined else 0.0
+        for s in joined:
+            s.first_chunk, s.sent, s.left = t + extra, 1, s.left - 1
+        step = 0.0
+        if playing:
+            budget = min(s.first_chunk + s.sent * FRAME_SECONDS - t for s in playing) - 0.02 - extra
+            if joined:  # newcomers' one frame must last until their second, at the end of the next iteration
+                budget = min(budget, FRAME_SECONDS - 0.02 - extra - iteration_cost(len(live), 1))
+            fits = [n for n in (1, 4) if iteration_cost(len(playing), n) <= budget]
+            brief = [n for n in fits if iteration_cost(len(playing), n) <= 0.1
+                     and iteration_cost(len(playing), n) + extra <= n * FRAME_SECONDS]
+            n = max(brief or fits, default=1)
+            step = iteration_cost(len(playing), n)
+        last = extra + step
         t += last
-        for s in live:
+        for s in playing:
             got = min(n, s.left)
-            if s.first_chunk is None:
-                s.first_chunk = t
-            else:
-                s.starved += max(0.0, t - (s.first_chunk + s.sent * FRAME_SECONDS))
+            s.starved += max(0.0, t - (s.first_chunk + s.sent * FRAME_SECONDS))
             s.sent += got
             s.left -= got
         done += [s for s in live if s.left == 0]

@@ -217,3 +217,28 @@ def test_pallas_sampler_makes_the_same_choices(model):
         codes[sampler] = [np.stack(s.codes) for s, _ in got]
     for a, b in zip(codes["jnp"], codes["pallas"]):
         np.testing.assert_array_equal(a, b)
+
+
+def test_newcomer_gets_its_first_chunk_at_once_and_playing_streams_keep_long_steps(engine, clock, monkeypatch):
+    """A newcomer's first frame and its audio run in a program of their own, ahead of the playing streams' step:
+    its first chunk leaves in the iteration it joins, while a stream with ample headroom beside it still steps
+    the most frames (before, any join held every stream to one-frame steps)."""
+    clock(1e-4)  # far faster than playback
+    cheap = {k: 1e-3 for k in engine.step_costs}  # measured costs well inside a frame of audio
+    monkeypatch.setattr(engine, "step_costs", cheap)
+    monkeypatch.setattr(engine, "first_costs", {k: 1e-3 for k in engine.first_costs})
+    monkeypatch.setattr(engine, "prefill_costs", {k: 1e-3 for k in engine.prefill_costs})
+    playing, newcomer = Collector(), Collector()
+    old = engine.submit(engine.prepare(Request("Already playing for a while.", speaker="ryan", max_frames=40, **GREEDY)),
+                        playing)
+    for _ in range(4):
+        engine.run_once()
+    assert playing.chunks and not old.lm_done
+    before = len(old.codes)
+    new = engine.submit(engine.prepare(Request("Newcomer.", speaker="aiden", max_frames=20, **GREEDY)), newcomer)
+    engine.run_once()
+    assert len(old.codes) - before == CONFIG.frames_per_step
+    assert [c.frames for c in newcomer.chunks] == [1] and len(new.codes) == 1
+    while engine.run_once():
+        pass
+    assert playing.final.error is None and newcomer.final.error is None
