@@ -49,12 +49,12 @@ import numpy as np
 
 from qtts_jax import sampling, talker
 from qtts_jax.codec import streaming as codec_streaming
+from qtts_jax.codec.config import SAMPLES_PER_FRAME
 from qtts_jax.generate import RowSettings, RowState, frame_step, pad_prompts
 from qtts_jax.job import Job
 from qtts_jax.model import Model
 from qtts_jax.prompt import build_prompt, embed_prompt
 from qtts_jax.request import Request, RequestError
-from qtts_jax.codec.config import SAMPLES_PER_FRAME
 from qtts_jax.stream import DEFAULT_SCHEDULE, FRAME_SECONDS, Chunk, Stream
 from qtts_jax.transformer import KVCache
 
