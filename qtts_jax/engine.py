@@ -1,7 +1,7 @@
 """Continuous-batching streaming engine: a playback-deadline loop over one compiled step per live-batch size.
 
 A fixed number of slots holds the per-stream state (one donated pytree): the talker KV cache, slot-major
-[layers, slots, rows, kv heads, head dim], and per-slot logits/hidden state, seen-code mask, done flag,
+[layers, slots, kv heads, rows, head dim], and per-slot logits/hidden state, seen-code mask, done flag,
 sampling settings, trailing text vectors, frame counter and cache offset. Cost follows the live load:
 every program is compiled for a ladder of batch sizes, and each call takes only the live slots' rows
 (gathered by index, padded to the next rung with rows whose writes are dropped), so a large engine with
@@ -56,7 +56,7 @@ from qtts_jax.model import Model
 from qtts_jax.prompt import build_prompt, embed_prompt
 from qtts_jax.request import Request, RequestError
 from qtts_jax.stream import DEFAULT_SCHEDULE, FRAME_SECONDS, Chunk, Stream
-from qtts_jax.transformer import KVCache
+from qtts_jax.transformer import KVCache, rows_layout
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def rung(sizes: tuple[int, ...], n: int) -> int:
 
 class EngineState(NamedTuple):
     rows: RowState  # each leaf [slots, ...]
-    cache: KVCache  # [layers, slots, context, kv_heads, head_dim] each
+    cache: KVCache  # [layers, slots, kv_heads, context, head_dim] each
     settings: RowSettings  # each leaf [slots, ...]
     k: jax.Array  # [slots] frames produced so far
     row0: jax.Array  # [slots] cache row of frame 0 (= the slot's prompt bucket)
@@ -778,7 +778,7 @@ def init_state(model: Model, c: EngineConfig) -> EngineState:
     cfg, b = model.cfg, c.slots
     dtype = model.params["codec_embedding"].dtype
     t = cfg.talker
-    shape = (t.num_layers, b, c.context, t.num_kv_heads, t.head_dim)
+    shape = (t.num_layers, b, t.num_kv_heads, c.context, t.head_dim)
     cache = KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
     vocab, h = cfg.talker.vocab_size, cfg.talker.hidden_size
     rows = RowState(
@@ -806,9 +806,10 @@ def _insert(params, state: EngineState, slots, text, codec, frames, speaker_row,
     bucket = text.shape[1]
     x = jax.vmap(partial(embed_prompt, params))(text, codec, frames, speaker_row, speaker)
     logits, hidden, cache = jax.vmap(lambda x, v: talker.prefill(params, cfg, x, v, bucket))(x, valid)
-    big = KVCache(state.cache.k.at[:, slots, :bucket].set(jnp.moveaxis(cache.k, 0, 1), mode="drop"),
-                  state.cache.v.at[:, slots, :bucket].set(jnp.moveaxis(cache.v, 0, 1), mode="drop"))
-    context = big.k.shape[2]
+    cache = rows_layout(cache)
+    big = KVCache(state.cache.k.at[:, slots, :, :bucket].set(cache.k, mode="drop"),
+                  state.cache.v.at[:, slots, :, :bucket].set(cache.v, mode="drop"))
+    context = big.k.shape[3]
     key_valid = jnp.zeros((text.shape[0], context), bool).at[:, :bucket].set(valid)
     rows = _put(state.rows, slots, RowState(key_valid, logits, hidden, jnp.zeros_like(logits, bool),
                                             jnp.zeros(text.shape[0], bool)))

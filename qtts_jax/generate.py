@@ -21,7 +21,7 @@ from qtts_jax import code_predictor, sampling, talker
 from qtts_jax.config import ModelConfig
 from qtts_jax.prompt import Prompt, embed_prompt
 from qtts_jax.request import Request
-from qtts_jax.transformer import KVCache
+from qtts_jax.transformer import KVCache, rows_layout
 
 
 class RowState(NamedTuple):
@@ -114,7 +114,7 @@ class Generator:
     def _prefill_batch(params, text, codec, frames, speaker_row, speaker, valid, trailing_ids, *, cfg, capacity):
         x = jax.vmap(partial(embed_prompt, params))(text, codec, frames, speaker_row, speaker)
         logits, hidden, cache = jax.vmap(lambda x, v: talker.prefill(params, cfg, x, v, capacity))(x, valid)
-        cache = KVCache(jnp.moveaxis(cache.k, 0, 1), jnp.moveaxis(cache.v, 0, 1))  # slot-major: [L, B, ...]
+        cache = rows_layout(cache)
         key_valid = jnp.zeros((x.shape[0], capacity), bool).at[:, : x.shape[1]].set(valid)
         seen = jnp.zeros(logits.shape, bool)
         state = RowState(key_valid, logits, hidden, seen, jnp.zeros(x.shape[0], bool))

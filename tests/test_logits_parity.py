@@ -17,6 +17,7 @@ from qtts_jax import code_predictor, sampling, talker
 from qtts_jax.model import load_model
 from qtts_jax.prompt import build_prompt, embed_prompt
 from qtts_jax.request import Request
+from qtts_jax.transformer import rows_layout
 
 FP32_BOUND = 1e-5
 BF16_BOUND = 0.03  # bf16 weights and activations vs the fp32 reference (measured 7.6e-3 on this model)
@@ -64,7 +65,7 @@ def test_talker_and_predictor_logits_every_step(reference_checkpoint, shape):
 
     predict = jax.jit(code_predictor.predict, static_argnums=1)
     step = jax.jit(talker.decode_rows, static_argnums=1)
-    cache = type(cache)(cache.k[:, None], cache.v[:, None])  # the engine's slot-major layout, one slot
+    cache = rows_layout(type(cache)(cache.k[None], cache.v[None]))  # the engine's shared layout, one slot
     key_valid = jnp.zeros(n + STEPS, bool).at[:n].set(True)
     for k in range(STEPS):
         token = jnp.argmax(logits[:2048]).astype(jnp.int32)  # any code; the processors are tested elsewhere
