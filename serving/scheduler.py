@@ -8,10 +8,11 @@ size, and of a prefill per batch of requests. A request is refused (429 + Retry-
   wait for a free slot (each stream ahead frees its slot after its frames left), then one prefill of
   everything waiting and the newcomers' first-frame program; or
 - one more stream would let the engine fall behind playback: while requests keep arriving, every iteration
-  prefills and runs a first-frame program before the playing streams' step of n frames, so for some step
-  size that iteration must take less than the n x 80 ms of audio it gives each stream, or every playing
-  stream would drain (by more than the `starvation_s` a stream may lose over the frames it has left); or a
-  playing stream is already further behind than that.
+  prefills a newcomer and runs its first-frame program before the playing streams' step of n frames, so for
+  some step size that iteration must take less than the n x 80 ms of audio it gives each stream, or every
+  playing stream would drain (by more than the `starvation_s` a stream may lose over the frames it has
+  left); or a playing stream is already further behind than that; or the requests already waiting, prefilled
+  together once, would take longer than the playing streams' headroom (plus `starvation_s`).
 
 Below both limits nothing is refused; an idle engine always admits (its costs are measured at start-up).
 Each open stream is also tracked here as the client hears it (headroom when each chunk leaves), for metrics.
@@ -102,24 +103,25 @@ class Scheduler:
 
     # ---- admission --------------------------------------------------------------------------
 
-    def predict(self, st) -> tuple[float, float, float]:
+    def predict(self, st) -> tuple[float, float, float, float]:
         """(seconds until a slot is free, predicted TTFA, seconds per frame of the playing streams while
-        requests keep arriving, with this one added) for a request arriving now, from the engine snapshot."""
+        requests keep arriving one per iteration, with this one added; seconds of the one iteration that takes
+        everything waiting and this one) for a request arriving now, from the engine snapshot."""
         batch = min(st.live + st.queued + 1, st.slots)
-        newcomers = st.prefill_cost(st.queued + 1) + st.first_cost(st.queued + 1)
-        # each iteration with a newcomer: its prefill and first frame, then the playing streams' step, of as many
-        # frames as leave the newcomer's one frame of audio enough for the next such iteration (engine rule)
-        one = st.step_cost(batch, 1)
+        burst = st.prefill_cost(st.queued + 1) + st.first_cost(st.queued + 1)
+        # steady state: each iteration takes a newcomer (prefill, first frame) before the playing streams' step,
+        # of as many frames as leave the newcomer's one frame of audio enough for the next such iteration
+        newcomer, one = st.prefill_cost(1) + st.first_cost(1), st.step_cost(batch, 1)
         sizes = [n for n in st.step_sizes
-                 if st.step_cost(batch, n) <= FRAME_SECONDS - st.headroom_margin_s - newcomers - one] or [1]
-        frame_s = min((newcomers + st.step_cost(batch, n)) / n for n in sizes)
+                 if st.step_cost(batch, n) <= FRAME_SECONDS - st.headroom_margin_s - newcomer - one] or [1]
+        frame_s = min((newcomer + st.step_cost(batch, n)) / n for n in sizes)
         free_at = [0.0] * (st.slots - st.live) + [left * frame_s for left in st.frames_left]
         heapq.heapify(free_at)
         for cap in st.queued_frames:  # those ahead of it take slots first
             heapq.heappush(free_at, heapq.heappop(free_at) + cap * frame_s)
         start = free_at[0]
-        service = max(newcomers, self._service or 0.0)
-        return start, st.iteration_s + start + service, frame_s
+        service = max(burst, self._service or 0.0)
+        return start, st.iteration_s + start + service, frame_s, burst
 
     def admit(self) -> float:
         """Predicted TTFA in seconds, or raises ApiError 503/429 with a Retry-After."""
@@ -130,7 +132,7 @@ class Scheduler:
             raise ApiError(503, "draining", "the server is shutting down", retry_after=c.draining_retry_after_s)
         st = self.engine.stats()
         max_queue = st.slots if c.max_queue is None else c.max_queue
-        start, ttfa, frame_s = self.predict(st)
+        start, ttfa, frame_s, burst = self.predict(st)
         if st.queued >= max_queue:
             raise ApiError(429, "queue_full", f"{st.queued} requests are already waiting",
                            retry_after=self._retry(start))
@@ -145,6 +147,10 @@ class Scheduler:
         if st.min_headroom_s is not None and st.min_headroom_s < -c.starvation_s:
             raise ApiError(429, "overloaded", "a playing stream is already behind its listener",
                            retry_after=self._retry(-st.min_headroom_s))
+        # a burst is paid once, out of every playing stream's headroom
+        if st.min_headroom_s is not None and burst > st.min_headroom_s + c.starvation_s:
+            raise ApiError(429, "overloaded", f"prefilling the {st.queued + 1} waiting requests ({burst * 1000:.0f} "
+                           "ms) would let playing streams run dry", retry_after=self._retry(burst))
         if ttfa > c.ttfa_target_s:
             raise ApiError(429, "overloaded", f"predicted first audio in {ttfa * 1000:.0f} ms exceeds the "
                            f"{c.ttfa_target_s * 1000:.0f} ms target", retry_after=self._retry(start))

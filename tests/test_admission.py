@@ -109,6 +109,21 @@ def test_refuses_what_would_let_playing_streams_run_dry():
     assert ready_scheduler(slow, ttfa_target_s=10.0, starvation_s=1e9).admit() > 0  # no starvation limit
 
 
+def test_a_waiting_burst_is_paid_once_not_per_frame():
+    """Forty requests already waiting cost one batched prefill and first frame, paid once out of the playing
+    streams' headroom: with ample headroom another is admitted, although that one iteration outlasts a frame
+    of audio; with little headroom it is refused."""
+    st = snapshot(live=[40] * 20, queued=[48] * 40)
+    burst = st.prefill_cost(41) + st.first_cost(41)
+    assert burst + st.step_cost(61, 1) > FRAME_SECONDS
+    roomy = dataclasses.replace(st, min_headroom_s=1.0)
+    assert ready_scheduler(roomy, ttfa_target_s=10.0).admit() > 0
+    tight = dataclasses.replace(st, min_headroom_s=burst - 0.15)  # short by more than the 0.1 s tolerated
+    with pytest.raises(ApiError) as err:
+        ready_scheduler(tight, ttfa_target_s=10.0).admit()
+    assert err.value.status == 429 and "waiting requests" in err.value.message
+
+
 def test_a_stream_already_behind_its_listener_stops_admission():
     st = dataclasses.replace(snapshot(live=[40] * 4), min_headroom_s=-0.15)  # past the 0.1 s tolerated
     with pytest.raises(ApiError) as err:
