@@ -1,7 +1,14 @@
-"""Test session setup: the reference's torchaudio stand-in on sys.path, JAX in float32 on CPU."""
+"""Test session setup: the reference's torchaudio stand-in on sys.path, JAX in float32 on CPU, one XLA
+compilation cache for the session, and the models, reference builds and engines that several files use.
 
+Helpers that are not fixtures (engine drivers, audio checks) live in `support.py`; no test module imports
+another."""
+
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -9,10 +16,24 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent / "refstub"))
 
+# One persistent compilation cache per test session, empty when it starts: an engine, model or `qtts-jax serve`
+# subprocess loads a program that another compiled earlier in the run (same shapes: either tiny model, any
+# engine of the same configuration) instead of compiling it again; xdist workers and the server subprocesses
+# the tests start (QTTS_COMPILE_CACHE) share it. Every run still compiles each program it runs at least once.
+# Set QTTS_TEST_COMPILE_CACHE to a directory to keep the cache between runs (it is then not removed).
+if not os.environ.get("QTTS_TEST_COMPILE_CACHE"):
+    os.environ["QTTS_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="qtts-test-xla-")
+    atexit.register(shutil.rmtree, os.environ["QTTS_TEST_COMPILE_CACHE"], ignore_errors=True)
+os.environ["QTTS_COMPILE_CACHE"] = os.environ["QTTS_TEST_COMPILE_CACHE"]
+
 import jax  # noqa: E402
 
 # Parity is checked in fp32; XLA's default matmul precision on CPU is already full fp32, but say so.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+from qtts_jax import compile_cache  # noqa: E402
+
+compile_cache.enable(os.environ["QTTS_TEST_COMPILE_CACHE"])
 
 import pytest  # noqa: E402
 
@@ -33,3 +54,73 @@ def reference_checkpoint(tmp_path_factory):
         return built[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def checkpoint_model(reference_checkpoint):
+    """Factory: (kind, size, shape, dtype) -> our `Model` loaded from that reference checkpoint, once per session
+    (its compiled generate programs come with it). Tests must not change it."""
+    built = {}
+
+    def get(kind: str = "custom_voice", size: str = "1b7", shape: str = "narrow_predictor_mqa", dtype=None):
+        import jax.numpy as jnp
+
+        from qtts_jax.model import load_model
+
+        dtype = jnp.dtype(dtype or jnp.float32)
+        key = (kind, size, shape, dtype)
+        if key not in built:
+            _, directory = reference_checkpoint(kind, size, shape)
+            built[key] = load_model(directory, dtype=dtype)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference_wrapper(reference_checkpoint):
+    """Factory: kind -> (the reference's `Qwen3TTSModel` loaded from our test checkpoint directory, offline; dir)."""
+    built = {}
+
+    def get(kind: str):
+        if kind not in built:
+            from qwen_tts import Qwen3TTSModel
+
+            _, directory = reference_checkpoint(kind)
+            built[kind] = (Qwen3TTSModel.from_pretrained(str(directory)), directory)
+        return built[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference_codec():
+    """The reference 12 Hz tokenizer model (tiny config, randomised, seed 0). Tests must not change it."""
+    from ref_codec import build_reference_codec
+
+    return build_reference_codec(seed=0)
+
+
+@pytest.fixture(scope="session")
+def codec_checkpoint(reference_codec, tmp_path_factory):
+    """`reference_codec` written as a checkpoint directory (speech_tokenizer/ layout). Tests must not change it."""
+    from ref_codec import write_codec_checkpoint
+
+    return write_codec_checkpoint(tmp_path_factory.mktemp("model") / "speech_tokenizer", reference_codec)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """`tiny-random` (CustomVoice), loaded once per session. Tests must not change it."""
+    from qtts_jax.model import load_model
+
+    return load_model("tiny-random")
+
+
+@pytest.fixture(scope="session")
+def tiny_base_model():
+    """`tiny-random-base`, loaded once per session. Tests must not change it."""
+    from qtts_jax.model import load_model
+
+    return load_model("tiny-random-base")
+

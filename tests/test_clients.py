@@ -24,11 +24,11 @@ import pytest
 import soundfile as sf
 from aiohttp import web
 
-from qtts_jax.engine import Engine, EngineConfig
-from qtts_jax.model import load_model
+from qtts_jax.engine import Engine
 from serving.app import METRICS, SCHEDULER, Settings, create_app
+from support import SMALL
 
-CONFIG = EngineConfig(slots=2, context=128, prompt_buckets=(32,), max_trailing=32, frames_per_step=1, schedule=(1,))
+CONFIG = SMALL  # test_hardening's too: its programs come from the compilation cache
 FRAME = 1920  # samples per 80 ms frame at 24 kHz
 FRAMES = 10
 
@@ -68,8 +68,8 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def server():
-    engine = Engine(load_model("tiny-random"), CONFIG)
+def server(tiny_model):
+    engine = Engine(tiny_model, CONFIG)
     engine.warmup()
     live = Live(engine, Settings(slots=CONFIG.slots, context=CONFIG.context, ttfa_target_ms=5000, warmup=False))
     yield live

@@ -52,17 +52,13 @@ def clip(n: int, seed: int = 0) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def reference():
-    from ref_codec import build_reference_codec
-
-    return build_reference_codec(seed=0)
+def reference(reference_codec):
+    return reference_codec
 
 
 @pytest.fixture(scope="module")
-def checkpoint(reference, tmp_path_factory):
-    from ref_codec import write_codec_checkpoint
-
-    return write_codec_checkpoint(tmp_path_factory.mktemp("model") / "speech_tokenizer", reference)
+def checkpoint(codec_checkpoint):
+    return codec_checkpoint
 
 
 @pytest.fixture(scope="module")

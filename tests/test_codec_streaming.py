@@ -139,14 +139,12 @@ def test_slots_decode_different_chunk_sizes_in_one_call(params, cfg, codes, full
         assert rel_err(np.concatenate(heard[s]), full[s]) <= TOL, f"slot {s}"
 
 
-def test_streaming_matches_reference_full_decode(tmp_path_factory, codes):
+def test_streaming_matches_reference_full_decode(reference_codec, codec_checkpoint, codes):
     """Anchored to the live reference, not just to our `decode`: the reference's single-pass decoder
     (``model.decoder``, not its 300/25-chunked ``decode``) on the same random model."""
     import torch
-    from ref_codec import build_reference_codec, write_codec_checkpoint
 
-    reference = build_reference_codec(seed=0)
-    checkpoint = write_codec_checkpoint(tmp_path_factory.mktemp("model") / "speech_tokenizer", reference)
+    reference, checkpoint = reference_codec, codec_checkpoint
     cfg = CodecConfig.from_file(checkpoint)
     params = load_codec_params(checkpoint, cfg)
     with torch.no_grad():

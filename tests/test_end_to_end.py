@@ -4,39 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import wave
 
 import numpy as np
 import pytest
 
 import qtts_cli.main as cli
 from qtts_jax.audio import to_int16
-from qtts_jax.model import load_model
 from qtts_jax.request import Request, VoicePrompt
+from support import read_wav
 
 FRAMES = 8
 
 
 @pytest.fixture(scope="module")
-def wrapper(reference_checkpoint):
-    """The reference's `Qwen3TTSModel` loaded from our test checkpoint directory, offline."""
-    from qwen_tts import Qwen3TTSModel
-
-    cache = {}
-
-    def get(kind):
-        if kind not in cache:
-            _, directory = reference_checkpoint(kind)
-            cache[kind] = (Qwen3TTSModel.from_pretrained(str(directory)), directory)
-        return cache[kind]
-
-    return get
-
-
-def read_wav(path) -> tuple[int, np.ndarray]:
-    with wave.open(str(path)) as w:
-        assert (w.getnchannels(), w.getsampwidth()) == (1, 2)
-        return w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), np.int16)
+def wrapper(reference_wrapper):
+    """kind -> (the reference's `Qwen3TTSModel` loaded from our test checkpoint directory, offline; the directory)."""
+    return reference_wrapper
 
 
 def test_cli_synth_reproduces_reference_codes_and_audio(wrapper, tmp_path):
@@ -62,13 +45,13 @@ def test_cli_synth_reproduces_reference_codes_and_audio(wrapper, tmp_path):
     assert np.abs(ours).max() > 1000, "audio should not be near-silent"
 
 
-def test_icl_clone_audio_cut_matches_reference(wrapper):
+def test_icl_clone_audio_cut_matches_reference(wrapper, checkpoint_model):
     """ICL decodes with the reference frames in front, then cuts their share, as the reference does."""
     import torch
     from qwen_tts.inference.qwen3_tts_model import VoiceClonePromptItem
 
-    ref, directory = wrapper("base")
-    model = load_model(directory)
+    ref, _ = wrapper("base")
+    model = checkpoint_model("base")
     rng = np.random.default_rng(3)
     xvec = rng.standard_normal(model.cfg.talker.hidden_size).astype(np.float32)
     ref_codes = rng.integers(0, 2048, size=(7, 16))
@@ -98,8 +81,8 @@ def test_synth_tiny_random_writes_valid_wav(tmp_path, capsys):
     assert "noise" in capsys.readouterr().err
 
 
-def test_same_seed_same_audio_different_seed_different(tmp_path):
-    model = load_model("tiny-random")
+def test_same_seed_same_audio_different_seed_different(tiny_model):
+    model = tiny_model
     req = Request("Seeded sampling.", speaker="aiden", seed=7, max_frames=6)
     a, b = model.generate([req, req])
     (c,) = model.generate(Request("Seeded sampling.", speaker="aiden", seed=8, max_frames=6))
@@ -127,9 +110,9 @@ def test_cli_reports_bad_input_without_traceback(tmp_path, capsys):
     assert not (tmp_path / "x.wav").exists()
 
 
-def test_text_length_caps_frames_unless_max_frames_is_given():
+def test_text_length_caps_frames_unless_max_frames_is_given(tiny_model):
     """tiny-random rarely samples EOS: without max_frames the text-length guard stops it."""
-    model = load_model("tiny-random")
+    model = tiny_model
     req = Request("Hi.", speaker="ryan", greedy=True, subtalker_greedy=True)
     (capped,) = model.generate(req)
     from qtts_jax.prompt import build_prompt

@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 
 from qtts_jax.bridge import AsyncEngine
-from qtts_jax.engine import Engine, EngineConfig, PromptTooLong
-from qtts_jax.model import load_model
+from qtts_jax.engine import Engine, PromptTooLong
 from qtts_jax.request import Request
+from support import GREEDY, SMALL, STREAMING, Collector, run
 
-CONFIG = EngineConfig(slots=4, context=256, prompt_buckets=(32, 64, 128), max_trailing=64, frames_per_step=3)
+CONFIG = STREAMING
 
 
 @pytest.fixture(scope="module")
-def model():
-    return load_model("tiny-random")
+def model(tiny_model):
+    return tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -30,37 +30,6 @@ def engine(model):
     return e
 
 
-class Collector:
-    def __init__(self):
-        self.chunks = []
-
-    def __call__(self, chunk):
-        self.chunks.append(chunk)
-
-    @property
-    def audio(self):
-        return np.concatenate([c.pcm for c in self.chunks]) if self.chunks else np.zeros(0)
-
-    @property
-    def final(self):
-        return self.chunks[-1] if self.chunks and self.chunks[-1].final else None
-
-
-def run(engine, plan, max_iters=500):
-    """plan: list of (iteration to submit at, Request). Returns [(stream, collector)] in plan order."""
-    out = [None] * len(plan)
-    for it in range(max_iters):
-        for i, (at, req) in enumerate(plan):
-            if at == it:
-                col = Collector()
-                out[i] = (engine.submit(engine.prepare(req), col), col)
-        busy = engine.run_once()
-        if not busy and all(o is not None and o[1].final for o in out):
-            return out
-    raise AssertionError("engine did not finish")
-
-
-GREEDY = dict(greedy=True, subtalker_greedy=True)
 TEXTS = ["Hello.", "A somewhat longer sentence for the engine to say.", "Third!", "Four four four.", "Five."]
 
 
@@ -208,12 +177,11 @@ def test_asyncio_bridge_streams_chunks_with_timings(engine):
 
 def test_pallas_sampler_makes_the_same_choices(model):
     """The engine with the Pallas sampling kernel (interpreted on CPU) picks what the jnp reference picks."""
-    small = EngineConfig(slots=2, context=128, prompt_buckets=(32,), max_trailing=16, frames_per_step=2)
     reqs = [Request("Pallas or not.", speaker="ryan", seed=5, max_frames=6),
             Request("Greedy too.", speaker="eric", max_frames=5, **GREEDY)]
     codes = {}
     for sampler in ("jnp", "pallas"):
-        got = run(Engine(model, dataclasses.replace(small, sampler=sampler)), [(0, r) for r in reqs])
+        got = run(Engine(model, dataclasses.replace(SMALL, sampler=sampler)), [(0, r) for r in reqs])
         codes[sampler] = [np.stack(s.codes) for s, _ in got]
     for a, b in zip(codes["jnp"], codes["pallas"]):
         np.testing.assert_array_equal(a, b)

@@ -5,17 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qtts_jax.engine import Engine, EngineConfig
-from qtts_jax.model import load_model
+from qtts_jax.engine import Engine
 from qtts_jax.request import Request, VoicePrompt
-from test_engine import GREEDY, run
+from support import GREEDY, STREAMING, run
 
-CONFIG = EngineConfig(slots=4, context=256, prompt_buckets=(32, 64, 128), max_trailing=64, frames_per_step=3)
+CONFIG = STREAMING  # test_engine's: its programs come from the compilation cache
 
 
 @pytest.fixture(scope="module")
-def model():
-    return load_model("tiny-random-base")
+def model(tiny_base_model):
+    return tiny_base_model
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ FRAMES = 6
 
 
 @pytest.fixture(scope="module")
-def models(reference_checkpoint):
+def models(reference_checkpoint, checkpoint_model):
     """(kind, size, shape) -> (reference model, reference tokenizer, our model), cached."""
     cache = {}
 
@@ -25,7 +25,8 @@ def models(reference_checkpoint):
             from transformers import AutoTokenizer
 
             ref, directory = reference_checkpoint(kind, size, shape)
-            cache[kind, size, shape] = (ref, AutoTokenizer.from_pretrained(directory), load_model(directory))
+            tok = AutoTokenizer.from_pretrained(directory)
+            cache[kind, size, shape] = (ref, tok, checkpoint_model(kind, size, shape))
         return cache[kind, size, shape]
 
     return get

@@ -27,15 +27,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openapi_spec_validator import validate as validate_openapi
 
-from qtts_jax.engine import Engine, EngineConfig
-from qtts_jax.model import load_model
+from qtts_jax.engine import Engine
 from qtts_jax.request import VoicePrompt
 from serving import ws as ws_mod
 from serving.app import ENGINE, SCHEDULER, Settings, create_app
 from serving.connections import Runner
 from serving.voices import Voice, VoiceStore
+from support import SMALL
 
-CONFIG = EngineConfig(slots=2, context=128, prompt_buckets=(32,), max_trailing=32, frames_per_step=1, schedule=(1,))
+CONFIG = SMALL  # test_clients' too: its programs come from the compilation cache
 VOICE = "house"  # an x-vector voice stored before start-up, so no test compiles the voice encoders
 HEADER_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_CONNECTIONS = 1.0, 3.0, 24
 CASE_TIMEOUT_S = 30.0  # one case longer than this is a hang
@@ -112,8 +112,8 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    model = load_model("tiny-random-base")
+def served(tmp_path_factory, tiny_base_model):
+    model = tiny_base_model
     engine = Engine(model, CONFIG)
     engine.warmup()
     voices_dir = tmp_path_factory.mktemp("voices")

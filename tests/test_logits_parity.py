@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from qtts_jax import code_predictor, sampling, talker
-from qtts_jax.model import load_model
 from qtts_jax.prompt import build_prompt, embed_prompt
 from qtts_jax.request import Request
 from qtts_jax.transformer import rows_layout
@@ -43,9 +42,9 @@ def _t(a):
 
 
 @pytest.mark.parametrize("shape", ["narrow_predictor_mqa", "equal_width_gqa", "talker_mqa"])
-def test_talker_and_predictor_logits_every_step(reference_checkpoint, shape):
-    ref, directory = reference_checkpoint("custom_voice", "1b7", shape)
-    model = load_model(directory)
+def test_talker_and_predictor_logits_every_step(reference_checkpoint, checkpoint_model, shape):
+    ref, _ = reference_checkpoint("custom_voice", "1b7", shape)
+    model = checkpoint_model("custom_voice", "1b7", shape)
     cfg, params = model.cfg, model.params
     x, trailing = _prompt_vectors(model, Request("Parity, step by step.", speaker="ryan", non_streaming=False))
     n = x.shape[0]
@@ -99,15 +98,15 @@ def test_talker_and_predictor_logits_every_step(reference_checkpoint, shape):
         pkv, past_hidden = out.past_key_values, out.past_hidden
 
 
-def test_bf16_prefill_within_stated_bound(reference_checkpoint):
+def test_bf16_prefill_within_stated_bound(reference_checkpoint, checkpoint_model):
     """bf16 weights/activations (fp32 softmax, norms and RoPE tables) stay within BF16_BOUND of fp32."""
-    ref, directory = reference_checkpoint("custom_voice")
-    model = load_model(directory, dtype=jnp.bfloat16)
+    ref, _ = reference_checkpoint("custom_voice")
+    model = checkpoint_model("custom_voice", dtype=jnp.bfloat16)
     x, _ = _prompt_vectors(model, Request("Half precision.", speaker="vivian"))
     n = x.shape[0]
     logits, _, _ = jax.jit(talker.prefill, static_argnums=(1, 4))(model.params, model.cfg, x, jnp.ones(n, bool), n)
     with torch.no_grad():
-        fp32 = load_model(directory)
+        fp32 = checkpoint_model("custom_voice")
         x32, _ = _prompt_vectors(fp32, Request("Half precision.", speaker="vivian"))
         out = ref.talker(inputs_embeds=_t(x32)[None], attention_mask=torch.ones(1, n, dtype=torch.long))
     err = rel(logits, out.logits[0, -1])

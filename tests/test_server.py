@@ -15,11 +15,11 @@ import pytest
 import pytest_asyncio
 
 from qtts_jax.engine import Engine, EngineConfig
-from qtts_jax.model import load_model
 from qtts_jax.request import Request
 from serving.app import ENGINE, METRICS, SCHEDULER, Settings, create_app, drain
 from serving.audio_encoders import to_s16
 from serving.schemas import ApiError
+from support import assert_same_audio, pcm, wait_ready
 
 CONFIG = EngineConfig(slots=2, context=256, prompt_buckets=(32, 64, 128), max_trailing=64)
 # a generous TTFA target: functional tests must not flake on a slow CI machine (admission has its own tests)
@@ -28,8 +28,8 @@ SETTINGS = Settings(slots=2, context=256, ttfa_target_ms=2000, starvation_ms=1e9
 
 
 @pytest.fixture(scope="module")
-def model():
-    return load_model("tiny-random")
+def model(tiny_model):
+    return tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -75,16 +75,6 @@ def offline(model):
     return get
 
 
-async def wait_ready(client, timeout=60.0):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        r = await client.get("/ready")
-        if r.status == 200:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("server never became ready")
-
-
 @pytest_asyncio.fixture
 async def make_client(aiohttp_client, engine):
     async def make(settings=SETTINGS, ready=True):
@@ -99,16 +89,6 @@ async def make_client(aiohttp_client, engine):
 @pytest_asyncio.fixture
 async def client(make_client):
     return await make_client()
-
-
-def pcm(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, "<i2").astype(np.int32)
-
-
-def assert_same_audio(got: np.ndarray, expected: np.ndarray) -> None:
-    """Streamed audio equals offline audio up to int16 rounding (streaming codec differs by < 1e-5)."""
-    assert len(got) == len(expected) > 0
-    assert np.max(np.abs(got - expected)) <= 1
 
 
 async def wait_idle(app, timeout=5.0):

@@ -14,22 +14,21 @@ import pytest
 import pytest_asyncio
 import soundfile as sf
 
-from qtts_jax.engine import Engine, EngineConfig
-from qtts_jax.model import load_model
+from qtts_jax.engine import Engine
 from qtts_jax.request import Request
 from serving import voice_routes
 from serving.app import ENGINE, VOICE_WARMUP, VOICES, Settings, create_app
 from serving.audio_encoders import to_s16
-from test_server import assert_same_audio, pcm, wait_ready
+from support import SMALL, STREAMING, assert_same_audio, pcm, wait_ready
 
 pytestmark = pytest.mark.asyncio
 
-CONFIG = EngineConfig(slots=3, context=256, prompt_buckets=(32, 64, 128), max_trailing=64)
+CONFIG = STREAMING  # test_engine's (4 slots: the three-voice batch fits): its programs come from the compilation cache
 
 
 @pytest.fixture(scope="module")
-def model():
-    return load_model("tiny-random-base")
+def model(tiny_base_model):
+    return tiny_base_model
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +67,8 @@ async def make_client(aiohttp_client, engine, tmp_path):
     async def make(voices_dir=tmp_path / "voices", **overrides):
         overrides.setdefault("warm_voice_encoders", False)  # compiled on demand; one test checks the warm-up
         # tiny-random on a CPU is slower than real time: no real-time limit here (test_admission tests it)
-        settings = Settings(slots=3, context=256, ttfa_target_ms=5000, starvation_ms=1e9, voices_dir=str(voices_dir),
-                            **overrides)
+        settings = Settings(slots=CONFIG.slots, context=CONFIG.context, ttfa_target_ms=5000, starvation_ms=1e9,
+                            voices_dir=str(voices_dir), **overrides)
         client = await aiohttp_client(create_app(settings, engine=engine))
         await wait_ready(client)
         return client
@@ -295,10 +294,8 @@ async def test_voices_from_another_model_or_damaged_files_are_skipped(make_clien
     assert (directory / "other.npz").exists() and (directory / "broken.npz").exists()  # kept, not deleted
 
 
-async def test_custom_voice_server_refuses_registration(aiohttp_client, tmp_path):
-    from test_server import CONFIG as CV_CONFIG
-
-    engine = Engine(load_model("tiny-random"), CV_CONFIG)
+async def test_custom_voice_server_refuses_registration(aiohttp_client, tmp_path, tiny_model):
+    engine = Engine(tiny_model, SMALL)  # its start-up request compiles (warmup=False): SMALL's programs are cached
     client = await aiohttp_client(create_app(Settings(voices_dir=str(tmp_path / "v"), warmup=False), engine=engine))
     r = await client.post("/v1/audio/voices", data=form("x", wav_bytes(recording(1.2))))
     body = await r.json()

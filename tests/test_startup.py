@@ -20,15 +20,14 @@ import pytest
 from qtts_jax import compile_cache, sizing
 from qtts_jax.codec import streaming as codec_streaming
 from qtts_jax.engine import EngineConfig, init_state
-from qtts_jax.model import load_model
 from serving.app import ENGINE, SETTINGS, Settings, create_app, run
 
 CONFIG = EngineConfig(slots=1, context=128, prompt_buckets=(32, 64), max_trailing=64)
 
 
 @pytest.fixture(scope="module")
-def model():
-    return load_model("tiny-random")
+def model(tiny_model):
+    return tiny_model
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ import qtts_cli.main as cli
 from qtts_jax.audio import to_int16
 from qtts_jax.model import load_model
 from qtts_jax.request import Request
-from test_end_to_end import read_wav
+from support import read_wav
 
 FRAMES = 8
 REF_TEXT = "What the reference recording says."
@@ -22,12 +22,10 @@ TEXT = "Cloned speech from a recording."
 
 
 @pytest.fixture(scope="module")
-def base(reference_checkpoint):
+def base(reference_wrapper, checkpoint_model):
     """(reference wrapper, our model, checkpoint dir) for the tiny Base checkpoint."""
-    from qwen_tts import Qwen3TTSModel
-
-    _, directory = reference_checkpoint("base")
-    return Qwen3TTSModel.from_pretrained(str(directory)), load_model(directory), directory
+    ref, directory = reference_wrapper("base")
+    return ref, checkpoint_model("base"), directory
 
 
 def recording(seconds: float, seed: int) -> np.ndarray:
@@ -75,11 +73,11 @@ def test_cli_clone_from_a_file_reproduces_reference_greedy_audio(base, tmp_path,
     assert np.abs(ours).max() > 1000
 
 
-def test_clone_refusals(base):
+def test_clone_refusals(base, tiny_model):
     ref, model, _ = base
     with pytest.raises(Exception, match="at least"):
         model.clone_voice((recording(0.3, 0), 24000), REF_TEXT)
-    cv = load_model("tiny-random")
+    cv = tiny_model
     with pytest.raises(Exception, match="only Base models"):
         cv.clone_voice((recording(1.5, 0), 24000), REF_TEXT)
     # a cloned voice at another sample rate is resampled first (16 kHz in, 24 kHz codes)

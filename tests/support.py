@@ -1,0 +1,84 @@
+"""Helpers several test files use (fixtures are in conftest.py): the engine configurations, a driver for the
+engine's loop, and the audio checks of the server and CLI tests.
+
+The configurations are few on purpose: an engine's programs depend only on its configuration and the model's
+shapes (the same for tiny-random and tiny-random-base), so every engine of one configuration after the first
+loads its programs from the session's compilation cache (conftest.py) instead of compiling them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import wave
+
+import numpy as np
+
+from qtts_jax.engine import EngineConfig
+
+# The streaming engine's behaviours (the default chunk schedule, several prompt buckets, multi-frame steps,
+# joins while others play): test_engine, test_engine_clone, test_server_voices.
+STREAMING = EngineConfig(slots=4, context=256, prompt_buckets=(32, 64, 128), max_trailing=64, frames_per_step=3)
+# The smallest engine, for tests about what surrounds it (clients, hostile input): one prompt bucket, one-frame
+# steps and chunks. test_clients, test_hardening, and the Pallas sampler's comparison in test_engine.
+SMALL = EngineConfig(slots=2, context=128, prompt_buckets=(32,), max_trailing=32, frames_per_step=1, schedule=(1,))
+
+GREEDY = dict(greedy=True, subtalker_greedy=True)
+
+
+class Collector:
+    """An `on_chunk` callback that keeps every chunk."""
+
+    def __init__(self):
+        self.chunks = []
+
+    def __call__(self, chunk):
+        self.chunks.append(chunk)
+
+    @property
+    def audio(self):
+        return np.concatenate([c.pcm for c in self.chunks]) if self.chunks else np.zeros(0)
+
+    @property
+    def final(self):
+        return self.chunks[-1] if self.chunks and self.chunks[-1].final else None
+
+
+def run(engine, plan, max_iters=500):
+    """plan: list of (iteration to submit at, Request). Returns [(stream, collector)] in plan order."""
+    out = [None] * len(plan)
+    for it in range(max_iters):
+        for i, (at, req) in enumerate(plan):
+            if at == it:
+                col = Collector()
+                out[i] = (engine.submit(engine.prepare(req), col), col)
+        busy = engine.run_once()
+        if not busy and all(o is not None and o[1].final for o in out):
+            return out
+    raise AssertionError("engine did not finish")
+
+
+async def wait_ready(client, timeout=60.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        r = await client.get("/ready")
+        if r.status == 200:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("server never became ready")
+
+
+def pcm(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, "<i2").astype(np.int32)
+
+
+def assert_same_audio(got: np.ndarray, expected: np.ndarray) -> None:
+    """Streamed audio equals offline audio up to int16 rounding (streaming codec differs by < 1e-5)."""
+    assert len(got) == len(expected) > 0
+    assert np.max(np.abs(got - expected)) <= 1
+
+
+def read_wav(path) -> tuple[int, np.ndarray]:
+    with wave.open(str(path)) as w:
+        assert (w.getnchannels(), w.getsampwidth()) == (1, 2)
+        return w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), np.int16)
