@@ -16,15 +16,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent / "refstub"))
 
-# One persistent compilation cache per test session, empty when it starts: an engine, model or `qtts-jax serve`
-# subprocess loads a program that another compiled earlier in the run (same shapes: either tiny model, any
-# engine of the same configuration) instead of compiling it again; xdist workers and the server subprocesses
-# the tests start (QTTS_COMPILE_CACHE) share it. Every run still compiles each program it runs at least once.
-# Set QTTS_TEST_COMPILE_CACHE to a directory to keep the cache between runs (it is then not removed).
+# One persistent compilation cache per test session, empty when it starts: an engine or model loads a program
+# that another compiled earlier in the run (same shapes: either tiny model, any engine of the same
+# configuration) instead of compiling it again; xdist workers share it. Every run still compiles each program it
+# runs at least once. (The `qtts-jax serve` subprocesses some tests start keep their own default, as any server
+# does.) Set QTTS_TEST_COMPILE_CACHE to a directory to keep the cache between runs (it is then not removed).
 if not os.environ.get("QTTS_TEST_COMPILE_CACHE"):
     os.environ["QTTS_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="qtts-test-xla-")
     atexit.register(shutil.rmtree, os.environ["QTTS_TEST_COMPILE_CACHE"], ignore_errors=True)
-os.environ["QTTS_COMPILE_CACHE"] = os.environ["QTTS_TEST_COMPILE_CACHE"]
 
 import jax  # noqa: E402
 
