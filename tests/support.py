@@ -19,9 +19,10 @@ from qtts_jax.engine import EngineConfig
 # The streaming engine's behaviours (the default chunk schedule, several prompt buckets, multi-frame steps,
 # joins while others play): test_engine, test_engine_clone, test_server_voices.
 STREAMING = EngineConfig(slots=4, context=256, prompt_buckets=(32, 64, 128), max_trailing=64, frames_per_step=3)
-# The smallest engine, for tests about what surrounds it (clients, hostile input): one prompt bucket, one-frame
-# steps and chunks. test_clients, test_hardening, and the Pallas sampler's comparison in test_engine.
-SMALL = EngineConfig(slots=2, context=128, prompt_buckets=(32,), max_trailing=32, frames_per_step=1, schedule=(1,))
+# The smallest engine, for tests about what surrounds it (the server, clients, hostile input): one prompt bucket
+# (large enough for the server tests' texts), one-frame steps and chunks. test_server, test_clients,
+# test_hardening, and the Pallas sampler's comparison in test_engine.
+SMALL = EngineConfig(slots=2, context=128, prompt_buckets=(64,), max_trailing=32, frames_per_step=1, schedule=(1,))
 
 GREEDY = dict(greedy=True, subtalker_greedy=True)
 

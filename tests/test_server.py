@@ -14,17 +14,19 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from qtts_jax.engine import Engine, EngineConfig
+from qtts_jax.engine import Engine
 from qtts_jax.request import Request
 from serving.app import ENGINE, METRICS, SCHEDULER, Settings, create_app, drain
 from serving.audio_encoders import to_s16
 from serving.schemas import ApiError
-from support import assert_same_audio, pcm, wait_ready
+from support import SMALL, assert_same_audio, pcm, wait_ready
 
-CONFIG = EngineConfig(slots=2, context=256, prompt_buckets=(32, 64, 128), max_trailing=64)
+# test_clients' and test_hardening's (2 slots; its programs come from the compilation cache). The chunk schedule and
+# multi-frame steps are test_engine's; with a server in front, test_server_voices'.
+CONFIG = SMALL
 # a generous TTFA target: functional tests must not flake on a slow CI machine (admission has its own tests)
 # tiny-random on a CPU may be slower than real time: no real-time limit here (test_admission tests it)
-SETTINGS = Settings(slots=2, context=256, ttfa_target_ms=2000, starvation_ms=1e9)
+SETTINGS = Settings(slots=CONFIG.slots, context=CONFIG.context, ttfa_target_ms=2000, starvation_ms=1e9)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,8 @@ def model(tiny_model):
 
 @pytest.fixture(scope="module")
 def serve_process(request, tmp_path_factory):
-    """A `qtts-jax serve` subprocess with a small engine (one slot, one prompt bucket, one step size)."""
+    """A `qtts-jax serve` subprocess with a small engine (one slot, one step size): the explore notebook's own
+    server's configuration (test_studies_server), so that one start loads what the other compiled."""
     import os
     import socket
     import subprocess
@@ -46,7 +49,7 @@ def serve_process(request, tmp_path_factory):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "QTTS_DRAIN_TIMEOUT_S": "20"}
     log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "qtts_cli", "serve", "--model", "tiny-random", "--port",
-                             str(port), "--slots", "1", "--context", "128", "--frames-per-step", "1"], env=env, stdout=log, stderr=log)
+                             str(port), "--slots", "1", "--context", "256", "--frames-per-step", "1"], env=env, stdout=log, stderr=log)
     yield proc, f"http://127.0.0.1:{port}", log
     if proc.poll() is None:
         proc.kill()
@@ -412,7 +415,7 @@ async def test_websocket_append_commit_cancel_errors(client, offline):
 
 
 async def test_websocket_flood_closes_with_policy_violation(make_client):
-    client = await make_client(Settings(slots=2, context=256, ws_max_messages_per_s=5))
+    client = await make_client(Settings(slots=CONFIG.slots, context=CONFIG.context, ws_max_messages_per_s=5))
     ws = await client.ws_connect("/v1/audio/speech/stream")
     await ws.receive_json()
     for _ in range(20):
