@@ -14,6 +14,13 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# One thread per process for the reference (torch, OpenMP), numpy's BLAS and XLA's CPU kernels: the tiny models'
+# ops are too small to gain from threads, and idle threads that spin cost the other test processes (xdist workers,
+# servers) their CPU; measured: half the CPU time of the parity tests on 2 cores. Set before anything loads them.
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+if "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
 sys.path.insert(0, str(Path(__file__).parent / "refstub"))
 
 # One persistent compilation cache per test session, empty when it starts: an engine or model loads a program
