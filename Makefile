@@ -31,8 +31,10 @@ $(VENV)/.dev: pyproject.toml requirements-reference.txt | $(PY)
 setup: $(VENV)/.dev
 
 # The slowest tests are listed at the end, so a slow one is seen before the suite outgrows CI.
+# Two workers (a 2-core CI machine; more only where there are cores), each taking whole files (module fixtures
+# are built once), in the order tests/conftest.py gives them (slowest first).
 test: setup
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 synth: $(VENV)/.core
 	$(VENV)/bin/qtts-jax synth --model tiny-random --text "$(or $(TEXT),Hello from qtts-jax.)" --out $(or $(OUT),runs/hello.wav)
