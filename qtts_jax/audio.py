@@ -1,4 +1,4 @@
-"""Writing synthesized audio to files, through soundfile (libsndfile)."""
+"""Float audio as 16-bit PCM: one rounding rule for the files we write (through soundfile) and the wire."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import soundfile as sf
 
 
 def to_int16(audio: np.ndarray) -> np.ndarray:
-    """float [-1, 1] -> int16, rounding to nearest (clipped first, so full scale never wraps)."""
-    return np.round(np.clip(audio, -1.0, 1.0) * 32767.0).astype(np.int16)
+    """float [-1, 1] -> little-endian int16 (the WAV and wire format), rounding to nearest (clipped first, so
+    full scale never wraps)."""
+    return np.round(np.clip(np.asarray(audio, np.float32), -1.0, 1.0) * 32767.0).astype("<i2")
 
 
 def write_wav(path: str | Path, audio: np.ndarray, sample_rate: int) -> None:

@@ -22,6 +22,7 @@ import struct
 
 import numpy as np
 
+from qtts_jax.audio import to_int16
 from qtts_jax.codec.config import SAMPLE_RATE, SAMPLES_PER_FRAME
 
 FORMATS = ("mp3", "opus", "aac", "wav", "pcm", "flac")
@@ -36,10 +37,6 @@ CONTENT_TYPES = {
     "pcm": "audio/pcm",
     "flac": "audio/flac",
 }
-
-
-def to_s16(pcm: np.ndarray) -> np.ndarray:
-    return np.round(np.clip(np.asarray(pcm, np.float32), -1.0, 1.0) * 32767.0).astype("<i2")
 
 
 def wav_header(sample_rate: int = SAMPLE_RATE, data_bytes: int | None = None) -> bytes:
@@ -62,7 +59,7 @@ class Encoder:
 
 class PcmEncoder(Encoder):
     def encode(self, pcm):
-        return to_s16(pcm).tobytes()
+        return to_int16(pcm).tobytes()
 
 
 class WavStreamEncoder(Encoder):
@@ -72,7 +69,7 @@ class WavStreamEncoder(Encoder):
         self._header = wav_header(sample_rate)
 
     def encode(self, pcm):
-        out, self._header = self._header + to_s16(pcm).tobytes(), b""
+        out, self._header = self._header + to_int16(pcm).tobytes(), b""
         return out
 
     def finish(self):
@@ -91,7 +88,7 @@ class Mp3Encoder(Encoder):
         self._enc.set_quality(5)
 
     def encode(self, pcm):
-        data = to_s16(pcm).tobytes()
+        data = to_int16(pcm).tobytes()
         return bytes(self._enc.encode(data)) if data else b""
 
     def finish(self):
@@ -134,7 +131,7 @@ class AvEncoder(Encoder):
         return self._sink.take() if self._streaming else b""
 
     def encode(self, pcm):
-        s16 = to_s16(pcm)
+        s16 = to_int16(pcm)
         if len(s16) == 0:
             return b""
         frame = self._av.AudioFrame.from_ndarray(s16[None, :], format="s16", layout="mono")
@@ -209,7 +206,7 @@ def make_encoder(fmt: str, streaming: bool, sample_rate: int = SAMPLE_RATE, tota
 def encode_whole(fmt: str, pcm: np.ndarray, sample_rate: int = SAMPLE_RATE) -> bytes:
     """A complete file (exact WAV sizes, finalized FLAC header)."""
     if fmt == "wav":
-        data = to_s16(pcm).tobytes()
+        data = to_int16(pcm).tobytes()
         return wav_header(sample_rate, len(data)) + data
     enc = make_encoder(fmt, streaming=False, sample_rate=sample_rate)
     out = enc.encode(pcm)

@@ -30,8 +30,9 @@ import uuid
 
 from aiohttp import WSMsgType, web
 
+from qtts_jax.audio import to_int16
 from qtts_jax.job import Job
-from serving.audio_encoders import SAMPLE_RATE, to_s16
+from serving.audio_encoders import SAMPLE_RATE
 from serving.errors import ApiError, bad
 from serving.keys import ALIASES, ENGINE, SCHEDULER, SERVED_NAMES, SETTINGS, SOCKETS, VOICES
 from serving.schemas import build_job, check_text, parse_options, speech_fields
@@ -170,7 +171,7 @@ class Session:
             await self.send({"type": "utterance.started", "utterance_id": uid, "request_id": rid})
             async for pcm in u.chunks():
                 if gen == self.generation and not self.ws.closed:
-                    await self.ws.send_bytes(to_s16(pcm).tobytes())
+                    await self.ws.send_bytes(to_int16(pcm).tobytes())
             done = {"type": "utterance.done", "utterance_id": uid,
                     "cancelled": u.error == "cancelled" or gen != self.generation}
             done.update(u.summary())

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
+from qtts_jax.audio import to_int16
 from qtts_jax.engine import Engine
 from qtts_jax.request import Request
 from serving.app import ENGINE, METRICS, SCHEDULER, Settings, create_app, drain
-from serving.audio_encoders import to_s16
 from serving.schemas import ApiError
 from support import SMALL, assert_same_audio, pcm, wait_ready
 
@@ -72,7 +72,7 @@ def offline(model):
         key = (text, voice, seed, max_frames)
         if key not in cache:
             (res,) = model.generate(Request(text, speaker=voice, seed=seed, max_frames=max_frames))
-            cache[key] = (to_s16(res.audio).astype(np.int32), res.frames)
+            cache[key] = (to_int16(res.audio).astype(np.int32), res.frames)
         return cache[key]
 
     return get

@@ -14,11 +14,11 @@ import pytest
 import pytest_asyncio
 import soundfile as sf
 
+from qtts_jax.audio import to_int16
 from qtts_jax.engine import Engine
 from qtts_jax.request import Request
 from serving import voice_routes
 from serving.app import ENGINE, VOICE_WARMUP, VOICES, Settings, create_app
-from serving.audio_encoders import to_s16
 from support import SMALL, STREAMING, assert_same_audio, pcm, wait_ready
 
 pytestmark = pytest.mark.asyncio
@@ -85,7 +85,7 @@ async def speech(client, voice, text, seed=0, max_frames=8):
 
 def offline(model, prompt, text, seed=0, max_frames=8):
     (res,) = model.generate(Request(text, voice=prompt, seed=seed, max_frames=max_frames))
-    return to_s16(res.audio).astype(np.int32)
+    return to_int16(res.audio).astype(np.int32)
 
 
 async def test_register_use_list_show_delete_and_reload(make_client, model, tmp_path):
@@ -253,7 +253,7 @@ async def test_inline_ref_audio_clones_per_request_and_is_cached_by_content(make
     prompt = model.clone_voice(wav, "Hello, it is me.", trailing_silence_s=0.5)
     (res,) = model.generate(Request("Cloned inline.", voice=prompt, language="english", seed=3, max_frames=8))
     assert rate == 24000
-    assert_same_audio(audio.astype(np.int32), to_s16(res.audio).astype(np.int32))
+    assert_same_audio(audio.astype(np.int32), to_int16(res.audio).astype(np.int32))
     again = await client.post("/v1/audio/speech", json=body)
     assert_same_audio(sf.read(io.BytesIO(await again.read()), dtype="int16")[0].astype(np.int32),
                       audio.astype(np.int32))
