@@ -69,7 +69,8 @@ def _parser(prog: str = "python -m studies") -> argparse.ArgumentParser:
                    help="corpus name or .txt path, two turns per line separated by ' | '")
     s.add_argument("--protocol", default="http", choices=["http", "ws"])
     s.add_argument("--concurrency", type=int, default=4, help="clients, each replacing its item when it completes")
-    s.add_argument("--fill-s", type=float, default=10.0, help="load before timing starts")
+    s.add_argument("--fill-s", type=float, default=10.0,
+                   help="load before timing starts (and at least until every client's warm-up item is done)")
     s.add_argument("--window-s", type=float, default=90.0, help="steady window per pass")
     s.add_argument("--max-frames", type=int, help="cap per request (default: the model's own end)")
     s.add_argument("--voice", default="ryan")

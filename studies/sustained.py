@@ -1,7 +1,8 @@
 """Sustained throughput with a correctness guard, and A/B of two server builds.
 
-Clients replace each completed request at once; a fill period runs before timing; only requests that
-finish inside the steady window count, and the final drain is excluded. Outstanding and waiting streams
+Clients replace each completed request at once; a fill period runs before timing, and the steady window
+opens only once it has passed and every client's first (warm-up) item is done, so a slow warm-up never eats
+the window; only requests that finish inside the window count, and the final drain is excluded. Outstanding and waiting streams
 are time-weighted from the server's /ready samples; GPU use and peak memory come from nvidia-smi when
 it is present (null fields when not). A pass is *valid* only if every response after each worker's
 warm-up matches a golden recording of the same fixed-seed request, so a faster build that changes the
@@ -194,7 +195,8 @@ async def sustained_pass(url: str, concurrency: int, items, options: dict, golde
                          window_s: float, timeout_s: float = 120.0, workload: str = "plain", protocol: str = "http",
                          pause_ms: float = PAUSE_MS, gpu: bool = True, gpu_ids: str | None = None,
                          condition: str = "sustained", records_out: list | None = None) -> dict:
-    """One pass: `concurrency` clients for fill_s + window_s; numbers from items finishing in the window.
+    """One pass: `concurrency` clients for fill_s (at least until each one's warm-up item is done) + window_s;
+    numbers from items finishing in the window.
     `items` are texts (plain) or tuples of turns; `golden` one Golden (or int array) per item. Every request's
     record is appended to `records_out` when given (warm-ups marked)."""
     items = _as_items(workload, items)
@@ -202,7 +204,9 @@ async def sustained_pass(url: str, concurrency: int, items, options: dict, golde
         raise ValueError(f"{len(golden)} golden recordings for {len(items)} items")
     await wait_ready(url, timeout_s, idle=True)  # the previous pass has drained
     t0 = time.perf_counter()
-    start, stop = fill_s, fill_s + window_s
+    start, stop = fill_s, math.inf  # the window's bounds, fixed when it opens (see the module docstring)
+    opened = asyncio.Event()
+    warming = concurrency
     done: list[Item] = []
     mismatches = 0
     active: list[tuple[float, float]] = []
@@ -211,7 +215,7 @@ async def sustained_pass(url: str, concurrency: int, items, options: dict, golde
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         async def worker(w: int):
-            nonlocal mismatches
+            nonlocal mismatches, warming, start, stop
             n = 0
             while time.perf_counter() - t0 < stop:
                 k = (w + n) % len(items)
@@ -223,10 +227,17 @@ async def sustained_pass(url: str, concurrency: int, items, options: dict, golde
                     r.warmup = n == 0
                 done.append(it)
                 n += 1
+                if n == 1:
+                    warming -= 1
+                    if not warming:  # every client is warm: time from here (or from the fill's end)
+                        start = max(fill_s, time.perf_counter() - t0)
+                        stop = start + window_s
+                        opened.set()
                 if not it.ok:  # a refused or broken item fails the pass; back off as told, not in a hot loop
                     await asyncio.sleep(min(_retry_after(it.records[-1]), max(0.0, stop - (time.perf_counter() - t0))))
 
         async def sampler():
+            await opened.wait()
             await asyncio.sleep(max(0.0, start - (time.perf_counter() - t0)))
             async with sampler_gpu:
                 while (now := time.perf_counter() - t0) < stop:

@@ -349,3 +349,44 @@ def test_websocket_load_refuses_options_its_session_cannot_carry():
                                   protocol="ws"))
     with pytest.raises(ValueError, match="protocol"):
         asyncio.run(run_condition("http://127.0.0.1:9", "closed", 1, 1, ["hi"], {}, protocol="grpc"))
+
+
+@pytest.mark.asyncio
+async def test_sustained_window_opens_only_after_every_clients_warm_up(aiohttp_server):
+    """Warm-up items slower than the fill and the window together (a cold server, a busy machine) leave the
+    window whole: it opens once every client's first item is done, so the pass measures the steady items
+    (before, the window had closed before any measured item ended and the pass was invalid)."""
+    import asyncio
+
+    from aiohttp import web
+
+    from studies.sustained import sustained_pass
+
+    pcm = (np.arange(2400) % 50 - 25).astype("<i2")
+    arrived = []
+
+    async def speech(request):
+        arrived.append((await request.json())["input"])
+        await asyncio.sleep(1.0 if len(arrived) <= 2 else 0.05)  # each of the two clients' first request is slow
+        resp = web.StreamResponse(headers={"X-Sample-Rate": "24000", "X-Channels": "1", "X-Sample-Format": "s16le"})
+        await resp.prepare(request)
+        await resp.write(pcm.tobytes())
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/audio/speech", speech)
+
+    async def ready(request):
+        return web.json_response({"active": 0, "queued": 0})
+
+    app.router.add_get("/ready", ready)
+    server = await aiohttp_server(app)
+    url = str(server.make_url("")).rstrip("/")
+    records = []
+    p = await sustained_pass(url, 2, ["one", "two"], {}, [pcm.astype(np.int32)] * 2, fill_s=0.2, window_s=0.6,
+                             gpu=False, records_out=records)
+    assert p["valid"] and p["failed"] == 0 and p["golden_mismatches"] == 0
+    assert p["completed"] >= 4 and p["latency_p95_ms"] < 500  # the fast steady items, no warm-up among them
+    warmups = [r for r in records if r.warmup]
+    assert len(warmups) == 2 and all(r.end_s >= 1.0 for r in warmups)

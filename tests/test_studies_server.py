@@ -185,7 +185,7 @@ def test_sustained_cli_runs_both_workloads_abba_with_golden_checks_and_no_gpu(ur
     rc = study_main(["sustained", "--url", url, "--compare-url", url, "--label-b", "same server",
                      "--plain-corpus", str(tmp_path / "plain.txt"),
                      "--processed-corpus", str(tmp_path / "processed.txt"),
-                     "--concurrency", "2", "--fill-s", "1.0", "--window-s", "1.6", "--max-frames", "6",
+                     "--concurrency", "2", "--fill-s", "0.3", "--window-s", "2.0", "--max-frames", "6",
                      "--runs", str(tmp_path / "runs")])
     out = capsys.readouterr().out
     assert rc == 0, out
