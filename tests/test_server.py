@@ -244,7 +244,12 @@ async def test_metrics_present(client):
                                                     "response_format": "pcm", "stream": True})
     await r.read()
     await (await client.post("/v1/audio/speech", json={"input": 5})).read()
-    text = await (await client.get("/metrics")).text()
+    # gauges read the engine's published snapshot: the finished stream leaves it at the end of the iteration
+    # that sent its last bytes, so the client may ask before then
+    deadline = time.monotonic() + 5
+    while "qtts_active_streams 0.0" not in (text := await (await client.get("/metrics")).text()):
+        assert time.monotonic() < deadline, "the finished stream still counts as active after 5 s"
+        await asyncio.sleep(0.02)
     for name in ("qtts_ttfa_seconds_bucket", 'qtts_ttfa_part_seconds_count{part="queue"}',
                  'qtts_ttfa_part_seconds_count{part="prefill"}', 'qtts_ttfa_part_seconds_count{part="codec"}',
                  "qtts_buffer_headroom_seconds_bucket", "qtts_late_chunks_total", "qtts_active_streams 0.0",
