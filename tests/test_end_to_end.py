@@ -6,7 +6,6 @@ import dataclasses
 import json
 
 import numpy as np
-import pytest
 
 import qtts_cli.main as cli
 from qtts_jax.audio import to_int16
@@ -16,15 +15,9 @@ from support import read_wav
 FRAMES = 8
 
 
-@pytest.fixture(scope="module")
-def wrapper(reference_wrapper):
-    """kind -> (the reference's `Qwen3TTSModel` loaded from our test checkpoint directory, offline; the directory)."""
-    return reference_wrapper
-
-
-def test_cli_synth_reproduces_reference_codes_and_audio(wrapper, tmp_path):
+def test_cli_synth_reproduces_reference_codes_and_audio(reference_wrapper, tmp_path):
     """`qtts-jax synth --greedy` on a reference-written checkpoint: same codes, audio equal to int16 rounding."""
-    ref, directory = wrapper("custom_voice")
+    ref, directory = reference_wrapper("custom_voice")
     text = "Hello from the command line."
     wavs, sr = ref.generate_custom_voice(
         text=text, speaker="ryan", language="english", do_sample=False, subtalker_dosample=False,
@@ -45,12 +38,12 @@ def test_cli_synth_reproduces_reference_codes_and_audio(wrapper, tmp_path):
     assert np.abs(ours).max() > 1000, "audio should not be near-silent"
 
 
-def test_icl_clone_audio_cut_matches_reference(wrapper, checkpoint_model):
+def test_icl_clone_audio_cut_matches_reference(reference_wrapper, checkpoint_model):
     """ICL decodes with the reference frames in front, then cuts their share, as the reference does."""
     import torch
     from qwen_tts.inference.qwen3_tts_model import VoiceClonePromptItem
 
-    ref, _ = wrapper("base")
+    ref, _ = reference_wrapper("base")
     model = checkpoint_model("base")
     rng = np.random.default_rng(3)
     xvec = rng.standard_normal(model.cfg.talker.hidden_size).astype(np.float32)

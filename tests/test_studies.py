@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import struct
 
@@ -312,8 +313,6 @@ def _fake_nvidia_smi(tmp_path, body: str):
 
 
 def test_gpu_sampler_absent_failing_and_present(tmp_path, monkeypatch):
-    import asyncio
-
     from studies.gpu import GpuSampler, parse_sample
 
     async def sample(sampler, seconds=0.3):
@@ -338,8 +337,6 @@ def test_gpu_sampler_absent_failing_and_present(tmp_path, monkeypatch):
 
 
 def test_websocket_load_refuses_options_its_session_cannot_carry():
-    import asyncio
-
     from studies.load import run_condition, ws_url
 
     assert ws_url("http://h:8000") == "ws://h:8000/v1/audio/speech/stream"
@@ -356,8 +353,6 @@ async def test_sustained_window_opens_only_after_every_clients_warm_up(aiohttp_s
     """Warm-up items slower than the fill and the window together (a cold server, a busy machine) leave the
     window whole: it opens once every client's first item is done, so the pass measures the steady items
     (before, the window had closed before any measured item ended and the pass was invalid)."""
-    import asyncio
-
     from aiohttp import web
 
     from studies.sustained import sustained_pass

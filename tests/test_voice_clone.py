@@ -12,7 +12,6 @@ import soundfile as sf
 
 import qtts_cli.main as cli
 from qtts_jax.audio import to_int16
-from qtts_jax.model import load_model
 from qtts_jax.request import Request
 from support import read_wav
 
@@ -87,11 +86,11 @@ def test_clone_refusals(base, tiny_model):
     assert res.frames <= 3
 
 
-def test_warmup_compiles_every_bucket_so_registration_never_does():
+def test_warmup_compiles_every_bucket_so_registration_never_does(tiny_base_model):
     from qtts_jax.codec import encoder as codec_encoder
     from qtts_jax.speaker import ecapa
 
-    model = load_model("tiny-random-base")
+    model = tiny_base_model
     enc = model.voice_encoders
     ecapa._embed.clear_cache()
     codec_encoder._forward.clear_cache()
