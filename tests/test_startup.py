@@ -147,7 +147,7 @@ def test_run_exits_1_with_the_reason_when_warm_up_fails(caplog):
 
 def test_a_second_start_loads_every_program_from_the_compile_cache(tmp_path):
     cache = tmp_path / "xla"
-    args = ("--slots", "1", "--context", "128", "--frames-per-step", "1", "--compile-cache", str(cache))
+    args = ("--slots", "1", "--context", "128", "--compile-cache", str(cache))
     code1, log1, ready1 = start_and_stop(tmp_path, *args)
     entries = len(list(cache.iterdir()))
     code2, log2, ready2 = start_and_stop(tmp_path, *args)
