@@ -16,7 +16,7 @@ class Playback:
     start_s: float  # when the player started, on the arrival clock
     starvation_s: float  # total time the player had nothing to play after it started
     longest_stall_s: float
-    underruns: int  # separate times the buffer ran dry
+    underruns: int  # separate times the buffer ran dry: every stall counts, however short (no threshold)
     audio_s: float
 
 

@@ -1,4 +1,5 @@
-"""Per-condition statistics: success rate, TTFA and starvation percentiles with confidence bounds, throughput."""
+"""Per-condition statistics: success rate, TTFA and starvation percentiles with confidence bounds, the share of
+streams that underran with its binomial bounds, throughput."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def percentile(values, q: float) -> float:
     return float(np.percentile(values, q)) if values else math.nan
 
 
-CONFIDENCE = 0.95  # of each one-sided bound on a percentile; together they make a 90% interval
+CONFIDENCE = 0.95  # of each one-sided bound on a percentile or a share; together they make a 90% interval
 
 
 def _binom_cdf(k: int, n: int, p: float) -> float:
@@ -35,8 +36,35 @@ def percentile_bounds(values, q: float = 95, confidence: float = CONFIDENCE) -> 
     return float(lower), float(upper)
 
 
+def share_bounds(k: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """Clopper-Pearson (exact binomial) bounds on a share seen in k of n: the true share is at least `lower` and at
+    most `upper`, each with probability >= `confidence`. Exact, not Wilson's approximation, because the contract is
+    judged at k = 0, where the upper bound is 1 - (1 - confidence)^(1/n), about 3/n at 95% (the rule of three).
+    NaN for n = 0: no stream, no share."""
+    if not 0 <= k <= n:
+        raise ValueError(f"need 0 <= k <= n, got k={k}, n={n}")
+    if n == 0:
+        return math.nan, math.nan
+    alpha = 1 - confidence
+    # lower: P(Bin(n, p) >= k) = alpha; upper: P(Bin(n, p) <= k) = alpha; both sides rise with p
+    lower = 0.0 if k == 0 else _root(lambda p: 1 - _binom_cdf(k - 1, n, p) - alpha)
+    upper = 1.0 if k == n else _root(lambda p: alpha - _binom_cdf(k, n, p))
+    return lower, upper
+
+
+def _root(f) -> float:
+    """Where an increasing f crosses 0 in [0, 1], by bisection to 2^-50."""
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < 0 else (lo, mid)
+    return (lo + hi) / 2
+
+
 def summarize(records: list[RequestRecord], buffer_ms: float = 0.0) -> dict:
-    """One condition's numbers. Warm-up records are ignored; starvation is over valid streams only."""
+    """One condition's numbers. Warm-up records are ignored; starvation is over valid streams only, at `buffer_ms`.
+    `underrun_requests` counts valid streams with any stall after their first audio at zero buffer, whatever
+    `buffer_ms`: the zero-underrun contract's client plays from the first byte."""
     measured = [r for r in records if not r.warmup]
     if not measured:
         raise ValueError("no measured (non-warm-up) records to summarize")
@@ -48,6 +76,8 @@ def summarize(records: list[RequestRecord], buffer_ms: float = 0.0) -> dict:
     ttfa_ms = [1000 * r.ttfa_s for r in ok]
     start_ms = [1000 * (p.start_s - r.send_s) for r, p in zip(ok, plays)]
     starv_ms = [1000 * p.starvation_s for p in plays]
+    dry = [simulate(r.chunks, r.sample_rate) for r in ok] if buffer_ms else plays
+    underran = sum(p.underruns > 0 for p in dry)
     wall = max((r.end_s or r.send_s) for r in measured) - min(r.send_s for r in measured)
     audio = sum(p.audio_s for p in plays)
     first = measured[0]
@@ -63,6 +93,8 @@ def summarize(records: list[RequestRecord], buffer_ms: float = 0.0) -> dict:
         "starvation_max_ms": max(starv_ms, default=math.nan),
         "longest_stall_p95_ms": percentile([1000 * p.longest_stall_s for p in plays], 95),
         "underruns_mean": float(np.mean([p.underruns for p in plays])) if plays else math.nan,
+        "underrun_requests": underran, "underrun_share": underran / len(ok) if ok else math.nan,
+        "underrun_share_ci": share_bounds(underran, len(ok)),
         "wall_s": wall, "throughput_rps": len(ok) / wall if wall > 0 else math.nan,
         "audio_s_per_s": audio / wall if wall > 0 else math.nan,
         "errors": sorted({r.invalid for r in measured if r.invalid}),

@@ -17,7 +17,7 @@ from studies.load import arrival_times
 from studies.playback import simulate
 from studies.records import RequestRecord, read_jsonl, write_jsonl
 from studies.slo import SLO, safe_capacity
-from studies.stats import percentile, percentile_bounds, summarize
+from studies.stats import percentile, percentile_bounds, share_bounds, summarize
 from studies.validate import validate_stream
 
 SR = 24_000
@@ -46,6 +46,14 @@ def test_startup_buffer_delays_start_and_absorbs_stalls():
     assert p.underruns == 2
     # a buffer longer than the whole stream starts at its last chunk and never starves
     assert simulate(chunks, SR, buffer_ms=5000) == simulate([(0.7, 4 * TENTH)], SR)
+
+
+def test_zero_buffer_underrun_is_any_stall_however_short():
+    # the zero-underrun contract counts every stall after the first audio: 1 microsecond late is an underrun,
+    # exactly on time (the first 100 ms runs out at 0.1 s) is not
+    assert simulate([(0.0, TENTH), (0.1 + 1e-6, TENTH)], SR).underruns == 1
+    assert simulate([(0.0, TENTH), (0.1, TENTH)], SR).underruns == 0
+    assert simulate([(0.0, 0), (0.3, TENTH), (0.4, TENTH)], SR).underruns == 0  # empty chunk: no audio yet
 
 
 def test_playback_ignores_empty_chunks_and_rejects_nonsense():
@@ -110,8 +118,12 @@ def test_percentile_and_summary_by_hand():
     assert s["throughput_rps"] == pytest.approx(2.0)
     assert s["audio_s_per_s"] == pytest.approx(0.4)  # two valid streams of 0.2 s in 1 s
     assert s["errors"] == ["HTTP 500"]
-    # a 200 ms start-up buffer removes request 1's stall
-    assert summarize(recs, buffer_ms=200)["starvation_max_ms"] == pytest.approx(0)
+    assert (s["underrun_requests"], s["underrun_share"]) == (1, 0.5)  # request 1 stalled; of 2 valid streams
+    assert s["underrun_share_ci"] == share_bounds(1, 2)
+    # a 200 ms start-up buffer removes request 1's stall; the contract's zero-buffer player still counts it
+    buffered = summarize(recs, buffer_ms=200)
+    assert buffered["starvation_max_ms"] == pytest.approx(0) and buffered["underruns_mean"] == 0
+    assert buffered["underrun_requests"] == 1
     with pytest.raises(ValueError, match="mix conditions"):
         summarize(recs[:2] + [record(9, 0, 0.1, [(0.1, 1)], condition="closed:4", load=4)])
     with pytest.raises(ValueError, match="no measured"):
@@ -139,6 +151,26 @@ def test_p95_bounds_are_order_statistics_with_binomial_coverage():
     covered = [percentile_bounds(rng.exponential(size=80)) for _ in range(400)]
     assert sum(hi >= true for _, hi in covered) / 400 >= 0.95
     assert sum(lo <= true for lo, _ in covered) / 400 >= 0.93  # sampling noise of 400 draws around >= 0.95
+
+
+def test_share_bounds_are_clopper_pearson_by_hand():
+    n = 60
+    # 0 of n: P(Bin(n, p) <= 0) = (1 - p)^n = 0.05 gives the upper bound, about 3/n (the rule of three)
+    lo, hi = share_bounds(0, n)
+    assert lo == 0 and hi == pytest.approx(1 - 0.05 ** (1 / n), rel=1e-9)
+    assert hi == pytest.approx(3 / n, rel=0.03)
+    # 1 of n: the lower bound solves P(Bin >= 1) = 1 - (1 - p)^n = 0.05; the upper (1 - p)^n + n p (1 - p)^(n-1) = 0.05
+    lo, hi = share_bounds(1, n)
+    assert lo == pytest.approx(1 - 0.95 ** (1 / n), rel=1e-9)
+    assert (1 - hi) ** n + n * hi * (1 - hi) ** (n - 1) == pytest.approx(0.05, abs=1e-9)
+    assert hi == pytest.approx(0.0766, abs=1e-4)  # the tabled exact bound for 1 of 60 (beta quantile 0.95; 2, 59)
+    # all n of n mirror 0 of n, and every k mirrors n - k
+    assert share_bounds(n, n) == (pytest.approx(0.05 ** (1 / n), rel=1e-9), 1.0)
+    lo, hi = share_bounds(7, n)
+    assert (1 - hi, 1 - lo) == pytest.approx(share_bounds(n - 7, n), abs=1e-9)
+    assert all(math.isnan(x) for x in share_bounds(0, 0))  # no valid stream, no share
+    with pytest.raises(ValueError):
+        share_bounds(3, 2)
 
 
 def test_slo_judges_each_criterion_on_its_confidence_bounds():
