@@ -10,16 +10,18 @@ from pathlib import Path
 from studies.load import run_condition
 from studies.progress import bar
 from studies.records import write_jsonl
-from studies.slo import SLO, safe_capacity
+from studies.slo import SLO, Contract, safe_capacity, zero_underrun_capacity
 from studies.stats import summarize
 
 
 def sweep(url: str, mode: str, loads: list[float], requests: int, prompts: list[str], out_dir: str | Path,
           options: dict | None = None, warmup: int = 0, buffer_ms: float = 0.0, slo: SLO = SLO(),
-          seed: int = 0, timeout_s: float = 60.0, protocol: str = "http", server: str = "") -> dict:
+          seed: int = 0, timeout_s: float = 60.0, protocol: str = "http", server: str = "",
+          contract: Contract = Contract()) -> dict:
     """Runs the loads in increasing order and writes `records.jsonl` and `summary.json` under `out_dir`.
     Every load runs, even past the first unsafe one, so the report shows the whole curve. Records carry
-    `server` (default: the URL); a progress bar counts requests on a terminal."""
+    `server` (default: the URL); a progress bar counts requests on a terminal. Each load is judged on the SLO
+    and, beside it, on the zero-underrun contract (`contract_verdict`, `zero_underrun_capacity`)."""
     if not loads:
         raise ValueError("no loads to sweep")
     out = Path(out_dir)
@@ -36,10 +38,12 @@ def sweep(url: str, mode: str, loads: list[float], requests: int, prompts: list[
             write_jsonl(records_path, records, append=True, buffer_ms=buffer_ms)
             s = summarize(records, buffer_ms)
             s["slo"], s["verdict"] = slo.check(s), slo.judge(s)
+            s["contract_verdict"] = contract.judge(s)
             summaries.append(s)
     result = {"url": url, "mode": mode, "protocol": protocol, "requests_per_condition": requests, "warmup": warmup,
               "options": options or {}, "slo": vars(slo), "conditions": summaries,
-              "safe_capacity": safe_capacity(summaries, slo)}
+              "safe_capacity": safe_capacity(summaries, slo), "contract": vars(contract),
+              "zero_underrun_capacity": zero_underrun_capacity(summaries, contract)}
     (out / "summary.json").write_text(json.dumps(result, indent=2, default=float))
     return result
 

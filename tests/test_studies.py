@@ -1,8 +1,10 @@
-"""Study toolkit arithmetic on hand-computed cases: playback, statistics, validation, SLOs, fleet sizing."""
+"""Study toolkit arithmetic on hand-computed cases: playback, statistics, validation, SLOs and the zero-underrun
+contract, fleet sizing."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import struct
 
@@ -16,7 +18,7 @@ from studies.fleet import fleet_size
 from studies.load import arrival_times
 from studies.playback import simulate
 from studies.records import RequestRecord, read_jsonl, write_jsonl
-from studies.slo import SLO, safe_capacity
+from studies.slo import SLO, Contract, safe_capacity, zero_underrun_capacity
 from studies.stats import percentile, percentile_bounds, share_bounds, summarize
 from studies.validate import validate_stream
 
@@ -130,10 +132,11 @@ def test_percentile_and_summary_by_hand():
         summarize(recs[3:])
 
 
-def cond(load, success=1.0, ttfa=100.0, starv=0.0, mode="closed", ttfa_ci=None, starv_ci=None):
+def cond(load, success=1.0, ttfa=100.0, starv=0.0, mode="closed", ttfa_ci=None, starv_ci=None, underran=0):
     """A condition summary as `summarize` writes it; the confidence bounds default to the point value."""
     c = {"mode": mode, "load": load, "success_rate": success, "ttfa_p95_ms": ttfa, "starvation_p95_ms": starv,
-         "ttfa_p95_ci_ms": ttfa_ci or (ttfa, ttfa), "starvation_p95_ci_ms": starv_ci or (starv, starv)}
+         "ttfa_p95_ci_ms": ttfa_ci or (ttfa, ttfa), "starvation_p95_ci_ms": starv_ci or (starv, starv),
+         "underrun_requests": underran}
     c["verdict"] = SLO().judge(c)
     return c
 
@@ -201,6 +204,55 @@ def test_safe_capacity_is_the_last_load_before_the_first_failure():
         safe_capacity([cond(1), cond(2, mode="open-fixed")])
     with pytest.raises(ValueError):
         safe_capacity([])
+
+
+def test_contract_counts_every_failure_and_underrun_and_judges_ttfa_on_its_bounds():
+    contract = Contract()
+    assert contract.judge(cond(1, ttfa=90)) == {"success": "pass", "underruns": "pass", "ttfa": "pass",
+                                                "overall": "pass"}
+    # one refused request in 120 (a 429 is not a success): the SLO's 99% passes, the contract fails
+    assert SLO().check(cond(1, success=119 / 120, ttfa=90))["safe"]
+    assert contract.judge(cond(1, success=119 / 120, ttfa=90))["success"] == "fail"
+    assert contract.judge(cond(1, ttfa=90, underran=1))["underruns"] == "fail"
+    assert contract.judge(cond(1, ttfa=150))["ttfa"] == "fail"  # SLO-safe at 300 ms, not at the contract's 100
+    assert Contract(ttfa_p95_ms=200).judge(cond(1, ttfa=150))["overall"] == "pass"
+    assert contract.judge(cond(1, ttfa=90, ttfa_ci=(80, 120)))["overall"] == "undecided"
+    with pytest.raises(ValueError):
+        Contract(ttfa_p95_ms=0)
+
+
+def test_zero_underrun_capacity_stops_at_the_first_load_that_breaks_the_contract():
+    ok = {"ttfa": 90.0}
+    assert zero_underrun_capacity([cond(4, **ok), cond(1, **ok), cond(2, **ok)]) == 4
+    loads = [cond(1, **ok), cond(2, underran=1, **ok), cond(4, **ok)]
+    assert zero_underrun_capacity(loads) == 1 and safe_capacity(loads) == 4  # a pass at 4 does not count
+    assert zero_underrun_capacity([cond(1, **ok), cond(2, ttfa=90, ttfa_ci=(80, 120)), cond(4, **ok)]) == 1
+    assert zero_underrun_capacity([cond(1, underran=2, **ok), cond(2, **ok)]) == 0
+    with pytest.raises(ValueError, match="one load mode"):
+        zero_underrun_capacity([cond(1), cond(2, mode="open-fixed")])
+
+
+def test_sweep_summary_with_one_stalled_stream_fails_the_contract_but_passes_the_slo(tmp_path, monkeypatch):
+    from studies import sweep as sweep_module
+
+    async def fake_condition(url, mode, load, requests, *args, **kwargs):
+        """60 streams of 200 ms at 50 ms TTFA; at load 2 one stream's second chunk is 50 ms late."""
+        late = {0: 0.05} if load == 2 else {}
+        return [record(i, 0.0, 0.05, [(0.05, TENTH), (0.15 + late.get(i, 0), TENTH)], condition=f"closed:{load:g}",
+                       load=load) for i in range(requests)]
+
+    monkeypatch.setattr(sweep_module, "run_condition", fake_condition)
+    result = sweep_module.sweep("http://x", "closed", [1, 2, 4], 60, ["x"], tmp_path)
+    one, two, four = result["conditions"]
+    assert all(c["verdict"]["overall"] == "pass" for c in (one, two, four))  # 50 ms of starvation in one stream
+    assert (two["underrun_requests"], two["underrun_share"]) == (1, pytest.approx(1 / 60))
+    assert two["contract_verdict"] == {"success": "pass", "underruns": "fail", "ttfa": "pass", "overall": "fail"}
+    assert one["contract_verdict"]["overall"] == four["contract_verdict"]["overall"] == "pass"
+    assert (result["safe_capacity"], result["zero_underrun_capacity"]) == (4, 1)
+    assert result["contract"] == {"ttfa_p95_ms": 100.0}
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert (on_disk["safe_capacity"], on_disk["zero_underrun_capacity"]) == (4, 1)
+    assert on_disk["conditions"][1]["underrun_share_ci"] == list(share_bounds(1, 60))
 
 
 def test_fleet_sizing_matches_the_issue_and_prices_it():
