@@ -27,41 +27,42 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from qtts_jax import code_predictor, talker  # noqa: E402
-from qtts_jax.engine import Engine, EngineConfig, _chooser, _codec, _step, _take  # noqa: E402
+from qtts_jax.engine import Engine, EngineConfig  # noqa: E402
+from qtts_jax.engine import programs  # noqa: E402
 from qtts_jax.generate import frame_codes  # noqa: E402
 from qtts_jax.model import load_model  # noqa: E402
 
 
 def parts(cfg, codec_cfg, sampler: str) -> dict:
     """name -> function(params, codec_params, state, codec_state, idx) of one part for the rows `idx`."""
-    choose = _chooser(sampler)
+    choose = programs.chooser(sampler)
 
     def codes(params, codec_params, state, codec_state, idx):
-        rows, settings, k = _take(state.rows, idx), _take(state.settings, idx), _take(state.k, idx)
+        rows, settings, k = programs.take_rows(state.rows, idx), programs.take_rows(state.settings, idx), programs.take_rows(state.k, idx)
         return jax.vmap(partial(frame_codes, params, cfg, choose=choose))(rows, settings, k)
 
     def predictor(params, codec_params, state, codec_state, idx):
-        rows, settings = _take(state.rows, idx), _take(state.settings, idx)
+        rows, settings = programs.take_rows(state.rows, idx), programs.take_rows(state.settings, idx)
         token = jnp.zeros(idx.shape, jnp.int32)
         keys = jax.random.split(jax.random.PRNGKey(0), idx.shape[0])
         return jax.vmap(lambda h, t, key, p: code_predictor.predict(params, cfg, h, t, key, p, choose))(
             rows.hidden, token, keys, settings.predictor)
 
     def talker_decode(params, codec_params, state, codec_state, idx):
-        rows, k, row0 = _take(state.rows, idx), _take(state.k, idx), _take(state.row0, idx)
+        rows, k, row0 = programs.take_rows(state.rows, idx), programs.take_rows(state.k, idx), programs.take_rows(state.row0, idx)
         x = jnp.zeros((idx.shape[0], cfg.talker.hidden_size), rows.hidden.dtype)
-        settings = _take(state.settings, idx)
+        settings = programs.take_rows(state.settings, idx)
         logits, hidden, cache = talker.decode_rows(params, cfg, x, state.cache, idx, row0 + k, settings.position0 + k,
                                                    rows.key_valid)
         return state._replace(cache=cache), (logits, hidden)
 
     def step(params, codec_params, state, codec_state, idx):
-        return _step(params, state, idx, jnp.ones(idx.shape, bool), cfg=cfg, choose=choose, n=1)
+        return programs.step(params, state, idx, jnp.ones(idx.shape, bool), cfg=cfg, choose=choose, n=1)
 
     def codec(params, codec_params, state, codec_state, idx):
         b = idx.shape[0]
         codes = jnp.zeros((b, 1, cfg.num_code_groups), jnp.int32)
-        return _codec(codec_params, codec_state, idx, jnp.zeros(b, bool), codes, jnp.ones(b, jnp.int32),
+        return programs.codec(codec_params, codec_state, idx, jnp.zeros(b, bool), codes, jnp.ones(b, jnp.int32),
                       cfg=codec_cfg)
 
     return {"codes": codes, "predictor": predictor, "talker": talker_decode, "step": step, "codec": codec}

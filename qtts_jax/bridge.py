@@ -1,9 +1,17 @@
 """asyncio face of the engine: the engine loop runs on its own thread; each request gets an
-`asyncio.Queue` of chunks, fed with `call_soon_threadsafe`, so handlers simply `async for` the audio."""
+`asyncio.Queue` of chunks, so handlers simply `async for` the audio.
+
+Chunks cross threads through one outbox per event loop: whatever the engine hands out before the loop next runs
+moves into the requests' queues in ONE `call_soon_threadsafe` callback (one wake-up of the event loop per engine
+iteration, not one per chunk per stream), and the callback reports how long the oldest chunk waited for the
+loop, which is jitter the engine's playback margin must cover."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
+import weakref
 
 from qtts_jax.engine import Engine
 from qtts_jax.job import Job
@@ -37,11 +45,45 @@ class AsyncStream:
         return self.stream.timings
 
 
+class _Outbox:
+    """Chunks from the engine thread, delivered into their queues by one event-loop callback per batch."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_lag):
+        self.loop, self.on_lag = loop, on_lag
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, Chunk, AsyncStream]] = []
+        self._since = 0.0
+
+    def put(self, queue: asyncio.Queue, chunk: Chunk, out: "AsyncStream") -> None:
+        """Engine thread: queue one chunk; the first of a batch schedules the delivery."""
+        with self._lock:
+            first = not self._items
+            self._items.append((queue, chunk, out))
+            if first:
+                self._since = time.perf_counter()
+        if first:
+            try:
+                self.loop.call_soon_threadsafe(self._deliver)
+            except RuntimeError:  # the event loop is gone: nobody listens, so stop generating
+                with self._lock:
+                    items, self._items = self._items, []
+                for _, _, stream in items:
+                    stream.stream.cancel()
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items, since = self._items, [], self._since
+        self.on_lag(time.perf_counter() - since)
+        for queue, chunk, _ in items:
+            queue.put_nowait(chunk)
+
+
 class AsyncEngine:
     """Owns the engine thread for an event loop (start/stop fit an aiohttp cleanup_ctx)."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self._outboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its outbox
 
     async def start(self, warmup: bool = True) -> None:
         if warmup:
@@ -54,14 +96,10 @@ class AsyncEngine:
     def submit(self, job: Job) -> AsyncStream:
         """Queue a job from `Engine.prepare` (where a request the engine cannot take is refused)."""
         loop = asyncio.get_running_loop()
+        outbox = self._outboxes.get(loop)
+        if outbox is None:
+            outbox = self._outboxes[loop] = _Outbox(loop, self.engine.observe_delivery_lag)
         queue: asyncio.Queue[Chunk] = asyncio.Queue()
         out = AsyncStream(queue)
-
-        def deliver(chunk: Chunk) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, chunk)
-            except RuntimeError:  # the event loop is gone: nobody listens, so stop generating
-                out.stream.cancel()
-
-        out.stream = self.engine.submit(job, deliver)
+        out.stream = self.engine.submit(job, lambda chunk: outbox.put(queue, chunk, out))
         return out

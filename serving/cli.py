@@ -27,7 +27,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                                                         "permitting (QTTS_FRAMES_PER_STEP; default 4)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"], help="weights dtype (QTTS_DTYPE; default float32)")
     s.add_argument("--ttfa-target-ms", type=float, help="admission TTFA target (QTTS_TTFA_TARGET_MS; default 300)")
-    s.add_argument("--starvation-ms", type=float, help="allowed underrun of admitted streams (default 100)")
+    s.add_argument("--starvation-ms", type=float, help="underrun an admitted stream may suffer; the default 0 refuses (429) any request that would make a playing stream stall")
     s.add_argument("--max-queue", type=int, help="waiting requests beyond the slots (default: slots)")
     s.add_argument("--max-input-chars", type=int, help="longest input text (default 4096)")
     s.add_argument("--drain-timeout-s", type=float, help="SIGTERM: how long in-flight streams may finish (default 30)")

@@ -8,11 +8,12 @@ size, and of a prefill per batch of requests. A request is refused (429 + Retry-
   wait for a free slot (each stream ahead frees its slot after its frames left), then one prefill of
   everything waiting and the newcomers' first-frame program; or
 - one more stream would let the engine fall behind playback: while requests keep arriving, every iteration
-  prefills a newcomer and runs its first-frame program before the playing streams' step of n frames, so for
-  some step size that iteration must take less than the n x 80 ms of audio it gives each stream, or every
-  playing stream would drain (by more than the `starvation_s` a stream may lose over the frames it has
-  left); or a playing stream is already further behind than that; or the requests already waiting, prefilled
-  together once, would take longer than the playing streams' headroom (plus `starvation_s`).
+  prefills a newcomer and runs its first-frame program before the step of n frames that the newcomer joins, so
+  for some step size short enough for the newcomer's one frame of audio that iteration must take less than the
+  n x 80 ms of audio it gives each stream, or every playing stream would drain (by more than the `starvation_s`
+  a stream may lose over the frames it has left: 0 by default, the zero-underrun contract); or a playing stream
+  is already further behind than that; or the requests already waiting, prefilled together once, would take
+  longer than the playing streams' headroom (plus `starvation_s`).
 
 Below both limits nothing is refused; an idle engine always admits (its costs are measured at start-up).
 Each open stream is also tracked here as the client hears it (headroom when each chunk leaves), for metrics.
@@ -33,7 +34,7 @@ from serving.errors import ApiError
 @dataclasses.dataclass(frozen=True)
 class AdmissionConfig:
     ttfa_target_s: float = 0.3
-    starvation_s: float = 0.1
+    starvation_s: float = 0.0  # underrun an admitted stream may suffer: none, by default
     max_queue: int | None = None  # waiting requests beyond the slots; None: as many as slots
     warming_retry_after_s: int = 5
     draining_retry_after_s: int = 30
@@ -109,11 +110,10 @@ class Scheduler:
         everything waiting and this one) for a request arriving now, from the engine snapshot."""
         batch = min(st.live + st.queued + 1, st.slots)
         burst = st.prefill_cost(st.queued + 1) + st.first_cost(st.queued + 1)
-        # steady state: each iteration takes a newcomer (prefill, first frame) before the playing streams' step,
-        # of as many frames as leave the newcomer's one frame of audio enough for the next such iteration
-        newcomer, one = st.prefill_cost(1) + st.first_cost(1), st.step_cost(batch, 1)
-        sizes = [n for n in st.step_sizes
-                 if st.step_cost(batch, n) <= FRAME_SECONDS - st.headroom_margin_s - newcomer - one] or [1]
+        # steady state: each iteration takes a newcomer (prefill, first frame) before the step it joins, of as
+        # many frames as its one frame of audio outlasts
+        newcomer = st.prefill_cost(1) + st.first_cost(1)
+        sizes = [n for n in st.step_sizes if st.step_cost(batch, n) <= FRAME_SECONDS - st.headroom_margin_s] or [1]
         frame_s = min((newcomer + st.step_cost(batch, n)) / n for n in sizes)
         free_at = [0.0] * (st.slots - st.live) + [left * frame_s for left in st.frames_left]
         heapq.heapify(free_at)

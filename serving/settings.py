@@ -20,7 +20,7 @@ class Settings:
     frames_per_step: int = 4
     dtype: str = "float32"
     ttfa_target_ms: float = 300.0
-    starvation_ms: float = 100.0
+    starvation_ms: float = 0.0  # the zero-underrun contract: no admitted stream may stall
     max_queue: int | None = None
     max_input_chars: int = 4096
     max_body_bytes: int = 256 * 1024

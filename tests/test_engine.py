@@ -61,13 +61,40 @@ def clock(engine):
     engine.set_clock(time.perf_counter)
 
 
-def test_ahead_of_playback_chunks_follow_the_schedule(engine, clock):
+@pytest.fixture
+def lead(engine, monkeypatch):
+    """Run the engine with another playback lead (a policy setting: no program depends on it)."""
+    return lambda seconds: monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, lead_s=seconds))
+
+
+@pytest.fixture
+def cheap(engine, monkeypatch):
+    """Every measured cost 1 ms: well inside a frame of audio, so headroom never holds a step back."""
+    for name in ("step_costs", "first_costs", "prefill_costs"):
+        monkeypatch.setattr(engine, name, {k: 1e-3 for k in getattr(engine, name)})
+
+
+def test_ahead_of_playback_chunks_follow_the_schedule(engine, clock, lead):
     clock(1e-4)  # far faster than real time: every stream has plenty of headroom
+    lead(0.0)  # no lead to build: the schedule alone sizes the chunks
     (stream, col), = run(engine, [(0, Request("Schedule.", speaker="aiden", max_frames=20, **GREEDY))])
     sizes = [c.frames for c in col.chunks if not c.final]
     assert sizes[:4] == [1, 2, 4, 8] and sum(sizes) == len(stream.codes)
     t = stream.timings
     assert t.submitted <= t.admitted <= t.prefilled <= t.first_frame <= t.first_chunk <= t.finished
+
+
+def test_a_stream_sends_every_frame_at_once_until_it_has_its_lead_then_follows_the_schedule(engine, clock, lead,
+                                                                                             cheap):
+    """Far faster than playback, a stream's frames go out in the iteration that made them (three per step) until
+    it holds `lead_s` of audio (0.5 s: 7 frames); from then on chunks take the schedule's next sizes (it has sent three: 8)."""
+    clock(1e-4)
+    lead(0.5)
+    (stream, col), = run(engine, [(0, Request("Lead first.", speaker="aiden", max_frames=30, **GREEDY))])
+    sizes = [c.frames for c in col.chunks if not c.final]
+    assert sizes[:3] == [1, 3, 3]  # 7 frames: 0.56 s in hand
+    assert sizes[3] == 8 and set(sizes[3:-1]) == {8}  # the schedule's next size (the last chunk: the LM's tail)
+    assert sum(sizes) == len(stream.codes) > 7 + 8
 
 
 def test_short_of_headroom_frames_go_out_at_once_one_per_step(engine, clock):
@@ -187,15 +214,12 @@ def test_pallas_sampler_makes_the_same_choices(model):
         np.testing.assert_array_equal(a, b)
 
 
-def test_newcomer_gets_its_first_chunk_at_once_and_playing_streams_keep_long_steps(engine, clock, monkeypatch):
-    """A newcomer's first frame and its audio run in a program of their own, ahead of the playing streams' step:
-    its first chunk leaves in the iteration it joins, while a stream with ample headroom beside it still steps
-    the most frames (before, any join held every stream to one-frame steps)."""
+def test_newcomer_gets_its_first_chunk_at_once_and_joins_the_long_step_of_the_playing_streams(engine, clock,
+                                                                                            cheap):
+    """A newcomer's first frame and its audio run in a program of their own, ahead of the step: its first chunk
+    leaves in the iteration it joins, and it then steps with the playing streams in that same iteration, as many
+    frames as its one frame of audio outlasts (here all three: every cost is 1 ms)."""
     clock(1e-4)  # far faster than playback
-    cheap = {k: 1e-3 for k in engine.step_costs}  # measured costs well inside a frame of audio
-    monkeypatch.setattr(engine, "step_costs", cheap)
-    monkeypatch.setattr(engine, "first_costs", {k: 1e-3 for k in engine.first_costs})
-    monkeypatch.setattr(engine, "prefill_costs", {k: 1e-3 for k in engine.prefill_costs})
     playing, newcomer = Collector(), Collector()
     old = engine.submit(engine.prepare(Request("Already playing for a while.", speaker="ryan", max_frames=40, **GREEDY)),
                         playing)
@@ -206,7 +230,19 @@ def test_newcomer_gets_its_first_chunk_at_once_and_playing_streams_keep_long_ste
     new = engine.submit(engine.prepare(Request("Newcomer.", speaker="aiden", max_frames=20, **GREEDY)), newcomer)
     engine.run_once()
     assert len(old.codes) - before == CONFIG.frames_per_step
-    assert [c.frames for c in newcomer.chunks] == [1] and len(new.codes) == 1
+    assert [c.frames for c in newcomer.chunks] == [1] and len(new.codes) == 1 + CONFIG.frames_per_step
+    engine.run_once()  # the frames it stepped went to the codec at once (it has no lead yet) and are out now
+    assert [c.frames for c in newcomer.chunks][:2] == [1, CONFIG.frames_per_step]
     while engine.run_once():
         pass
     assert playing.final.error is None and newcomer.final.error is None
+
+
+def test_delivery_lag_reported_by_the_bridge_widens_the_margin(engine):
+    """Chunks that reach the event loop late are jitter the playback margin must cover."""
+    floor = engine.config.min_margin_s
+    for _ in range(10):
+        engine.observe_delivery_lag(0.05)
+    assert engine.jitter.margin() == pytest.approx(0.05)
+    engine.set_clock(time.perf_counter)  # a new clock starts a new measurement
+    assert engine.jitter.margin() == floor

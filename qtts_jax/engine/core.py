@@ -7,19 +7,22 @@ every program is compiled for a ladder of batch sizes, and each call takes only 
 (gathered by index, padded to the next rung with rows whose writes are dropped), so a large engine with
 few live streams steps as fast as a small one, and the cache is only touched where it is read and written.
 
-One iteration of the loop (`run_once`):
+One iteration of the loop (`run_once`); its decisions are `scheduler`'s pure functions:
 1. every waiting request that has a free slot is prefilled, all of them in one call per prompt bucket, so a
    burst of N arrivals costs about one prefill;
 2. the newcomers step their first frame and decode it in one small program of their own, queued first, so
-   their first audio does not wait for the playing streams' step nor hold it to one frame;
-3. the playing rows step `n` frames in one `lax.scan`: the most frames whose measured cost fits inside every
-   playing stream's playback headroom (audio handed out minus audio a zero-buffer listener has played), short
-   enough that a newcomer does not wait long for it unless only a longer step keeps up with playback;
+   their first audio does not wait for the playing streams' step;
+3. the playing rows, and the newcomers right after their first frame, step `n` frames in one `lax.scan`: the
+   most frames whose measured cost leaves every stream's playback headroom (audio handed out minus audio a
+   zero-buffer listener has played) above the margin, a newcomer's one frame of audio included, short
+   enough that a request arriving meanwhile does not wait long unless only a longer step keeps up;
 4. while those run on the device, the host hands out the audio of the previous codec call, then the
    newcomers' first chunks;
 5. each stream's new frames become audio in ONE codec call for all rows with a chunk due, each row with its
-   own frame count: a chunk follows the stream's schedule (1, 2, 4, 8 ... frames) unless its headroom
-   would not last another iteration, when it goes out at once.
+   own frame count: until a stream has built its lead (`lead_s` of audio in hand) every frame goes out in the
+   iteration that made it; past it, chunks follow its schedule (1, 2, 4, 8 ... frames).
+The margin is measured, not guessed: iterations that overran their prediction and chunks that reached the
+listener's event loop late (`observe_delivery_lag`) feed `scheduler.Jitter`.
 
 The frame step is `generate.frame_step`, shared with `Model.generate`: codes chosen per row (`vmap`), one
 batched talker call; nothing mixes rows, so a seeded request gives the same codes alone or beside others.
@@ -31,7 +34,6 @@ timed: the costs drive step sizes and admission); nothing compiles in steady sta
 
 from __future__ import annotations
 
-import bisect
 import collections
 import concurrent.futures
 import dataclasses
@@ -41,149 +43,29 @@ import os
 import threading
 import time
 from functools import partial
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qtts_jax import sampling, talker
 from qtts_jax.codec import streaming as codec_streaming
 from qtts_jax.codec.config import SAMPLES_PER_FRAME
-from qtts_jax.generate import RowSettings, RowState, frame_step, pad_prompts
+from qtts_jax.engine import programs
+from qtts_jax.engine.config import EngineConfig, rung
+from qtts_jax.engine.scheduler import Jitter, StepPlan, chunks_due, step_frames
+from qtts_jax.engine.stats import EngineStats
+from qtts_jax.generate import pad_prompts
 from qtts_jax.job import Job
 from qtts_jax.model import Model
-from qtts_jax.prompt import build_prompt, embed_prompt
+from qtts_jax.prompt import build_prompt
 from qtts_jax.request import Request, RequestError
-from qtts_jax.stream import DEFAULT_SCHEDULE, FRAME_SECONDS, Chunk, Stream
-from qtts_jax.transformer import KVCache, rows_layout
+from qtts_jax.stream import FRAME_SECONDS, Chunk, Stream
 
 log = logging.getLogger(__name__)
 
 
-def _geometric(low: int, high: int, factor: int = 4) -> tuple[int, ...]:
-    """low, factor·low, factor²·low ... below high, then high itself."""
-    sizes, n = [], max(1, low)
-    while n < high:
-        sizes.append(n)
-        n *= factor
-    return (*sizes, high)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    slots: int = 8
-    context: int = 1024  # KV-cache rows per slot: prompt bucket + frames
-    prompt_buckets: tuple[int, ...] = (32, 64, 128, 256)
-    max_trailing: int = 256  # text tokens fed one per frame (streaming-text layout)
-    frames_per_step: int = 4  # the most frames one step call runs (playback headroom permitting)
-    schedule: tuple[int, ...] = DEFAULT_SCHEDULE  # frames per audio chunk: 1, 2, 4, 8, 8, ...
-    frames_per_text_token: int = 8  # runaway guard: cap = base + this x text tokens
-    frames_cap_base: int = 24
-    # "pallas" (the kernel; 2-6.7x faster than the reference on the H200, bench/results/sampling-h200.json),
-    # "jnp" (the reference), or "auto": the kernel on GPU, the reference elsewhere (no Triton on CPU).
-    sampler: str = "auto"
-    cached_voices: int = 64  # ICL voices whose primed codec state stays on the device (LRU)
-    # Live-batch ladder of the step and the codec: `min_batch` times powers of 4 up to `slots`, or explicit
-    # sizes. Each rung compiles the step and the codec at every size (minutes at 256 rows on the H200), and
-    # a call's cost grows slowly with its rows (below 16 it is launch overhead), so rungs are far apart.
-    batch_sizes: tuple[int, ...] | None = None
-    min_batch: int = 16
-    max_prefill: int = 32  # requests per prefill call; a prefill ladder of powers of 4 up to this
-    # The longest a step may run: a request arriving during it waits that long before its own prefill.
-    max_step_s: float = 0.1
-    headroom_margin_s: float = 0.02  # playback headroom kept in hand beyond an iteration's predicted cost
-
-    @property
-    def codec_sizes(self) -> tuple[int, ...]:
-        """Chunk sizes the codec is compiled for: the schedule's, plus powers of two to flush tails."""
-        top = max(self.schedule)
-        return tuple(sorted(set(self.schedule) | {1 << i for i in range(top.bit_length()) if 1 << i <= top}))
-
-    @property
-    def ladder(self) -> tuple[int, ...]:
-        if self.batch_sizes is not None:
-            return tuple(sorted(set(self.batch_sizes) | {self.slots}))
-        sizes = set(_geometric(min(self.min_batch, self.slots), self.slots))
-        if self.slots // 2 > self.min_batch:  # where calls are large, a rung halfway saves the most
-            sizes.add(self.slots // 2)
-        return tuple(sorted(sizes))
-
-    @property
-    def prefill_sizes(self) -> tuple[int, ...]:
-        return _geometric(1, min(self.max_prefill, self.slots))
-
-    @property
-    def step_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted({1, self.frames_per_step}))
-
-
-def rung(sizes: tuple[int, ...], n: int) -> int:
-    """The smallest size in the ascending ladder `sizes` that holds n."""
-    return sizes[min(bisect.bisect_left(sizes, n), len(sizes) - 1)]
-
-
-class EngineState(NamedTuple):
-    rows: RowState  # each leaf [slots, ...]
-    cache: KVCache  # [layers, slots, kv_heads, context, head_dim] each
-    settings: RowSettings  # each leaf [slots, ...]
-    k: jax.Array  # [slots] frames produced so far
-    row0: jax.Array  # [slots] cache row of frame 0 (= the slot's prompt bucket)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-    """What the engine publishes after every iteration (under its lock) for admission and metrics, so
-    nothing outside the engine thread reads its slots or queue."""
-
-    slots: int
-    live: int  # streams holding a slot
-    queued: int  # requests waiting for one
-    oldest_wait_s: float  # how long the first of them has waited
-    frames_left: tuple[int, ...]  # per stream in a slot: frames it may still produce (0 once its LM is done)
-    queued_frames: tuple[int, ...]  # per waiting request: its frame cap
-    ladder: tuple[int, ...]
-    prefill_sizes: tuple[int, ...]
-    step_sizes: tuple[int, ...]  # frames a step call may run
-    headroom_margin_s: float  # headroom the loop keeps in hand beyond an iteration's predicted cost
-    step_costs: dict  # (rung, frames) -> seconds of one iteration stepping that many frames (step + codec)
-    prefill_costs: dict  # requests per call -> seconds (largest prompt bucket)
-    first_costs: dict  # rung -> seconds of newcomers' first frame and its audio
-    iteration_s: float  # recent iteration time (EMA)
-    min_headroom_s: float | None  # least playback headroom among playing streams
-    iterations: int
-    recent_frame_s: tuple[float, ...]  # seconds per frame of recent step calls (for histograms)
-
-    def step_cost(self, live: int, frames: int) -> float:
-        return self.step_costs[(rung(self.ladder, max(live, 1)), frames)]
-
-    def first_cost(self, newcomers: int) -> float:
-        return self.first_costs[rung(self.ladder, max(newcomers, 1))]
-
-    def prefill_cost(self, requests: int) -> float:
-        """Prefilling `requests` together: full calls of the largest size, then one for the rest."""
-        top = self.prefill_sizes[-1]
-        full, rest = divmod(max(requests, 1), top)
-        return full * self.prefill_costs[top] + (self.prefill_costs[rung(self.prefill_sizes, rest)] if rest else 0.0)
-
-
 class PromptTooLong(RequestError):
     """The request cannot fit this engine's cache (a clean refusal, not a crash)."""
-
-
-def _take(tree, idx):
-    """Rows `idx` of every leaf (indices past the end read the last row: padding, never written back)."""
-    return jax.tree.map(lambda a: jnp.take(a, idx, axis=0, mode="clip"), tree)
-
-
-def _put(tree, idx, value):
-    """Write rows `idx` of every leaf, dropping padding rows (indices past the end); in place under donation."""
-    return jax.tree.map(lambda a, v: a.at[idx].set(v.astype(a.dtype), mode="drop"), tree, value)
-
-
-def _set_slot(tree, slot, value):
-    """Write one slot's values into the batched tree (in place under donation)."""
-    return jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), slot, 0), tree, value)
 
 
 class Engine:
@@ -196,23 +78,24 @@ class Engine:
         if max(c.prompt_buckets) >= c.context:
             raise ValueError("the largest prompt bucket must leave room for frames in the context")
         codec_cfg = model.codec_cfg
-        self._jit_insert = jax.jit(partial(_insert, cfg=cfg), donate_argnums=(1,))
-        self._jit_step = jax.jit(partial(_step, cfg=cfg, choose=_chooser(c.sampler)), donate_argnums=(1,),
+        choose = programs.chooser(c.sampler)
+        self._jit_insert = jax.jit(partial(programs.insert, cfg=cfg), donate_argnums=(1,))
+        self._jit_step = jax.jit(partial(programs.step, cfg=cfg, choose=choose), donate_argnums=(1,),
                                  static_argnames="n")
-        self._jit_codec = jax.jit(partial(_codec, cfg=codec_cfg), donate_argnums=(1,))
-        self._jit_first = jax.jit(partial(_first, cfg=cfg, codec_cfg=codec_cfg, choose=_chooser(c.sampler)),
+        self._jit_codec = jax.jit(partial(programs.codec, cfg=codec_cfg), donate_argnums=(1,))
+        self._jit_first = jax.jit(partial(programs.first, cfg=cfg, codec_cfg=codec_cfg, choose=choose),
                                   donate_argnums=(2, 3))
         self._codec_one = jax.jit(
             lambda p, st, codes: codec_streaming.decode_step(p, codec_cfg, st, codes, jnp.full(1, codes.shape[1]))[1],
             donate_argnums=(1,),
         )
         self._codec_load = jax.jit(  # a one-slot state into slot `slot` of the batched one
-            lambda st, one, slot: _set_slot(st, slot, jax.tree.map(lambda v: v[0], one)), donate_argnums=(0,))
+            lambda st, one, slot: programs.set_slot(st, slot, jax.tree.map(lambda v: v[0], one)), donate_argnums=(0,))
         # ("insert", bucket, requests) | ("step"|"codec", rung, frames) | ("first", rung, 1) -> compiled
         self._programs: dict = {}
         self._primed: collections.OrderedDict[bytes, codec_streaming.StreamState] = collections.OrderedDict()
         self._primed_lock = threading.Lock()
-        self.state = init_state(model, c)
+        self.state = programs.init_state(model, c)
         self.codec_state = codec_streaming.init_state(model.codec_cfg, c.slots)
         self.slots: list[Stream | None] = [None] * c.slots
         self.queue: collections.deque[Stream] = collections.deque()
@@ -227,6 +110,9 @@ class Engine:
         self._iteration_s = 0.0
         self._recent_frame_s: collections.deque[float] = collections.deque(maxlen=64)
         self._profile = _IterationProfile()
+        self.jitter = Jitter(c.min_margin_s)  # lateness beyond plan: iterations, and delivery to the listener
+        self._margin_s = c.min_margin_s  # this iteration's margin, read once from `jitter`
+        self.late_chunks = 0  # chunks handed out after their stream's listener ran dry
         self.iterations = 0
         self.clock = time.perf_counter  # see `set_clock`
         self._stats: EngineStats = self._snapshot()
@@ -301,6 +187,12 @@ class Engine:
         iteration times measured by the old clock are dropped."""
         self.clock = clock
         self._iteration_s = 0.0
+        self.jitter = Jitter(self.config.min_margin_s)
+
+    def observe_delivery_lag(self, seconds: float) -> None:
+        """A chunk reached its listener's side (the event loop) `seconds` after the engine handed it out: that
+        lag is jitter the margin must cover (safe from any thread)."""
+        self.jitter.add(seconds)
 
     def stats(self) -> EngineStats:
         """The latest published snapshot, with the queue as it is now: requests submitted since the last
@@ -323,16 +215,20 @@ class Engine:
             with self._lock:  # streams may have left (cancelled): admission must not see them for ever
                 self._stats = self._snapshot()
             return False
-        new = [i for i in live if not self.slots[i].codes]
-        playing = [i for i in live if self.slots[i].codes]
+        new = [self.slots[i] for i in live if not self.slots[i].codes]
+        playing = [self.slots[i] for i in live if self.slots[i].codes]
         first = self._dispatch_first(new) if new else None
         extra = (self.prefill_costs.get(rung(self.config.prefill_sizes, len(joined)), 0.0) if joined else 0.0) + (
             self.first_costs.get(rung(self.config.ladder, len(new)), 0.0) if new else 0.0)
-        out, n = None, 0
-        if playing:
-            n = self._frames_for(playing, len(new), extra, t0)
-            b = rung(self.config.ladder, len(playing))
-            self.state, out = self._program("step", b, n)(self.model.params, self.state, *self._rows(playing, b))
+        self._margin_s = self.jitter.margin()
+        # newcomers join the playing streams' step right after their first frame: their next audio comes with it
+        stepping = playing + new
+        plan, out = None, None
+        if stepping:
+            plan = self._plan_step(playing, first, extra, t0)
+            b = rung(self.config.ladder, len(stepping))
+            self.state, out = self._program("step", b, plan.frames)(self.model.params, self.state,
+                                                                    *self._rows(stepping, b))
         parts.mark("dispatch")
         self._hand_out_audio()  # the programs above run on the device meanwhile
         parts.mark("hand_out")
@@ -348,17 +244,18 @@ class Engine:
             frames, valid = np.asarray(out[0]), np.asarray(out[1])  # the one host sync per step call
             parts.mark("device_wait")
             now = self.clock()
-            self._recent_frame_s.append((now - t0) / n)
-            self._record(playing, frames, valid, now)
+            self._recent_frame_s.append((now - t0) / plan.frames)
+            self._record(stepping, frames, valid, now)
         parts.mark("bookkeeping")
         self._decode_audio(self.clock())
         parts.mark("codec_dispatch")
-        self._profile.add(parts, live=len(live), new=len(new), frames=n)
+        self._profile.add(parts, live=len(live), new=len(new), frames=plan.frames if plan else 0)
         elapsed = self.clock() - t0
         self._iteration_s = elapsed if not self.iterations else 0.8 * self._iteration_s + 0.2 * elapsed
-        if out is not None:  # what a step iteration really takes, host work included, newcomers' share not
-            key = (rung(self.config.ladder, len(playing)), n)
+        if plan is not None:  # what a step iteration really takes, host work included, newcomers' share not
+            self.jitter.add(elapsed - plan.predicted_s)
             cost = max(elapsed - extra, 0.0)
+            key = (b, plan.frames)
             self.step_costs[key] = 0.8 * self.step_costs.get(key, cost) + 0.2 * cost
         self.iterations += 1
         with self._lock:
@@ -408,59 +305,48 @@ class Engine:
             frames_left=tuple(0 if s.lm_done else max(s.frames_cap - len(s.codes), 0) for s in in_slots),
             queued_frames=tuple(s.frames_cap for s in queued),
             ladder=c.ladder, prefill_sizes=c.prefill_sizes, step_sizes=c.step_sizes,
-            headroom_margin_s=c.headroom_margin_s,
+            headroom_margin_s=self._margin_s, lead_s=c.lead_s, late_chunks=self.late_chunks,
             step_costs=dict(self.step_costs), prefill_costs=dict(self.prefill_costs), first_costs=dict(self.first_costs),
             iteration_s=self._iteration_s, min_headroom_s=min(headrooms) if headrooms else None,
             iterations=self.iterations, recent_frame_s=tuple(self._recent_frame_s),
         )
 
-    def _frames_for(self, playing: list[int], newcomers: int, extra_s: float, now: float) -> int:
-        """Frames the playing streams step this iteration (newcomers' prefill and first frame, `extra_s`, run
-        before it): one while any of them has no audio yet, else the most whose iteration fits inside every
-        one's headroom, and within `max_step_s` (a newcomer waits for the step in progress) unless only a
-        longer step keeps up with playback. Newcomers' one frame of audio must also last until their second
-        frame, at the end of the next iteration (taken to cost as much, with a one-frame step)."""
+    def _plan_step(self, playing: list[Stream], first, extra_s: float, now: float) -> StepPlan:
+        """The step's frames (`scheduler.step_frames`) from the playing streams' headroom, the newcomers' one
+        frame of audio (if their first-frame program decodes it) and the measured costs at this batch."""
         c = self.config
-        streams = [self.slots[i] for i in playing]
-        if any(s.timings.first_chunk is None for s in streams):
-            return 1
-        budget = min(s.buffered(now) for s in streams) - c.headroom_margin_s - extra_s
-        if newcomers:
-            nxt = self.step_costs.get((rung(c.ladder, len(playing) + newcomers), 1), 0.0)
-            budget = min(budget, FRAME_SECONDS - c.headroom_margin_s - extra_s - nxt)
-        b = rung(c.ladder, len(playing))
-        cost = {n: self.step_costs.get((b, n), 0.0) for n in c.step_sizes}
-        fits = [n for n in c.step_sizes if cost[n] <= budget]
-        brief = [n for n in fits if cost[n] <= c.max_step_s and cost[n] + extra_s <= n * FRAME_SECONDS]
-        return max(brief or fits, default=1)
+        b = rung(c.ladder, len(playing) + (len(first[1]) if first else 0))
+        headroom = np.array([h for s in playing if (h := s.buffered(now)) is not None], float)
+        newcomer_audio = FRAME_SECONDS if first is not None and first[1].any() else None
+        costs = {n: self.step_costs.get((b, n), 0.0) for n in c.step_sizes}
+        return step_frames(costs, headroom, newcomer_audio, extra_s, self._margin_s, c.max_step_s)
 
-    def _rows(self, slots: list[int], b: int) -> tuple[np.ndarray, np.ndarray]:
+    def _rows(self, streams: list[Stream], b: int) -> tuple[np.ndarray, np.ndarray]:
         """Slot indices of a call of `b` rows (padding aimed past the last slot) and which rows are live."""
         idx = np.full(b, self.config.slots, np.int32)
-        idx[: len(slots)] = slots
+        idx[: len(streams)] = [s.slot for s in streams]
         mask = np.zeros(b, bool)
-        mask[: len(slots)] = True
+        mask[: len(streams)] = True
         return idx, mask
 
-    def _dispatch_first(self, new: list[int]):
-        """Queue newcomers' first frame and its audio (one program) ahead of the playing streams' step."""
+    def _dispatch_first(self, new: list[Stream]):
+        """Queue newcomers' first frame and its audio (one program) ahead of the step. Returns its outputs and
+        which newcomers decode their frame in it (those whose schedule starts with a one-frame chunk)."""
         b = rung(self.config.ladder, len(new))
         idx, mask = self._rows(new, b)
         fresh, decode = np.zeros(b, bool), np.zeros(b, bool)
-        for j, slot in enumerate(new):
-            s = self.slots[slot]
+        for j, s in enumerate(new):
             fresh[j], decode[j] = s.fresh_codec, s.next_chunk_frames() == 1
         self.state, self.codec_state, out = self._program("first", b, 1)(
             self.model.params, self.model.codec_params, self.state, self.codec_state, idx, mask, fresh, decode)
-        return out, decode
+        return out, decode[: len(new)]
 
-    def _take_first(self, new: list[int], out, decode: np.ndarray) -> None:
+    def _take_first(self, new: list[Stream], out, decode: np.ndarray) -> None:
         """Record newcomers' first frames and hand out the audio of those decoded with them."""
         frames, valid, audio = (np.asarray(x) for x in out)
         now = self.clock()
         self._record(new, frames, valid, now)
-        for j, slot in enumerate(new):
-            s = self.slots[slot]
+        for j, s in enumerate(new):
             if not (decode[j] and valid[0, j]) or s.finished:
                 continue
             s.fresh_codec = False
@@ -470,12 +356,14 @@ class Engine:
             if s.lm_done and s.pending == 0:
                 self._finish(s)
 
-    def _record(self, slots: list[int], frames: np.ndarray, valid: np.ndarray, now: float) -> None:
-        """New frames [n, B, 16] (valid [n, B]) of the streams in `slots`: a stream whose frames stop early, or
-        that reached its cap, is done with its LM (and finishes here if nothing of it is left to decode)."""
+    def _record(self, streams: list[Stream], frames: np.ndarray, valid: np.ndarray, now: float) -> None:
+        """New frames [n, B, 16] (valid [n, B]) of `streams` (row j is streams[j]; those already done with their
+        LM are skipped): a stream whose frames stop early, or that reached its cap, is done with its LM (and
+        finishes here if nothing of it is left to decode)."""
         n = frames.shape[0]
-        for j, slot in enumerate(slots):
-            stream = self.slots[slot]
+        for j, stream in enumerate(streams):
+            if stream.lm_done:
+                continue
             good = valid[:, j]
             count = int(good.sum()) if good.all() else int(np.argmin(good))
             if count:
@@ -531,7 +419,7 @@ class Engine:
         bucket = items[0][1].bucket
         slots = np.full(size, c.slots, np.int32)
         # padding rows: a one-row blank prompt, so that they attend to something
-        prompts = [job.prompt for _, job in items] + [_blank_prompt(cfg, 1)] * (size - len(items))
+        prompts = [job.prompt for _, job in items] + [programs.blank_prompt(cfg, 1)] * (size - len(items))
         text, codec, frames, speaker_row, speaker, valid = pad_prompts(prompts, bucket, cfg)
         trailing = np.full((size, c.max_trailing + 1), cfg.text.tts_pad, np.int32)
         knobs = np.ones((size, 5), np.float32)
@@ -548,7 +436,7 @@ class Engine:
 
     def _dummy_inserts(self, bucket: int, size: int) -> tuple:
         """Prefill inputs of `size` padding rows (every write dropped): for compiling and timing."""
-        job = Job(request=_WARMUP, prompt=_blank_prompt(self.model.cfg, bucket), bucket=bucket, frames_cap=1,
+        job = Job(request=_WARMUP, prompt=programs.blank_prompt(self.model.cfg, bucket), bucket=bucket, frames_cap=1,
                   schedule=self.config.schedule)
         return self._insert_args([(self.config.slots, job)], size)
 
@@ -645,19 +533,18 @@ class Engine:
         return state
 
     def _decode_audio(self, now: float) -> None:
-        """Hand every stream's due frames to ONE codec call, each row with its own frame count: a chunk is due
-        when the schedule's next size is ready, when the stream's LM is done, or when its headroom would not
-        last another iteration."""
+        """Hand every stream's due frames (`scheduler.chunks_due`: below its lead, all it has; past it, its
+        schedule's next size) to ONE codec call, each row with its own frame count."""
         c = self.config
-        horizon = self._iteration_s + c.headroom_margin_s
-        due = []
-        for s in self.slots:
-            if s is None or s.pending == 0:
-                continue
-            want = s.next_chunk_frames()
-            low = (h := s.buffered(now)) is not None and h < horizon
-            if s.pending >= want or s.lm_done or low:
-                due.append((s, min(s.pending, want if s.pending >= want else max(c.codec_sizes))))
+        waiting = [s for s in self.slots if s is not None and s.pending]
+        if not waiting:
+            return
+        counts = chunks_due(
+            pending=np.array([s.pending for s in waiting]), want=np.array([s.next_chunk_frames() for s in waiting]),
+            lm_done=np.array([s.lm_done for s in waiting]),
+            headroom=np.array([np.nan if (h := s.buffered(now)) is None else h for s in waiting]),
+            lead_s=c.lead_s, horizon_s=self._iteration_s + self._margin_s, most=max(c.codec_sizes))
+        due = [(s, int(f)) for s, f in zip(waiting, counts) if f]
         if not due:
             return
         b = rung(c.ladder, len(due))
@@ -689,6 +576,8 @@ class Engine:
             s.inflight = 0
             if s.finished:  # cancelled while its audio was in the codec
                 continue
+            if (h := s.buffered(now)) is not None and h - f * FRAME_SECONDS < 0:  # its listener ran dry first
+                self.late_chunks += 1
             s.emit(Chunk(pcm=audio[j, : f * SAMPLES_PER_FRAME], first_frame=s.decoded - f, frames=f, sent_at=now))
             if s.lm_done and s.pending == 0:
                 self._finish(s)
@@ -761,122 +650,3 @@ _WARMUP = Request(
     "warmup", greedy=True, subtalker_greedy=True, temperature=1.0, top_p=1.0, repetition_penalty=1.0,
     subtalker_temperature=1.0, subtalker_top_p=1.0, top_k=0, subtalker_top_k=0, max_frames=1, seed=0,
 )
-
-
-def _blank_prompt(cfg, length: int):
-    from qtts_jax.prompt import Prompt
-
-    return Prompt(
-        text=np.full(length, cfg.text.tts_pad, np.int32), codec=np.full(length, -1, np.int32),
-        frames=np.full((length, cfg.num_code_groups), -1, np.int32), speaker_row=-1, speaker=None,
-        trailing=np.zeros(0, np.int32),
-    )
-
-
-def init_state(model: Model, c: EngineConfig) -> EngineState:
-    """Every slot empty and done; shapes fixed for the engine's life."""
-    cfg, b = model.cfg, c.slots
-    dtype = model.params["codec_embedding"].dtype
-    t = cfg.talker
-    shape = (t.num_layers, b, t.num_kv_heads, c.context, t.head_dim)
-    cache = KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-    vocab, h = cfg.talker.vocab_size, cfg.talker.hidden_size
-    rows = RowState(
-        key_valid=jnp.zeros((b, c.context), bool), logits=jnp.zeros((b, vocab), jnp.float32),
-        hidden=jnp.zeros((b, h), dtype), seen=jnp.zeros((b, vocab), bool), done=jnp.ones(b, bool),
-    )
-    def params():  # distinct buffers for each field: donated leaves must not alias
-        return sampling.SamplingParams(
-            jnp.ones(b, bool), jnp.ones(b, jnp.float32), jnp.zeros(b, jnp.int32), jnp.ones(b, jnp.float32)
-        )
-
-    settings = RowSettings(
-        key=jnp.zeros((b, 2), jnp.uint32), talker=params(), predictor=params(), penalty=jnp.ones(b, jnp.float32),
-        max_frames=jnp.zeros(b, jnp.int32), position0=jnp.zeros(b, jnp.int32),
-        trailing=jnp.zeros((b, c.max_trailing + 1, h), dtype),
-    )
-    return EngineState(rows, cache, settings, jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32))
-
-
-def _insert(params, state: EngineState, slots, text, codec, frames, speaker_row, speaker, valid, trailing, knobs,
-            ints, *, cfg):
-    """Prefill R prompts of one bucket (the bucket is their length) into `slots` [R] together, resetting those
-    slots' state; rows aimed past the last slot are padding and change nothing. Returns the state and a small
-    array to wait on (the state is donated to the next step)."""
-    bucket = text.shape[1]
-    x = jax.vmap(partial(embed_prompt, params))(text, codec, frames, speaker_row, speaker)
-    logits, hidden, cache = jax.vmap(lambda x, v: talker.prefill(params, cfg, x, v, bucket))(x, valid)
-    cache = rows_layout(cache)
-    big = KVCache(state.cache.k.at[:, slots, :, :bucket].set(cache.k, mode="drop"),
-                  state.cache.v.at[:, slots, :, :bucket].set(cache.v, mode="drop"))
-    context = big.k.shape[3]
-    key_valid = jnp.zeros((text.shape[0], context), bool).at[:, :bucket].set(valid)
-    rows = _put(state.rows, slots, RowState(key_valid, logits, hidden, jnp.zeros_like(logits, bool),
-                                            jnp.zeros(text.shape[0], bool)))
-
-    def row_settings(knobs, ints, trailing):
-        temperature, top_p, penalty, sub_temperature, sub_top_p = (knobs[i] for i in range(5))
-        seed, top_k, sub_top_k, max_frames, prompt_len, greedy, sub_greedy = (ints[i] for i in range(7))
-        return RowSettings(
-            key=jax.random.PRNGKey(seed),
-            talker=sampling.SamplingParams(greedy != 0, temperature, top_k.astype(jnp.int32), top_p),
-            predictor=sampling.SamplingParams(sub_greedy != 0, sub_temperature, sub_top_k.astype(jnp.int32),
-                                              sub_top_p),
-            penalty=penalty, max_frames=max_frames.astype(jnp.int32), position0=prompt_len.astype(jnp.int32),
-            trailing=talker.embed_text(params, trailing),
-        )
-
-    settings = _put(state.settings, slots, jax.vmap(row_settings)(knobs, ints, trailing))
-    k = state.k.at[slots].set(0, mode="drop")
-    row0 = state.row0.at[slots].set(bucket, mode="drop")
-    return EngineState(rows, big, settings, k, row0), logits[:, 0]
-
-
-def _chooser(name: str):
-    """The per-row token chooser the frame step uses."""
-    if name == "auto":
-        name = "pallas" if jax.default_backend() == "gpu" else "jnp"
-    if name == "jnp":
-        return sampling.choose
-    if name == "pallas":
-        from qtts_jax.kernels.sampling import choose_row
-
-        return partial(choose_row, interpret=jax.default_backend() == "cpu")
-    raise ValueError(f"unknown sampler {name!r} (jnp or pallas)")
-
-
-def _step(params, state: EngineState, idx, live, *, cfg, choose, n: int):
-    """`n` frames for the rows of slots `idx` [B] (padding rows aimed past the last slot, `live` false) in one
-    scan. Only those rows are read and written. Returns frames [n, B, 16] and valid [n, B]."""
-    rows = _take(state.rows, idx)
-    rows = rows._replace(done=rows.done | ~live)
-    settings, k0, row0 = _take(state.settings, idx), _take(state.k, idx), _take(state.row0, idx)
-
-    def body(carry, _):
-        rows, cache, k = carry
-        new_rows, cache, frame = frame_step(params, cfg, rows, cache, idx, settings, k, row0 + k, choose)
-        k = jnp.where(rows.done, k, k + 1)
-        return (new_rows, cache, k), (frame, ~new_rows.done)
-
-    (rows, cache, k), out = jax.lax.scan(body, (rows, state.cache, k0), None, length=n)
-    return state._replace(rows=_put(state.rows, idx, rows), cache=cache, k=_put(state.k, idx, k)), out
-
-
-def _first(params, codec_params, state: EngineState, codec_state, idx, live, fresh, decode, *, cfg, codec_cfg, choose):
-    """Newcomers' first frame and its audio in one program, so their first chunk is ready before the longer
-    step of the playing streams that is queued behind it. Row j decodes its frame where `decode[j]` (its
-    schedule starts with a one-frame chunk) and the frame is valid; `fresh[j]` starts its codec state at zero."""
-    state, (frames, valid) = _step(params, state, idx, live, cfg=cfg, choose=choose, n=1)
-    count = (decode & valid[0]).astype(jnp.int32)
-    audio, codec_state = _codec(codec_params, codec_state, idx, fresh, jnp.moveaxis(frames, 0, 1), count,
-                                cfg=codec_cfg)
-    return state, codec_state, (frames, valid, audio)
-
-
-def _codec(params, state: codec_streaming.StreamState, idx, fresh, codes, count, *, cfg):
-    """One streaming-codec call for the slots `idx` [B]: row j decodes its first `count[j]` frames of
-    `codes[j]`, from a zero state where `fresh[j]` (a new stream). Only those slots' state is touched."""
-    rows = _take(state, idx)
-    rows = jax.tree.map(lambda a: jnp.where(fresh.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.zeros_like(a), a), rows)
-    audio, rows = codec_streaming.decode_step(params, cfg, rows, codes, count)
-    return audio, _put(state, idx, rows)

@@ -1,0 +1,79 @@
+"""The engine's fixed shape: slots, context, prompt buckets, the ladders every program is compiled for, and the
+playback policy (the lead to build, the least margin to keep)."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+from qtts_jax.stream import DEFAULT_SCHEDULE
+
+
+def geometric(low: int, high: int, factor: int = 4) -> tuple[int, ...]:
+    """low, factor·low, factor²·low ... below high, then high itself."""
+    sizes, n = [], max(1, low)
+    while n < high:
+        sizes.append(n)
+        n *= factor
+    return (*sizes, high)
+
+
+def rung(sizes: tuple[int, ...], n: int) -> int:
+    """The smallest size in the ascending ladder `sizes` that holds n."""
+    return sizes[min(bisect.bisect_left(sizes, n), len(sizes) - 1)]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    slots: int = 8
+    context: int = 1024  # KV-cache rows per slot: prompt bucket + frames
+    prompt_buckets: tuple[int, ...] = (32, 64, 128, 256)
+    max_trailing: int = 256  # text tokens fed one per frame (streaming-text layout)
+    frames_per_step: int = 4  # the most frames one step call runs (playback headroom permitting)
+    schedule: tuple[int, ...] = DEFAULT_SCHEDULE  # frames per audio chunk once a stream has its lead: 1, 2, 4, 8 ...
+    frames_per_text_token: int = 8  # runaway guard: cap = base + this x text tokens
+    frames_cap_base: int = 24
+    # "pallas" (the kernel; 2-6.7x faster than the reference on the H200, bench/results/sampling-h200.json),
+    # "jnp" (the reference), or "auto": the kernel on GPU, the reference elsewhere (no Triton on CPU).
+    sampler: str = "auto"
+    cached_voices: int = 64  # ICL voices whose primed codec state stays on the device (LRU)
+    # Live-batch ladder of the step and the codec: `min_batch` times powers of 4 up to `slots`, or explicit
+    # sizes. Each rung compiles the step and the codec at every size (minutes at 256 rows on the H200), and
+    # a call's cost grows slowly with its rows (below 16 it is launch overhead), so rungs are far apart.
+    batch_sizes: tuple[int, ...] | None = None
+    min_batch: int = 16
+    max_prefill: int = 32  # requests per prefill call; a prefill ladder of powers of 4 up to this
+    # The longest a step may run: a request arriving during it waits that long before its own prefill.
+    max_step_s: float = 0.1
+    # Playback policy. Every stream builds a lead of `lead_s` of audio from spare compute, each frame going
+    # out as soon as it exists until then; beyond it chunks follow `schedule`. The margin kept in hand beyond
+    # an iteration's predicted cost is the jitter measured between prediction, engine and listener (see
+    # `scheduler.Jitter`), never less than `min_margin_s`.
+    lead_s: float = 1.0
+    min_margin_s: float = 0.01
+
+    @property
+    def codec_sizes(self) -> tuple[int, ...]:
+        """Chunk sizes the codec is compiled for: the schedule's, plus powers of two to flush tails."""
+        top = max(self.schedule)
+        return tuple(sorted(set(self.schedule) | {1 << i for i in range(top.bit_length()) if 1 << i <= top}))
+
+    @property
+    def ladder(self) -> tuple[int, ...]:
+        if self.batch_sizes is not None:
+            return tuple(sorted(set(self.batch_sizes) | {self.slots}))
+        sizes = set(geometric(min(self.min_batch, self.slots), self.slots))
+        if self.slots // 2 > self.min_batch:  # where calls are large, a rung halfway saves the most
+            sizes.add(self.slots // 2)
+        return tuple(sorted(sizes))
+
+    @property
+    def prefill_sizes(self) -> tuple[int, ...]:
+        return geometric(1, min(self.max_prefill, self.slots))
+
+    @property
+    def step_sizes(self) -> tuple[int, ...]:
+        """Frames a step call may run: powers of two up to `frames_per_step`, and it. A two-frame step is what
+        lets a loaded engine build a lead while newcomers, with one frame of audio each, join every iteration."""
+        top = max(1, self.frames_per_step)
+        return tuple(sorted({1 << i for i in range(top.bit_length()) if 1 << i <= top} | {top}))

@@ -1,0 +1,162 @@
+"""The engine's compiled programs, as pure functions of (params, state, inputs): the state layout every slot
+shares, prefill into slots, a step of n frames for some rows, the newcomers' first frame with its audio, and one
+streaming-codec call. The loop (`core.Engine`) jits them once per ladder rung and donates the state.
+
+Rows are slots gathered by index; a row aimed past the last slot is padding: it reads the last slot (clipped) and
+its writes are dropped, so one compiled size serves any number of live rows up to it."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qtts_jax import sampling, talker
+from qtts_jax.codec import streaming as codec_streaming
+from qtts_jax.engine.config import EngineConfig
+from qtts_jax.generate import RowSettings, RowState, frame_step
+from qtts_jax.model import Model
+from qtts_jax.prompt import Prompt, embed_prompt
+from qtts_jax.transformer import KVCache, rows_layout
+
+class EngineState(NamedTuple):
+    rows: RowState  # each leaf [slots, ...]
+    cache: KVCache  # [layers, slots, kv_heads, context, head_dim] each
+    settings: RowSettings  # each leaf [slots, ...]
+    k: jax.Array  # [slots] frames produced so far
+    row0: jax.Array  # [slots] cache row of frame 0 (= the slot's prompt bucket)
+
+
+def take_rows(tree, idx):
+    """Rows `idx` of every leaf (indices past the end read the last row: padding, never written back)."""
+    return jax.tree.map(lambda a: jnp.take(a, idx, axis=0, mode="clip"), tree)
+
+
+def put_rows(tree, idx, value):
+    """Write rows `idx` of every leaf, dropping padding rows (indices past the end); in place under donation."""
+    return jax.tree.map(lambda a, v: a.at[idx].set(v.astype(a.dtype), mode="drop"), tree, value)
+
+
+def set_slot(tree, slot, value):
+    """Write one slot's values into the batched tree (in place under donation)."""
+    return jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v.astype(a.dtype), slot, 0), tree, value)
+
+
+def blank_prompt(cfg, length: int):
+    return Prompt(
+        text=np.full(length, cfg.text.tts_pad, np.int32), codec=np.full(length, -1, np.int32),
+        frames=np.full((length, cfg.num_code_groups), -1, np.int32), speaker_row=-1, speaker=None,
+        trailing=np.zeros(0, np.int32),
+    )
+
+
+def init_state(model: Model, c: EngineConfig) -> EngineState:
+    """Every slot empty and done; shapes fixed for the engine's life."""
+    cfg, b = model.cfg, c.slots
+    dtype = model.params["codec_embedding"].dtype
+    t = cfg.talker
+    shape = (t.num_layers, b, t.num_kv_heads, c.context, t.head_dim)
+    cache = KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    vocab, h = cfg.talker.vocab_size, cfg.talker.hidden_size
+    rows = RowState(
+        key_valid=jnp.zeros((b, c.context), bool), logits=jnp.zeros((b, vocab), jnp.float32),
+        hidden=jnp.zeros((b, h), dtype), seen=jnp.zeros((b, vocab), bool), done=jnp.ones(b, bool),
+    )
+    def params():  # distinct buffers for each field: donated leaves must not alias
+        return sampling.SamplingParams(
+            jnp.ones(b, bool), jnp.ones(b, jnp.float32), jnp.zeros(b, jnp.int32), jnp.ones(b, jnp.float32)
+        )
+
+    settings = RowSettings(
+        key=jnp.zeros((b, 2), jnp.uint32), talker=params(), predictor=params(), penalty=jnp.ones(b, jnp.float32),
+        max_frames=jnp.zeros(b, jnp.int32), position0=jnp.zeros(b, jnp.int32),
+        trailing=jnp.zeros((b, c.max_trailing + 1, h), dtype),
+    )
+    return EngineState(rows, cache, settings, jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32))
+
+
+def insert(params, state: EngineState, slots, text, codec, frames, speaker_row, speaker, valid, trailing, knobs,
+            ints, *, cfg):
+    """Prefill R prompts of one bucket (the bucket is their length) into `slots` [R] together, resetting those
+    slots' state; rows aimed past the last slot are padding and change nothing. Returns the state and a small
+    array to wait on (the state is donated to the next step)."""
+    bucket = text.shape[1]
+    x = jax.vmap(partial(embed_prompt, params))(text, codec, frames, speaker_row, speaker)
+    logits, hidden, cache = jax.vmap(lambda x, v: talker.prefill(params, cfg, x, v, bucket))(x, valid)
+    cache = rows_layout(cache)
+    big = KVCache(state.cache.k.at[:, slots, :, :bucket].set(cache.k, mode="drop"),
+                  state.cache.v.at[:, slots, :, :bucket].set(cache.v, mode="drop"))
+    context = big.k.shape[3]
+    key_valid = jnp.zeros((text.shape[0], context), bool).at[:, :bucket].set(valid)
+    rows = put_rows(state.rows, slots, RowState(key_valid, logits, hidden, jnp.zeros_like(logits, bool),
+                                            jnp.zeros(text.shape[0], bool)))
+
+    def row_settings(knobs, ints, trailing):
+        temperature, top_p, penalty, sub_temperature, sub_top_p = (knobs[i] for i in range(5))
+        seed, top_k, sub_top_k, max_frames, prompt_len, greedy, sub_greedy = (ints[i] for i in range(7))
+        return RowSettings(
+            key=jax.random.PRNGKey(seed),
+            talker=sampling.SamplingParams(greedy != 0, temperature, top_k.astype(jnp.int32), top_p),
+            predictor=sampling.SamplingParams(sub_greedy != 0, sub_temperature, sub_top_k.astype(jnp.int32),
+                                              sub_top_p),
+            penalty=penalty, max_frames=max_frames.astype(jnp.int32), position0=prompt_len.astype(jnp.int32),
+            trailing=talker.embed_text(params, trailing),
+        )
+
+    settings = put_rows(state.settings, slots, jax.vmap(row_settings)(knobs, ints, trailing))
+    k = state.k.at[slots].set(0, mode="drop")
+    row0 = state.row0.at[slots].set(bucket, mode="drop")
+    return EngineState(rows, big, settings, k, row0), logits[:, 0]
+
+
+def chooser(name: str):
+    """The per-row token chooser the frame step uses."""
+    if name == "auto":
+        name = "pallas" if jax.default_backend() == "gpu" else "jnp"
+    if name == "jnp":
+        return sampling.choose
+    if name == "pallas":
+        from qtts_jax.kernels.sampling import choose_row
+
+        return partial(choose_row, interpret=jax.default_backend() == "cpu")
+    raise ValueError(f"unknown sampler {name!r} (jnp or pallas)")
+
+
+def step(params, state: EngineState, idx, live, *, cfg, choose, n: int):
+    """`n` frames for the rows of slots `idx` [B] (padding rows aimed past the last slot, `live` false) in one
+    scan. Only those rows are read and written. Returns frames [n, B, 16] and valid [n, B]."""
+    rows = take_rows(state.rows, idx)
+    rows = rows._replace(done=rows.done | ~live)
+    settings, k0, row0 = take_rows(state.settings, idx), take_rows(state.k, idx), take_rows(state.row0, idx)
+
+    def body(carry, _):
+        rows, cache, k = carry
+        new_rows, cache, frame = frame_step(params, cfg, rows, cache, idx, settings, k, row0 + k, choose)
+        k = jnp.where(rows.done, k, k + 1)
+        return (new_rows, cache, k), (frame, ~new_rows.done)
+
+    (rows, cache, k), out = jax.lax.scan(body, (rows, state.cache, k0), None, length=n)
+    return state._replace(rows=put_rows(state.rows, idx, rows), cache=cache, k=put_rows(state.k, idx, k)), out
+
+
+def first(params, codec_params, state: EngineState, codec_state, idx, live, fresh, decode, *, cfg, codec_cfg, choose):
+    """Newcomers' first frame and its audio in one program, so their first chunk is ready before the longer
+    step of the playing streams that is queued behind it. Row j decodes its frame where `decode[j]` (its
+    schedule starts with a one-frame chunk) and the frame is valid; `fresh[j]` starts its codec state at zero."""
+    state, (frames, valid) = step(params, state, idx, live, cfg=cfg, choose=choose, n=1)
+    count = (decode & valid[0]).astype(jnp.int32)
+    audio, codec_state = codec(codec_params, codec_state, idx, fresh, jnp.moveaxis(frames, 0, 1), count,
+                                cfg=codec_cfg)
+    return state, codec_state, (frames, valid, audio)
+
+
+def codec(params, state: codec_streaming.StreamState, idx, fresh, codes, count, *, cfg):
+    """One streaming-codec call for the slots `idx` [B]: row j decodes its first `count[j]` frames of
+    `codes[j]`, from a zero state where `fresh[j]` (a new stream). Only those slots' state is touched."""
+    rows = take_rows(state, idx)
+    rows = jax.tree.map(lambda a: jnp.where(fresh.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.zeros_like(a), a), rows)
+    audio, rows = codec_streaming.decode_step(params, cfg, rows, codes, count)
+    return audio, put_rows(state, idx, rows)

@@ -1,0 +1,94 @@
+"""The loop's decisions, as pure functions of numbers the loop already has: how many frames the playing streams
+step, which streams' chunks are due and how many frames each, and the margin that covers measured jitter.
+
+Nothing here touches a device or a stream object, so each rule is tested on arrays alone (tests/test_scheduler.py).
+The rules serve one contract: a stream, once its first audio is out, never runs dry at a listener who plays from
+the first byte. A stream's *headroom* is the audio it has handed out minus what such a listener has played.
+
+- **Lead.** Until a stream's headroom reaches `lead_s`, every frame it has goes to the codec in the iteration that
+  made it (a lead builds at the rate the engine outpaces playback); past the lead, chunks follow the stream's
+  schedule (fewer, larger codec calls).
+- **Step size.** The most frames whose predicted iteration leaves every stream's headroom above the margin, where
+  newcomers, joining the step right after their one-frame first chunk, must get their next audio before that
+  frame has played; and no longer than `max_step_s` (a request arriving meanwhile waits for it) unless only a
+  longer step keeps up with playback.
+- **Margin.** The late side of what was measured: iterations that ran longer than predicted, and chunks that
+  reached the event loop later than the engine handed them out. Not a constant guessed here.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+import numpy as np
+
+from qtts_jax.stream import FRAME_SECONDS
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """One iteration's step: `frames` for the playing rows, and the iteration's predicted duration."""
+
+    frames: int
+    predicted_s: float
+
+
+def step_frames(costs: dict[int, float], headroom: np.ndarray, newcomer_audio_s: float | None, extra_s: float,
+                margin_s: float, max_step_s: float) -> StepPlan:
+    """Frames to step, from `costs` (frames -> seconds of a step iteration at this batch, the codec included):
+
+    - `headroom` [N]: seconds of audio each playing stream with audio has in hand now;
+    - `newcomer_audio_s`: the audio newcomers get from their first-frame program this iteration (None: none do);
+      their next audio comes at the end of this step, so the step must not outlast it;
+    - `extra_s`: the newcomers' prefill and first-frame programs, which run before the step.
+    """
+    budget = math.inf
+    if len(headroom):
+        budget = float(np.min(headroom)) - margin_s - extra_s
+    if newcomer_audio_s is not None:
+        budget = min(budget, newcomer_audio_s - margin_s)
+    sizes = sorted(costs)
+    fits = [n for n in sizes if costs[n] <= budget]
+    brief = [n for n in fits if costs[n] <= max_step_s and costs[n] + extra_s <= n * FRAME_SECONDS]
+    n = max(brief or fits, default=sizes[0])
+    return StepPlan(n, extra_s + costs[n])
+
+
+def chunks_due(pending: np.ndarray, want: np.ndarray, lm_done: np.ndarray, headroom: np.ndarray, lead_s: float,
+               horizon_s: float, most: int) -> np.ndarray:
+    """Frames each stream hands to this iteration's codec call (0: none), per stream:
+
+    `pending` frames made but not yet decoded, `want` its schedule's next chunk size, `lm_done` no more frames
+    will come, `headroom` its audio in hand (NaN before its first chunk: then only the schedule decides, which
+    is what fixes its first-audio latency). A stream below its lead, or whose headroom would not outlast
+    `horizon_s` (the next iteration and the margin), sends everything it has, up to `most` (the codec's largest
+    chunk); past its lead it waits for its schedule's size, or sends the rest once its LM is done.
+    """
+    pending = np.asarray(pending, np.int64)
+    with np.errstate(invalid="ignore"):
+        short = np.asarray(headroom, float) < max(lead_s, horizon_s)  # NaN compares False: no audio yet
+    full = pending >= want
+    due = (pending > 0) & (lm_done | full | short)
+    return np.where(due, np.where(full & ~short & ~lm_done, want, np.minimum(pending, most)), 0)
+
+
+class Jitter:
+    """How late things ran beyond what the loop planned, over a recent window: each sample is seconds late
+    (an iteration longer than predicted; a chunk reaching the listener's event loop after the engine handed it
+    out). The margin is a high quantile of them, so it covers what this machine and this load really do.
+
+    `add` is safe from any thread (a deque append); `margin` is read on the engine thread."""
+
+    def __init__(self, floor_s: float, window: int = 512, quantile: float = 0.99):
+        self.floor_s, self.quantile = floor_s, quantile
+        self._samples: collections.deque[float] = collections.deque(maxlen=window)
+
+    def add(self, late_s: float) -> None:
+        self._samples.append(max(float(late_s), 0.0))
+
+    def margin(self) -> float:
+        if not self._samples:
+            return self.floor_s
+        return max(self.floor_s, float(np.quantile(np.fromiter(self._samples, float), self.quantile)))

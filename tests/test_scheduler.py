@@ -1,0 +1,76 @@
+"""The engine's decisions on arrays alone, without a device: step size, chunks due, the measured margin."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qtts_jax.engine import Jitter, chunks_due, step_frames
+from qtts_jax.stream import FRAME_SECONDS
+
+COSTS = {1: 0.030, 2: 0.055, 4: 0.100}  # seconds of a step iteration (codec included) by frames
+
+
+def test_step_takes_the_most_frames_that_every_headroom_outlasts():
+    assert step_frames(COSTS, np.array([0.5, 0.3]), None, 0.0, 0.01, 0.2).frames == 4
+    # the tightest stream decides: 0.07 s in hand, less the margin, fits a two-frame step only
+    assert step_frames(COSTS, np.array([0.5, 0.07]), None, 0.0, 0.01, 0.2).frames == 2
+    # the newcomers' prefill and first frame run first and come out of the same headroom
+    assert step_frames(COSTS, np.array([0.07]), None, 0.02, 0.01, 0.2).frames == 1
+
+
+def test_newcomers_one_frame_of_audio_bounds_the_step_they_join():
+    plan = step_frames(COSTS, np.array([2.0]), FRAME_SECONDS, 0.015, 0.01, 0.2)
+    assert plan.frames == 2  # 55 ms + 10 ms margin < 80 ms; a 100 ms four-frame step would starve them
+    assert plan.predicted_s == pytest.approx(0.015 + COSTS[2])
+    assert step_frames(COSTS, np.array([2.0]), None, 0.015, 0.01, 0.2).frames == 4
+
+
+def test_a_long_step_is_avoided_unless_only_it_keeps_up():
+    # within the headroom, but longer than max_step_s: an arrival would wait for it
+    assert step_frames(COSTS, np.array([2.0]), None, 0.0, 0.01, 0.06).frames == 2
+    # a one-frame iteration slower than its 80 ms of audio: only the long step keeps up, so it is taken
+    slow = {1: 0.085, 2: 0.120, 4: 0.200}
+    assert step_frames(slow, np.array([2.0]), None, 0.0, 0.01, 0.1).frames == 4
+
+
+def test_nothing_fits_steps_one_frame():
+    assert step_frames(COSTS, np.array([0.01]), None, 0.0, 0.01, 0.2).frames == 1
+    assert step_frames(COSTS, np.array([]), None, 0.0, 0.01, 0.2).frames == 4  # no audio out yet: no bound
+
+
+def test_below_the_lead_every_frame_goes_out_past_it_the_schedule_decides():
+    pending = np.array([1, 3, 3, 8, 2, 0])
+    want = np.array([2, 4, 4, 8, 8, 8])
+    lm_done = np.array([False, False, False, False, True, False])
+    headroom = np.array([0.3, 0.3, 1.5, 1.5, 1.5, 0.1])
+    got = chunks_due(pending, want, lm_done, headroom, lead_s=1.0, horizon_s=0.05, most=8)
+    # below the lead: all it has; past it: wait for the schedule (3 < 4), or send its size; LM done: the rest
+    np.testing.assert_array_equal(got, [1, 3, 0, 8, 2, 0])
+
+
+def test_before_first_audio_only_the_schedule_decides():
+    got = chunks_due(np.array([1, 3]), np.array([1, 4]), np.array([False, False]), np.array([np.nan, np.nan]),
+                     lead_s=1.0, horizon_s=0.05, most=8)
+    np.testing.assert_array_equal(got, [1, 0])  # the second waits for its four-frame first chunk
+
+
+def test_without_a_lead_a_chunk_goes_early_only_when_headroom_would_run_out():
+    args = dict(pending=np.array([3, 3]), want=np.array([4, 4]), lm_done=np.array([False, False]), lead_s=0.0,
+                most=8)
+    np.testing.assert_array_equal(chunks_due(headroom=np.array([0.04, 0.5]), horizon_s=0.05, **args), [3, 0])
+    # at most the codec's largest chunk at once
+    np.testing.assert_array_equal(chunks_due(np.array([12]), np.array([16]), np.array([False]), np.array([0.0]),
+                                             lead_s=1.0, horizon_s=0.05, most=8), [8])
+
+
+def test_margin_is_a_high_quantile_of_measured_lateness_never_below_the_floor():
+    jitter = Jitter(floor_s=0.01, window=100)
+    assert jitter.margin() == 0.01
+    for late in [-0.002] * 50 + [0.001] * 48 + [0.030, 0.045]:  # early iterations count as on time
+        jitter.add(late)
+    assert jitter.margin() == pytest.approx(np.quantile([0.0] * 50 + [0.001] * 48 + [0.030, 0.045], 0.99))
+    assert 0.03 < jitter.margin() < 0.045
+    for _ in range(100):  # the window forgets: a quiet machine gets its floor back
+        jitter.add(0.0)
+    assert jitter.margin() == 0.01
