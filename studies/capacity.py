@@ -11,7 +11,7 @@ from pathlib import Path
 
 from studies import provenance
 from studies.fleet import fleet_size
-from studies.slo import SLO, safe_capacity
+from studies.slo import SLO, Contract, safe_capacity, zero_underrun_capacity
 from studies.sweep import sweep
 
 
@@ -22,14 +22,14 @@ def unit(mode: str, load: float | None = None) -> str:
     return "stream in flight" if load == 1 else "streams in flight"
 
 
-def assess(conditions: list[dict], slo: SLO, slots: int | None) -> dict:
+def assess(conditions: list[dict], slo: SLO, slots: int | None, contract: Contract = Contract()) -> dict:
     """The verdict behind a safe capacity: the first load that is not safe and why ("fail" or "undecided",
     per SLO), loads that pass above it (not counted), and what bounds the number: every load tried passed
     (`highest load tried`) or, in closed loop, the capacity is the slot count (`slot count`): a load above it
-    waits for slots."""
+    waits for slots. Beside it the zero-underrun capacity and the first load that breaks the contract."""
     safe = safe_capacity(conditions, slo)
     ordered = sorted(conditions, key=lambda c: c["load"])
-    stop = next((c for c in ordered if c["verdict"]["overall"] != "pass"), None)
+    stop = _first_short(ordered, "verdict")
     limited_by = []
     if stop is None:
         limited_by.append("highest load tried")
@@ -37,12 +37,20 @@ def assess(conditions: list[dict], slo: SLO, slots: int | None) -> dict:
         limited_by.append("slot count")
     return {
         "safe_capacity": safe, "limited_by": limited_by,
-        "stopped_at": None if stop is None else {
-            "load": stop["load"], "overall": stop["verdict"]["overall"],
-            "slos": {k: v for k, v in stop["verdict"].items() if k != "overall" and v != "pass"}},
+        "stopped_at": stop,
         "passes_above": [c["load"] for c in ordered if stop and c["load"] > stop["load"]
                          and c["verdict"]["overall"] == "pass"],
+        "zero_underrun_capacity": zero_underrun_capacity(conditions, contract),
+        "contract_stopped_at": _first_short(ordered, "contract_verdict"),
     }
+
+
+def _first_short(ordered: list[dict], key: str) -> dict | None:
+    """The lowest load whose `key` verdict is not an overall pass, with the criteria it missed; None if none."""
+    stop = next((c for c in ordered if c[key]["overall"] != "pass"), None)
+    return None if stop is None else {
+        "load": stop["load"], "overall": stop[key]["overall"],
+        "slos": {k: v for k, v in stop[key].items() if k != "overall" and v != "pass"}}
 
 
 def slug(label: str) -> str:
@@ -52,10 +60,11 @@ def slug(label: str) -> str:
 def study(servers: dict[str, str], out_dir: str | Path, mode: str, loads: list[float], requests: int,
           prompts: list[str], options: dict, warmup: int = 2, buffer_ms: float = 0.0, slo: SLO = SLO(),
           protocol: str = "http", target_load: float = 100.0, price_per_hour: float = 1.0,
-          configs: dict[str, dict] | None = None) -> dict:
+          configs: dict[str, dict] | None = None, contract: Contract = Contract()) -> dict:
     """Sweeps each server (label -> URL) in turn into out_dir/servers/<label>/ and writes out_dir/summary.json
     (provenance, settings, per server: conditions, assessment, fleet) and out_dir/records.jsonl (every
-    request of every server, labelled). `configs`: how local servers were started, for provenance."""
+    request of every server, labelled). `configs`: how local servers were started, for provenance. The fleet
+    is sized on the SLO's safe capacity; the zero-underrun contract is reported beside it."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     about = {label: provenance.server(url, (configs or {}).get(label)) for label, url in servers.items()}
@@ -63,8 +72,8 @@ def study(servers: dict[str, str], out_dir: str | Path, mode: str, loads: list[f
     results = []
     for label, url in servers.items():
         r = sweep(url, mode, loads, requests, prompts, dirs[label], options=options,
-                  warmup=warmup, buffer_ms=buffer_ms, slo=slo, protocol=protocol, server=label)
-        a = assess(r["conditions"], slo, about[label].get("slots"))
+                  warmup=warmup, buffer_ms=buffer_ms, slo=slo, protocol=protocol, server=label, contract=contract)
+        a = assess(r["conditions"], slo, about[label].get("slots"), contract)
         results.append({"label": label, "url": url, "slots": about[label].get("slots"), **a,
                         "fleet": fleet_size(a["safe_capacity"], target_load, price_per_hour)
                         if a["safe_capacity"] > 0 else None,
@@ -75,6 +84,7 @@ def study(servers: dict[str, str], out_dir: str | Path, mode: str, loads: list[f
     summary = {"provenance": provenance.provenance(out.name, about), "mode": mode, "protocol": protocol,
                "unit": unit(mode), "loads": sorted(loads), "requests_per_condition": requests, "warmup": warmup,
                "buffer_ms": buffer_ms, "options": options, "slo": vars(slo), "target_load": target_load,
-               "price_per_hour": price_per_hour, "servers": results, "safe_capacity": results[0]["safe_capacity"]}
+               "price_per_hour": price_per_hour, "servers": results, "safe_capacity": results[0]["safe_capacity"],
+               "contract": vars(contract), "zero_underrun_capacity": results[0]["zero_underrun_capacity"]}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     return summary

@@ -43,6 +43,9 @@ def _parser(prog: str = "python -m studies") -> argparse.ArgumentParser:
                    help="frames per streamed chunk, the last repeating")
     c.add_argument("--buffer-ms", type=float, default=0.0,
                    help="client start-up buffer of the simulated player (the SLO is defined at 0)")
+    c.add_argument("--contract-ttfa-ms", type=float, default=100.0,
+                   help="zero-underrun contract, judged beside the SLO: p95 TTFA target; the contract also needs "
+                        "every request to succeed and no stream to stall after its first audio at zero buffer")
     c.add_argument("--target", type=float, default=100.0, help="fleet sizing: load to carry, in the loads' unit")
     c.add_argument("--price-per-hour", type=float, default=1.0, help="fleet sizing: USD per replica-hour")
     c.add_argument("--runs", default="runs", help="parent directory of the run directory")
@@ -106,11 +109,16 @@ def capacity(args) -> int:
     from studies.corpora import load_corpus
     from studies.report import new_run_dir, run_notebook
     from studies.server import local_server
-    from studies.slo import SLO
-    from studies.verdict import verdict_text
+    from studies.slo import SLO, Contract
+    from studies.verdict import contract_text, verdict_text
 
     if args.compare_url and args.compare_serialised:
         print("error: give --compare-url or --compare-serialised, not both", file=sys.stderr)
+        return 2
+    try:
+        contract = Contract(args.contract_ttfa_ms)
+    except ValueError as exc:
+        print(f"error: --contract-ttfa-ms: {exc}", file=sys.stderr)
         return 2
     run_dir = new_run_dir(args.runs, "capacity" + ("-serialised" if args.serialised else ""))
     loads = [int(x) if args.mode == "closed" else x for x in args.loads]
@@ -134,11 +142,14 @@ def capacity(args) -> int:
             configs[label] = {**local, "slots": 1, "serialised": True}
         print(f"studying {', '.join(servers.values())} -> {run_dir}", file=sys.stderr)
         summary = study(servers, run_dir, args.mode, loads, args.requests, load_corpus("voice_agent"), options,
-                        args.warmup, args.buffer_ms, SLO(), args.protocol, args.target, args.price_per_hour, configs)
+                        args.warmup, args.buffer_ms, SLO(), args.protocol, args.target, args.price_per_hour, configs,
+                        contract)
     report = run_notebook("capacity_study", {"measured": True}, run_dir)
     for server in summary["servers"]:
         print(verdict_text(server, summary).replace("**", ""), end="\n\n")
-    print(f"safe capacity: {summary['safe_capacity']:g}; report: {report}")
+        print(contract_text(server, summary).replace("**", ""), end="\n\n")
+    print(f"safe capacity: {summary['safe_capacity']:g}; zero-underrun capacity: "
+          f"{summary['zero_underrun_capacity']:g}; report: {report}")
     return 0
 
 

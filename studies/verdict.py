@@ -25,9 +25,21 @@ def _ci(point: float, bounds, verdict: str) -> str:
     return f"{_ms(point)} [{_ms(bounds[0])}, {_ms(bounds[1])}]{MARK[verdict]}"
 
 
+def _pct(x: float) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{x:.1%}"
+
+
+def _underran(c: dict) -> str:
+    """Streams that underran at zero buffer, of the valid ones, with the share's interval: `1/60 [0.1%, 7.7%]`."""
+    lo, hi = c["underrun_share_ci"]
+    return (f"{c['underrun_requests']}/{c['succeeded']} [{_pct(lo)}, {_pct(hi)}]"
+            f"{MARK[c['contract_verdict']['underruns']]}")
+
+
 def conditions_table(server: dict) -> pd.DataFrame:
     """One row per load: counts, TTFA and starvation p95 with their confidence intervals (the verdict is
-    judged on those bounds: ✗ fails, ? undecided), throughput, and the load's verdict."""
+    judged on those bounds: ✗ fails, ? undecided), throughput, the load's SLO verdict and, beside it, the
+    streams that underran and the zero-underrun contract's verdict."""
     rows = []
     for c in server["conditions"]:
         v = c["verdict"]
@@ -38,8 +50,21 @@ def conditions_table(server: dict) -> pd.DataFrame:
             f"TTFA p95 ms [{CI}]": _ci(c["ttfa_p95_ms"], c["ttfa_p95_ci_ms"], v["ttfa"]),
             f"starvation p95 ms [{CI}]": _ci(c["starvation_p95_ms"], c["starvation_p95_ci_ms"], v["starvation"]),
             "underruns per stream": f"{c['underruns_mean']:.2f}", "req/s": f"{c['throughput_rps']:.2f}",
-            "audio s/s": f"{c['audio_s_per_s']:.2f}", "verdict": v["overall"]})
+            "audio s/s": f"{c['audio_s_per_s']:.2f}", "verdict": v["overall"],
+            f"streams that underran [{CI}]": _underran(c), "zero-underrun": c["contract_verdict"]["overall"]})
     return pd.DataFrame(rows).set_index("load")
+
+
+def _p95_why(cond: dict, name: str, verdict: str, target: float) -> str:
+    """Why a p95 ("ttfa" or "starvation") is not a pass: above the target, unbounded, or undecided."""
+    lo, hi = cond[f"{name}_p95_ci_ms"]
+    label = "p95 TTFA" if name == "ttfa" else "p95 starvation"
+    if verdict == "fail":
+        return f"{label} is above {target:g} ms (its {CI} starts at {_ms(lo)} ms)"
+    if math.isinf(hi):
+        return (f"{label} cannot be bounded from {cond['succeeded']} valid streams (59 are needed to bound a p95 "
+                "from above)")
+    return f"{label} is undecided: its {CI} [{_ms(lo)}, {_ms(hi)}] ms contains the {target:g} ms target"
 
 
 def _loads(xs) -> str:
@@ -60,17 +85,8 @@ def verdict_text(server: dict, summary: dict) -> str:
             if name == "success":
                 why.append(f"{cond['success_rate']:.1%} of streams succeeded (SLO ≥ {slo['min_success_rate']:.0%})")
                 continue
-            key, target = ("ttfa", slo["ttfa_p95_ms"]) if name == "ttfa" else ("starvation", slo["starvation_p95_ms"])
-            lo, hi = cond[f"{key}_p95_ci_ms"]
-            label = "p95 TTFA" if name == "ttfa" else "p95 starvation"
-            if verdict == "fail":
-                why.append(f"{label} is above {target:g} ms (its {CI} starts at {_ms(lo)} ms)")
-            elif math.isinf(hi):
-                why.append(f"{label} cannot be bounded from {cond['succeeded']} valid streams (59 are needed to "
-                           "bound a p95 from above)")
-            else:
-                why.append(f"{label} is undecided: its {CI} [{_ms(lo)}, {_ms(hi)}] ms contains the "
-                           f"{target:g} ms target")
+            target = slo["ttfa_p95_ms"] if name == "ttfa" else slo["starvation_p95_ms"]
+            why.append(_p95_why(cond, name, verdict, target))
         what = "fails" if stop["overall"] == "fail" else "is undecided"
         lines.append(f"Load {stop['load']:g} {what}: " + "; ".join(why) + "."
                      + (" More requests per load (`--requests`) would decide it." if stop["overall"] == "undecided"
@@ -86,6 +102,42 @@ def verdict_text(server: dict, summary: dict) -> str:
                      f"{'s' if server['slots'] != 1 else ''}: more streams in flight wait for a slot, so a server "
                      "with more slots (if it keeps up) may carry more.")
     return "\n\n".join(lines)
+
+
+def contract_text(server: dict, summary: dict) -> str:
+    """Markdown: the zero-underrun capacity, how rare an underrun can still be there, and why the first load
+    above it breaks the contract. Beside the SLO's verdict, never instead of it: the fleet is sized on that."""
+    mode, target, zero = summary["mode"], summary["contract"]["ttfa_p95_ms"], server["zero_underrun_capacity"]
+    lines = [f"**Zero-underrun capacity per replica ({server['label']}): {zero:g} {unit(mode, zero)}**"]
+    if zero:
+        top = next(c for c in server["conditions"] if c["load"] == zero)
+        lines[0] += (f" (every request succeeded, no stream stalled after its first audio at a zero-buffer player and "
+                     f"p95 TTFA ≤ {target:g} ms with {CONFIDENCE:.0%} confidence, at this load and every lower one; "
+                     f"from 0 underruns in {top['succeeded']} streams at {zero:g}, with {CONFIDENCE:.0%} confidence at "
+                     f"most {_pct(top['underrun_share_ci'][1])} of its streams underrun).")
+    else:
+        lines[0] += "."
+    stop = server["contract_stopped_at"]
+    if stop:
+        cond = next(c for c in server["conditions"] if c["load"] == stop["load"])
+        why = [_contract_why(cond, name, verdict, target) for name, verdict in stop["slos"].items()]
+        what = "breaks" if stop["overall"] == "fail" else "is undecided on"
+        lines.append(f"Load {stop['load']:g} {what} the zero-underrun contract: " + "; ".join(why) + ".")
+    if summary["buffer_ms"]:
+        lines.append(f"Underruns are counted at zero buffer, as the contract's player starts at the first byte; "
+                     f"the table's starvation is at {summary['buffer_ms']:g} ms.")
+    return "\n\n".join(lines)
+
+
+def _contract_why(cond: dict, name: str, verdict: str, target: float) -> str:
+    """Why a load misses one criterion of the contract: a failed request, a stream that stalled, or its TTFA."""
+    if name == "success":
+        return f"{cond['success_rate']:.1%} of requests succeeded (the contract needs every one, a 429 included)"
+    if name == "underruns":
+        lo, hi = cond["underrun_share_ci"]
+        return (f"{cond['underrun_requests']} of {cond['succeeded']} streams stalled after their first audio "
+                f"(share {_pct(cond['underrun_share'])}, {CI} [{_pct(lo)}, {_pct(hi)}])")
+    return _p95_why(cond, name, verdict, target)
 
 
 def fleet_text(server: dict, summary: dict) -> str:

@@ -1,5 +1,6 @@
 """What a capacity report says, from hand-made summaries: assessment limits, verdict text that agrees with the
-table, fleet per server, figures (units, integer ticks, a colour per server, SLO legend), provenance, CLI."""
+table, the zero-underrun contract beside the SLO, fleet per server, figures (units, integer ticks, a colour per
+server, SLO legend), provenance, CLI."""
 
 from __future__ import annotations
 
@@ -21,29 +22,33 @@ from studies.fleet import fleet_size  # noqa: E402
 from studies.plots import capacity_curves, ttfa_cdfs  # noqa: E402
 from studies.progress import bar  # noqa: E402
 from studies.records import RequestRecord  # noqa: E402
-from studies.slo import SLO  # noqa: E402
-from studies.verdict import conditions_table, fleet_text, provenance_table, verdict_text  # noqa: E402
+from studies.slo import SLO, Contract  # noqa: E402
+from studies.stats import share_bounds  # noqa: E402
+from studies.verdict import conditions_table, contract_text, fleet_text, provenance_table, verdict_text  # noqa: E402
 
 
-def cond(load, ttfa_ci=(80, 120), starv_ci=(0, 10), success=1.0, mode="closed"):
-    c = {"condition": f"{mode}:{load}", "mode": mode, "load": load, "requests": 60, "succeeded": round(60 * success),
+def cond(load, ttfa_ci=(80, 120), starv_ci=(0, 10), success=1.0, mode="closed", underran=0):
+    ok = round(60 * success)
+    c = {"condition": f"{mode}:{load}", "mode": mode, "load": load, "requests": 60, "succeeded": ok,
          "success_rate": success, "rejected_429": 0, "ttfa_p50_ms": ttfa_ci[0],
          "ttfa_p95_ms": sum(ttfa_ci) / 2 if math.isfinite(ttfa_ci[1]) else ttfa_ci[0],
          "ttfa_p95_ci_ms": ttfa_ci, "starvation_p50_ms": 0.0, "starvation_p95_ms": starv_ci[0],
          "starvation_p95_ci_ms": starv_ci, "underruns_mean": 0.0, "throughput_rps": load / 2,
-         "audio_s_per_s": load, "errors": []}
-    c["slo"], c["verdict"] = SLO().check(c), SLO().judge(c)
+         "audio_s_per_s": load, "errors": [], "underrun_requests": underran,
+         "underrun_share": underran / ok if ok else math.nan, "underrun_share_ci": share_bounds(underran, ok)}
+    c["slo"], c["verdict"], c["contract_verdict"] = SLO().check(c), SLO().judge(c), Contract().judge(c)
     return c
 
 
 def server(label, conditions, slots):
-    a = assess(conditions, SLO(), slots)
+    a = assess(conditions, SLO(), slots, Contract())
     return {"label": label, "url": "http://x", "slots": slots, **a, "conditions": conditions,
             "fleet": fleet_size(a["safe_capacity"], 100, 1.0) if a["safe_capacity"] else None}
 
 
 def summary(*servers, loads=(1, 2, 4)):
-    return {"mode": "closed", "loads": list(loads), "slo": vars(SLO()), "buffer_ms": 0.0, "target_load": 100,
+    return {"mode": "closed", "loads": list(loads), "slo": vars(SLO()), "contract": vars(Contract()),
+            "buffer_ms": 0.0, "target_load": 100,
             "price_per_hour": 1.0, "servers": list(servers)}
 
 
@@ -81,6 +86,32 @@ def test_verdict_text_is_generated_from_the_same_numbers_as_the_table():
     few = server("few", [cond(1, ttfa_ci=(80, math.inf))], slots=8)
     assert "cannot be bounded from 60 valid streams" in verdict_text(few, summary(few, loads=(1,)))
     assert conditions_table(few).loc["1", "TTFA p95 ms [90% CI]"].endswith("[80, ∞] ?")
+
+
+def test_the_zero_underrun_contract_has_its_columns_and_its_capacity_beside_the_slo():
+    fast = (40, 60)  # p95 TTFA bounds under the contract's 100 ms
+    batched = server("batched", [cond(1, fast), cond(2, fast, underran=1), cond(4, fast)], slots=4)
+    assert (batched["safe_capacity"], batched["zero_underrun_capacity"]) == (4, 1)
+    assert batched["contract_stopped_at"] == {"load": 2, "overall": "fail", "slos": {"underruns": "fail"}}
+    table = conditions_table(batched)
+    assert list(table["verdict"]) == ["pass", "pass", "pass"]
+    assert list(table["zero-underrun"]) == ["pass", "fail", "pass"]
+    # 0 of 60: upper bound 1 - 0.05^(1/60) = 4.9%; 1 of 60: [1 - 0.95^(1/60), 7.7%] = [0.1%, 7.7%]
+    assert list(table["streams that underran [90% CI]"]) == ["0/60 [0.0%, 4.9%]", "1/60 [0.1%, 7.7%] ✗",
+                                                              "0/60 [0.0%, 4.9%]"]
+    s = summary(batched)
+    text = contract_text(batched, s)
+    assert "**Zero-underrun capacity per replica (batched): 1 stream in flight** (every request succeeded" in text
+    assert "from 0 underruns in 60 streams at 1, with 95% confidence at most 4.9% of its streams underrun" in text
+    assert ("Load 2 breaks the zero-underrun contract: 1 of 60 streams stalled after their first audio "
+            "(share 1.7%, 90% CI [0.1%, 7.7%])") in text
+    assert "Safe capacity per replica (batched): 4 streams in flight" in verdict_text(batched, s)  # unchanged
+    slow = server("slow", [cond(1, success=59 / 60)], slots=4)  # default TTFA bounds (80, 120) straddle 100 ms
+    text = contract_text(slow, summary(slow, loads=(1,)))
+    assert "**Zero-underrun capacity per replica (slow): 0 streams in flight**." in text
+    assert ("Load 1 breaks the zero-underrun contract: 98.3% of requests succeeded (the contract needs every one, "
+            "a 429 included); p95 TTFA is undecided: its 90% CI [80, 120] ms contains the 100 ms target.") in text
+    assert "zero buffer" in contract_text(slow, {**summary(slow, loads=(1,)), "buffer_ms": 200.0})
 
 
 def test_every_server_gets_a_fleet_or_the_reason_it_has_none():
@@ -167,7 +198,8 @@ def test_cli_help_names_the_command_it_was_run_as_and_shows_defaults(capsys):
         main(["study", "capacity", "--help"])
     out = capsys.readouterr().out
     assert out.startswith("usage: qtts-jax study capacity")
-    for flag in ("--slots SLOTS", "--target TARGET", "--buffer-ms BUFFER_MS", "--loads LOAD"):
+    for flag in ("--slots SLOTS", "--target TARGET", "--buffer-ms BUFFER_MS", "--loads LOAD",
+                 "--contract-ttfa-ms CONTRACT_TTFA_MS"):
         assert flag in out
     assert "(default: 60)" in out and "(default: [1, 2, 4])" in out
 

@@ -13,7 +13,7 @@ from studies.load import arrival_times, run_condition
 from studies.records import read_jsonl
 from studies.report import run_notebook
 from studies.server import local_server
-from studies.slo import SLO, safe_capacity
+from studies.slo import SLO, Contract, safe_capacity, zero_underrun_capacity
 from studies.sweep import sweep
 
 PROMPTS = ["Hi, how can I help?", "Your order has shipped.", "One moment please."]
@@ -46,7 +46,9 @@ def test_closed_sweep_writes_valid_timed_records_and_a_consistent_summary(url, t
     for c in result["conditions"]:
         assert c["requests"] == 4 and c["success_rate"] == 1.0
         assert 0 < c["ttfa_p50_ms"] <= c["ttfa_p95_ms"] and c["throughput_rps"] > 0
+        assert 0 <= c["underrun_requests"] <= c["succeeded"] and c["contract_verdict"] == Contract().judge(c)
     assert result["safe_capacity"] == safe_capacity(result["conditions"], SLO())
+    assert result["zero_underrun_capacity"] == zero_underrun_capacity(result["conditions"], Contract())
     assert json.loads((tmp_path / "summary.json").read_text())["safe_capacity"] == result["safe_capacity"]
 
 
@@ -90,7 +92,9 @@ def test_capacity_cli_sweeps_over_the_websocket(url, tmp_path, capsys):
     (run,) = tmp_path.iterdir()
     assert json.loads((run / "summary.json").read_text())["protocol"] == "ws"
     assert {r.protocol for r in read_jsonl(run / "records.jsonl")} == {"ws"}
-    assert "loop over ws" in (run / "report.html").read_text() and "safe capacity" in capsys.readouterr().out
+    assert "loop over ws" in (run / "report.html").read_text()
+    out = capsys.readouterr().out
+    assert "safe capacity: 0; zero-underrun capacity: 0;" in out and "Zero-underrun capacity per replica" in out
 
 
 def test_overload_rejections_count_as_failures(url, tmp_path):
@@ -116,6 +120,8 @@ def test_capacity_notebook_executes_and_renders_a_report(url, tmp_path):
     for name in ("first", "second"):  # swept side by side, each judged and sized
         assert f"Safe capacity per replica ({name}): 0 streams in flight" in html
         assert f"<strong>{name}: no fleet size</strong>" in html
+        assert f"Zero-underrun capacity per replica ({name}): 0 streams in flight" in html  # beside the SLO's
+    assert "streams that underran [90% CI]</th>" in html and "zero-underrun</th>" in html
     # 3 streams bound a p95 only from below: a 1 ms TTFA target is failed with confidence
     assert "Load 1 fails: p95 TTFA is above 1 ms" in html and "<table" in html  # pandas tables, not Markdown
     assert "tags=" not in html and "from studies" not in html  # no code
@@ -123,6 +129,7 @@ def test_capacity_notebook_executes_and_renders_a_report(url, tmp_path):
     assert not [o for c in nb["cells"] for o in c.get("outputs", []) if o["output_type"] == "execute_result"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [s["label"] for s in summary["servers"]] == ["first", "second"]
+    assert summary["contract"] == {"ttfa_p95_ms": 100.0} and summary["zero_underrun_capacity"] == 0
     assert summary["provenance"]["servers"]["first"]["slots"] == 2
     assert summary["provenance"]["servers"]["first"]["model"]["model"] == "tiny-random"
     records = read_jsonl(tmp_path / "records.jsonl")
