@@ -2,7 +2,8 @@
 the time the server took to be ready (and, with --restart, to be ready again from its compilation cache),
 optionally beside a serialised server; one JSON and one Markdown table.
 
-Same method and library as `qtts-jax study capacity` (SLOs, zero-buffer starvation, safe capacity, fleet),
+Same method and library as `qtts-jax study capacity` (SLOs, zero-buffer starvation, safe capacity, fleet, and
+beside them the zero-underrun contract and its capacity),
 with JSON instead of the HTML report: the GPU machine has no papermill/nbconvert. Random weights force
 frame counts via ``max_frames``. Defaults are the issue-11 settings: 0.6B shape, bf16, context 512, 48 frames
 (3.84 s) per request, voice-agent corpus, max(60, 2 x load) measured requests per condition.
@@ -33,13 +34,13 @@ from studies.corpora import load_corpus  # noqa: E402
 from studies.fleet import fleet_size  # noqa: E402
 from studies.load import wait_ready  # noqa: E402
 from studies.server import local_server  # noqa: E402
-from studies.slo import SLO, safe_capacity  # noqa: E402
+from studies.slo import SLO, Contract, safe_capacity, zero_underrun_capacity  # noqa: E402
 from studies.sweep import run_sync, sweep  # noqa: E402
 
 READY_LINE = re.compile(r"ready after ([\d.]+) s \(slots=(\d+); (.*)\)")
 SIZING_LINE = re.compile(r"slots: \d+ \((.*)\)")
 COLUMNS = ("success_rate", "rejected_429", "ttfa_p50_ms", "ttfa_p95_ms", "starvation_p95_ms", "underruns_mean",
-           "throughput_rps", "audio_s_per_s")
+           "underrun_requests", "underrun_share", "throughput_rps", "audio_s_per_s")
 
 
 def numbers(text: str) -> list[float]:
@@ -69,7 +70,7 @@ def measure(args, out: Path, name: str, serialised: bool, modes: dict[str, list[
     --requests), stops it; with --restart starts it once more and times that start."""
     prompts = load_corpus("voice_agent")
     options = {"voice": "ryan", "seed": 0, "max_frames": args.max_frames}  # the server's default chunk schedule
-    slo = SLO()
+    slo, contract = SLO(), Contract(args.contract_ttfa_ms)
     t0 = time.perf_counter()
     with start(args, out, name, serialised) as url:
         result = {"startup_s": round(time.perf_counter() - t0, 1), "slots": run_sync(wait_ready(url))["slots"]}
@@ -78,13 +79,15 @@ def measure(args, out: Path, name: str, serialised: bool, modes: dict[str, list[
             for load in loads:
                 requests = args.requests or max(60, math.ceil(2 * load))
                 summary = sweep(url, mode, [load], requests, prompts, out / name / f"{mode}-{load:g}",
-                                options=options, warmup=args.warmup, slo=slo)
+                                options=options, warmup=args.warmup, slo=slo, contract=contract)
                 (c,) = summary["conditions"]
                 conditions.append(c)
                 print(name, json.dumps({"condition": c["condition"], **{k: c[k] for k in COLUMNS},
-                                        "safe": c["slo"]["safe"]}, default=float), flush=True)
+                                        "safe": c["slo"]["safe"], "zero_underrun": c["contract_verdict"]["overall"]},
+                                       default=float), flush=True)
             safe = safe_capacity(conditions, slo)
-            result[mode] = {"safe_capacity": safe, "conditions": conditions,
+            zero = zero_underrun_capacity(conditions, contract)
+            result[mode] = {"safe_capacity": safe, "zero_underrun_capacity": zero, "conditions": conditions,
                             "fleet": fleet_size(safe, args.target, args.price_per_hour) if safe else None}
     result["server_log"] = server_log(out / f"server-{name}.log")
     if args.restart:
@@ -95,24 +98,36 @@ def measure(args, out: Path, name: str, serialised: bool, modes: dict[str, list[
     return result
 
 
+def _misses(verdict: dict) -> str:
+    """A table's verdict cell: yes, or no and the criteria missed; the SLO's check holds True per criterion met,
+    the contract's verdict "pass"."""
+    missed = [k for k, v in verdict.items() if k not in ("safe", "overall") and v not in (True, "pass")]
+    return "yes" if not missed else f"no ({', '.join(missed)})"
+
+
 def table(servers: dict) -> str:
-    """The README/issue table: one row per condition."""
+    """The README/issue table: one row per condition, the SLO's verdict (safe) and, beside it, the streams that
+    underran at zero buffer (of the valid ones, with their share) and the zero-underrun contract's verdict."""
     rows = ["| server | load | success | TTFA p50 / p95 ms | starvation p95 ms | underruns per stream | audio s/s "
-            "| safe |", "|---|---|---|---|---|---|---|---|"]
+            "| safe | streams that underran | zero-underrun |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in servers.items():
         server = f"{name} ({s['slots']} slot{'s' if s['slots'] != 1 else ''})"
         for mode in ("closed", "open-poisson"):
             for c in s.get(mode, {}).get("conditions", []):
                 load = f"closed {c['load']:g}" if mode == "closed" else f"Poisson {c['load']:g} rps"
-                failed = [k for k, ok in c["slo"].items() if k != "safe" and not ok]
+                share = f" ({c['underrun_share']:.0%})" if c["succeeded"] else ""  # NaN without a valid stream
                 rows.append(f"| {server} | {load} | {c['success_rate']:.0%} | "
                             f"{c['ttfa_p50_ms']:.0f} / {c['ttfa_p95_ms']:.0f} | {c['starvation_p95_ms']:.0f} | "
-                            f"{c['underruns_mean']:.1f} | {c['audio_s_per_s']:.1f} | "
-                            f"{'yes' if not failed else 'no (' + ', '.join(failed) + ')'} |")
+                            f"{c['underruns_mean']:.1f} | {c['audio_s_per_s']:.1f} | {_misses(c['slo'])} | "
+                            f"{c['underrun_requests']}/{c['succeeded']}{share} | "
+                            f"{_misses(c['contract_verdict'])} |")
     starts = [f"{name}: ready {s['startup_s']} s after start" + (f", {s['restart_s']} s on restart"
                                                                   if "restart_s" in s else "")
               for name, s in servers.items()]
-    return "\n".join(rows + ["", "; ".join(starts)]) + "\n"
+    capacities = [f"{name} {mode}: safe capacity {s[mode]['safe_capacity']:g}, zero-underrun capacity "
+                  f"{s[mode]['zero_underrun_capacity']:g}" for name, s in servers.items()
+                  for mode in ("closed", "open-poisson") if mode in s]
+    return "\n".join(rows + ["", "; ".join(capacities), "", "; ".join(starts)]) + "\n"
 
 
 def main() -> None:
@@ -133,6 +148,8 @@ def main() -> None:
     p.add_argument("--compile-cache", help="the servers' compilation cache (default: a fresh one under --out, so "
                                            "the first start is cold; 'default' for the user's cache; 'off')")
     p.add_argument("--ready-timeout-s", type=float, default=900)
+    p.add_argument("--contract-ttfa-ms", type=float, default=100.0,
+                   help="zero-underrun contract (beside the SLO): p95 TTFA target in ms")
     p.add_argument("--target", type=float, default=100.0, help="fleet sizing: streams to serve")
     p.add_argument("--price-per-hour", type=float, default=3.5)
     p.add_argument("--out", required=True, help="directory: records per condition, server logs, summary.json, "
@@ -141,7 +158,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"model": args.model, "dtype": args.dtype, "context": args.context, "max_frames": args.max_frames,
-              "frames_per_step": args.frames_per_step, "slots_asked": args.slots, "servers": {}}
+              "frames_per_step": args.frames_per_step, "slots_asked": args.slots,
+              "contract": vars(Contract(args.contract_ttfa_ms)), "servers": {}}
     runs = [("batched", False, {"closed": numbers(args.loads), "open-poisson": numbers(args.rates)})]
     if not args.no_serialised:
         runs.append(("serialised", True, {"closed": numbers(args.serialised_loads)}))

@@ -1,0 +1,38 @@
+"""bench/capacity.py's Markdown table, from hand-made results: the SLO's verdict and, beside it, the streams
+that underran and the zero-underrun contract's verdict and capacity."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from studies.slo import SLO, Contract, safe_capacity, zero_underrun_capacity
+from studies.stats import share_bounds
+
+spec = importlib.util.spec_from_file_location("bench_capacity", Path(__file__).parents[1] / "bench" / "capacity.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+
+def cond(load, underran=0, ttfa_ci=(40, 60)):
+    c = {"condition": f"closed:{load}", "mode": "closed", "load": load, "requests": 60, "succeeded": 60,
+         "success_rate": 1.0, "rejected_429": 0, "ttfa_p50_ms": 40.0, "ttfa_p95_ms": 50.0, "ttfa_p95_ci_ms": ttfa_ci,
+         "starvation_p95_ms": 0.0, "starvation_p95_ci_ms": (0, 10), "underruns_mean": underran / 60,
+         "underrun_requests": underran, "underrun_share": underran / 60,
+         "underrun_share_ci": share_bounds(underran, 60), "throughput_rps": 1.0, "audio_s_per_s": 2.0}
+    c["slo"], c["contract_verdict"] = SLO().check(c), Contract().judge(c)
+    return c
+
+
+def test_table_has_the_contract_beside_the_slo():
+    conditions = [cond(1), cond(16, underran=3), cond(64, ttfa_ci=(80, 120))]
+    closed = {"safe_capacity": safe_capacity(conditions), "conditions": conditions,
+              "zero_underrun_capacity": zero_underrun_capacity(conditions)}
+    text = bench.table({"batched": {"slots": 256, "startup_s": 9.5, "closed": closed}})
+    header, rule, one, sixteen, sixty_four = text.splitlines()[:5]
+    assert header.endswith("| safe | streams that underran | zero-underrun |") and rule.count("|") == 11
+    assert one.endswith("| yes | 0/60 (0%) | yes |")
+    assert sixteen.endswith("| yes | 3/60 (5%) | no (underruns) |")  # safe under the SLO, not under the contract
+    assert sixty_four.endswith("| yes | 0/60 (0%) | no (ttfa) |")  # p95 TTFA undecided at the contract's 100 ms
+    assert "batched closed: safe capacity 64, zero-underrun capacity 1" in text
+    assert "batched: ready 9.5 s after start" in text
