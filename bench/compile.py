@@ -1,0 +1,131 @@
+"""Why the engine's programs take minutes to compile: each chosen program compiled alone (no parallel contention),
+under several sets of XLA flags side by side, with its compile seconds, XLA's memory plan (temp bytes), the
+rematerialization warnings XLA printed, and one call's run time, so a flag that cuts compiling can be checked
+not to slow the program. Each variant runs in a subprocess of its own (XLA reads its flags once). Writes JSON.
+
+    python bench/compile.py --model 0.6b --slots 256 --programs step:256:1,step:256:4,codec:256:8 \
+        --variants "default=;no-remat=--xla_disable_hlo_passes=rematerialization" --out runs/compile-0.6b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+REMAT = re.compile(r"[Cc]an't reduce memory use below ([\d.]+)([KMGT]i?B)")
+
+
+def engine_for(args):
+    import jax.numpy as jnp
+
+    from qtts_jax.engine import Engine, EngineConfig
+    from qtts_jax.model import load_model
+
+    model = load_model(args.model, dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
+    buckets = tuple(b for b in (32, 64, 128, 256) if b < args.context // 2)
+    return Engine(model, EngineConfig(slots=args.slots, context=args.context, prompt_buckets=buckets,
+                                      max_trailing=min(256, args.context // 2)))
+
+
+def call(engine, kind: str, a: int, b: int, exe):
+    """One call of a compiled program on padding rows (every write dropped), the engine's state threaded."""
+    import numpy as np
+
+    c, cfg = engine.config, engine.model.cfg
+    idx, zeros = np.full(a, c.slots, np.int32), np.zeros(a, bool)
+    if kind == "step":
+        engine.state, out = exe(engine.model.params, engine.state, idx, zeros)
+    elif kind == "first":
+        engine.state, engine.codec_state, out = exe(engine.model.params, engine.model.codec_params, engine.state,
+                                                    engine.codec_state, idx, zeros, zeros, zeros)
+    elif kind == "codec":
+        codes = np.zeros((a, b, cfg.num_code_groups), np.int32)
+        out, engine.codec_state = exe(engine.model.codec_params, engine.codec_state, idx, zeros, codes,
+                                      np.full(a, b, np.int32))
+    else:
+        engine.state, out = exe(engine.model.params, engine.state, *engine._dummy_inserts(a, b))
+    return out
+
+
+def child(args) -> dict:
+    """This process's variant: compile each program alone, then time it."""
+    import jax
+
+    engine = engine_for(args)
+    rows = {}
+    for spec in args.programs.split(","):
+        kind, a, b = spec.split(":")
+        a, b = int(a), int(b)
+        t0 = time.perf_counter()
+        lowered = engine._lower(kind, a, b)
+        lower_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        exe = lowered.compile()
+        compile_s = time.perf_counter() - t0
+        mem = exe.memory_analysis()
+        jax.block_until_ready(call(engine, kind, a, b, exe))
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(call(engine, kind, a, b, exe))
+            times.append(time.perf_counter() - t0)
+        rows[spec] = {"lower_s": round(lower_s, 2), "compile_s": round(compile_s, 2),
+                      "temp_gib": round(getattr(mem, "temp_size_in_bytes", 0) / 2**30, 3),
+                      "run_ms": round(statistics.median(times) * 1e3, 3)}
+        print(spec, rows[spec], file=sys.stderr, flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="0.6b")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--slots", type=int, default=256)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--programs", default="step:256:1,step:256:4,codec:256:8,first:256:1,insert:128:32",
+                   help="kind:rung:size of step|first|codec|insert, comma-separated")
+    p.add_argument("--variants", default="default=", help='"name=XLA flags;name=flags" (an empty value: none)')
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--child-timeout-s", type=float, default=200, help="give up on a variant after this long")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out")
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    result = {"model": args.model, "slots": args.slots, "context": args.context, "variants": {}}
+    base = os.environ.get("XLA_FLAGS", "")
+    for variant in args.variants.split(";"):
+        name, _, flags = variant.partition("=")
+        env = {**os.environ, "XLA_FLAGS": f"{base} {flags}".strip()}
+        cmd = [sys.executable, __file__, "--child", *sys.argv[1:]]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
+            proc = subprocess.CompletedProcess(cmd, -9, "", err)
+        sys.stderr.write(proc.stderr[-4000:])
+        plans = [f"{v} {u}" for v, u in REMAT.findall(proc.stderr)]
+        result["variants"][name] = {
+            "xla_flags": flags, "wall_s": round(time.perf_counter() - t0, 1), "returncode": proc.returncode,
+            "remat_warnings": len(plans), "remat_plans": plans[:8],
+            "programs": json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None,
+            "printed": [line for line in proc.stderr.splitlines() if line[:5] in ("step:", "codec", "first", "inser")]}
+        print(name, json.dumps(result["variants"][name]), flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
