@@ -48,9 +48,10 @@ def numbers(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
-def start(args, out: Path, name: str, serialised: bool):
-    """A local server with this run's settings; its log goes to out/server-<name>.log."""
-    extra = ("--dtype", args.dtype, "--compile-cache", args.compile_cache or str(out / "xla"))
+def start(args, out: Path, name: str, serialised: bool, policy: tuple[str, ...] = ()):
+    """A local server with this run's settings (and a policy's extra flags); its log goes to
+    out/server-<name>.log."""
+    extra = ("--dtype", args.dtype, "--compile-cache", args.compile_cache or str(out / "xla"), *policy)
     return local_server(args.model, slots=args.slots, context=args.context, frames_per_step=args.frames_per_step,
                         serialised=serialised, log_path=out / f"server-{name}.log",
                         ready_timeout_s=args.ready_timeout_s, extra_args=extra)
@@ -65,19 +66,30 @@ def server_log(path: Path) -> dict:
             "compile_cache": ready and ready[3]}
 
 
-def measure(args, out: Path, name: str, serialised: bool, modes: dict[str, list[float]]) -> dict:
-    """Starts the server, sweeps each mode's loads (one condition each, max(60, 2 x load) requests unless
-    --requests), stops it; with --restart starts it once more and times that start."""
+def requests_for(args, mode: str, load: float) -> int:
+    """Measured requests of one condition: --requests, else max(60, 2 x load) in flight, or --poisson-seconds of
+    arrivals at a Poisson rate."""
+    if args.requests:
+        return args.requests
+    if mode == "open-poisson":
+        return max(60, math.ceil(load * args.poisson_seconds))
+    return max(60, math.ceil(2 * load))
+
+
+def measure(args, out: Path, name: str, serialised: bool, modes: dict[str, list[float]],
+            policy: tuple[str, ...] = ()) -> dict:
+    """Starts the server, sweeps each mode's loads (one condition each, `requests_for` many), stops it; with
+    --restart starts it once more and times that start."""
     prompts = load_corpus("voice_agent")
     options = {"voice": "ryan", "seed": 0, "max_frames": args.max_frames}  # the server's default chunk schedule
     slo, contract = SLO(), Contract(args.contract_ttfa_ms)
     t0 = time.perf_counter()
-    with start(args, out, name, serialised) as url:
+    with start(args, out, name, serialised, policy) as url:
         result = {"startup_s": round(time.perf_counter() - t0, 1), "slots": run_sync(wait_ready(url))["slots"]}
         for mode, loads in modes.items():
             conditions = []
             for load in loads:
-                requests = args.requests or max(60, math.ceil(2 * load))
+                requests = requests_for(args, mode, load)
                 summary = sweep(url, mode, [load], requests, prompts, out / name / f"{mode}-{load:g}",
                                 options=options, warmup=args.warmup, slo=slo, contract=contract)
                 (c,) = summary["conditions"]
@@ -90,9 +102,10 @@ def measure(args, out: Path, name: str, serialised: bool, modes: dict[str, list[
             result[mode] = {"safe_capacity": safe, "zero_underrun_capacity": zero, "conditions": conditions,
                             "fleet": fleet_size(safe, args.target, args.price_per_hour) if safe else None}
     result["server_log"] = server_log(out / f"server-{name}.log")
+    result["policy"] = " ".join(policy)
     if args.restart:
         t0 = time.perf_counter()
-        with start(args, out, f"{name}-restart", serialised):
+        with start(args, out, f"{name}-restart", serialised, policy):
             result["restart_s"] = round(time.perf_counter() - t0, 1)
         result["restart_log"] = server_log(out / f"server-{name}-restart.log")
     return result
@@ -141,7 +154,13 @@ def main() -> None:
     p.add_argument("--rates", default="10,20,40,60,80", help="Poisson open loop: requests/s ('' to skip)")
     p.add_argument("--serialised-loads", default="1,2,4", help="closed loop on the serialised server")
     p.add_argument("--no-serialised", action="store_true", help="skip the serialised server")
-    p.add_argument("--requests", type=int, help="measured requests per condition (default max(60, 2 x load))")
+    p.add_argument("--requests", type=int, help="measured requests per condition (default: max(60, 2 x load) "
+                                                "closed, --poisson-seconds of arrivals open)")
+    p.add_argument("--poisson-seconds", type=float, default=20.0, help="seconds of Poisson arrivals per rate")
+    p.add_argument("--policies", default="",
+                   help='the batched server once per policy, side by side: "name=serve flags;name=flags", e.g. '
+                        '"lead1s=;lead300=--lead-ms 300" (the first start compiles, the others load its programs '
+                        'from the compilation cache)')
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests at the start of each condition")
     p.add_argument("--max-frames", type=int, default=48)
     p.add_argument("--restart", action="store_true", help="stop and start each server once more; time that start")
@@ -160,11 +179,14 @@ def main() -> None:
     result = {"model": args.model, "dtype": args.dtype, "context": args.context, "max_frames": args.max_frames,
               "frames_per_step": args.frames_per_step, "slots_asked": args.slots,
               "contract": vars(Contract(args.contract_ttfa_ms)), "servers": {}}
-    runs = [("batched", False, {"closed": numbers(args.loads), "open-poisson": numbers(args.rates)})]
+    batched = {"closed": numbers(args.loads), "open-poisson": numbers(args.rates)}
+    policies = [v.partition("=") for v in args.policies.split(";") if v.strip()]
+    runs = [(f"batched-{name}", False, batched, tuple(flags.split())) for name, _, flags in policies]
+    runs = runs or [("batched", False, batched, ())]
     if not args.no_serialised:
-        runs.append(("serialised", True, {"closed": numbers(args.serialised_loads)}))
-    for name, serialised, modes in runs:
-        result["servers"][name] = measure(args, out, name, serialised, {m: v for m, v in modes.items() if v})
+        runs.append(("serialised", True, {"closed": numbers(args.serialised_loads)}, ()))
+    for name, serialised, modes, policy in runs:
+        result["servers"][name] = measure(args, out, name, serialised, {m: v for m, v in modes.items() if v}, policy)
         (out / "summary.json").write_text(json.dumps(result, indent=2, default=float))
     (out / "table.md").write_text(table(result["servers"]))
     print(table(result["servers"]), flush=True)

@@ -25,9 +25,14 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--context", type=int, help="KV rows per slot (QTTS_CONTEXT; default 1024)")
     s.add_argument("--frames-per-step", type=int, help="the most frames one engine step runs, playback headroom "
                                                         "permitting (QTTS_FRAMES_PER_STEP; default 4)")
+    s.add_argument("--lead-ms", type=float, help="playback lead each stream builds from spare compute before its "
+                                                 "chunks grow to the schedule's sizes (QTTS_LEAD_MS; default 1000)")
+    s.add_argument("--max-step-ms", type=float, help="the longest engine step, which a newly arrived request waits "
+                                                     "for, unless only a longer one keeps up (default 100)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"], help="weights dtype (QTTS_DTYPE; default float32)")
     s.add_argument("--ttfa-target-ms", type=float, help="admission TTFA target (QTTS_TTFA_TARGET_MS; default 300)")
-    s.add_argument("--starvation-ms", type=float, help="underrun an admitted stream may suffer; the default 0 refuses (429) any request that would make a playing stream stall")
+    s.add_argument("--starvation-ms", type=float, help="underrun an admitted stream may suffer; the default 0 "
+                                                       "refuses (429) what would make any playing stream stall")
     s.add_argument("--max-queue", type=int, help="waiting requests beyond the slots (default: slots)")
     s.add_argument("--max-input-chars", type=int, help="longest input text (default 4096)")
     s.add_argument("--drain-timeout-s", type=float, help="SIGTERM: how long in-flight streams may finish (default 30)")
@@ -57,7 +62,8 @@ def _slots(text: str) -> int | str:
 def serve(args) -> int:
     from serving.app import Settings, run
 
-    keys = ("model", "host", "port", "slots", "context", "frames_per_step", "dtype", "ttfa_target_ms",
+    keys = ("model", "host", "port", "slots", "context", "frames_per_step", "lead_ms", "max_step_ms", "dtype",
+            "ttfa_target_ms",
             "starvation_ms", "max_queue", "max_input_chars", "drain_timeout_s", "voices_dir", "compile_cache")
     keys += ("header_timeout_s", "idle_timeout_s", "max_connections", "voice_aliases")
     settings = Settings.from_env(**{k: getattr(args, k) for k in keys})
