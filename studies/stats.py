@@ -20,8 +20,22 @@ def percentile(values, q: float) -> float:
 CONFIDENCE = 0.95  # of each one-sided bound on a percentile or a share; together they make a 90% interval
 
 
+def _binom_cdfs(n: int, p: float, top: int | None = None) -> np.ndarray:
+    """P(Bin(n, p) <= k) for k = 0 .. top (default n). Terms are summed in log space: at the request counts of a
+    minute of Poisson arrivals (thousands) n choose k overflows a float, and p**k underflows it."""
+    top = n if top is None else min(top, n)
+    if p <= 0.0 or p >= 1.0:
+        return np.where(np.arange(top + 1) >= (n if p >= 1.0 else 0), 1.0, 0.0)
+    i = np.arange(top + 1)
+    log_n = math.lgamma(n + 1)
+    logs = np.array([log_n - math.lgamma(j + 1) - math.lgamma(n - j + 1) for j in i]) + i * math.log(p) \
+        + (n - i) * math.log1p(-p)
+    m = logs.max()
+    return np.minimum(np.exp(m) * np.cumsum(np.exp(logs - m)), 1.0)
+
+
 def _binom_cdf(k: int, n: int, p: float) -> float:
-    return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k + 1))
+    return 0.0 if k < 0 else float(_binom_cdfs(n, p, k)[-1])
 
 
 def percentile_bounds(values, q: float = 95, confidence: float = CONFIDENCE) -> tuple[float, float]:
@@ -30,9 +44,12 @@ def percentile_bounds(values, q: float = 95, confidence: float = CONFIDENCE) -> 
     values a bound cannot be had: lower is -inf, upper +inf (95% upper bound on p95 needs 59 values)."""
     xs = sorted(v for v in values if v is not None)
     n, p = len(xs), q / 100
+    if n == 0:
+        return -math.inf, math.inf
     # the k-th smallest (1-based) is above the percentile unless k or more values fall below it: P(Bin(n, p) < k)
-    upper = next((xs[k - 1] for k in range(1, n + 1) if _binom_cdf(k - 1, n, p) >= confidence), math.inf)
-    lower = next((xs[k - 1] for k in range(n, 0, -1) if 1 - _binom_cdf(k - 1, n, p) >= confidence), -math.inf)
+    below = _binom_cdfs(n, p)  # below[k - 1] = P(Bin(n, p) <= k - 1)
+    upper = next((xs[k - 1] for k in range(1, n + 1) if below[k - 1] >= confidence), math.inf)
+    lower = next((xs[k - 1] for k in range(n, 0, -1) if 1 - below[k - 1] >= confidence), -math.inf)
     return float(lower), float(upper)
 
 

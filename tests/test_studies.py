@@ -148,6 +148,13 @@ def test_p95_bounds_are_order_statistics_with_binomial_coverage():
     assert percentile_bounds(range(1, 13))[1] == math.inf  # 12 values cannot bound a p95 from above ...
     assert percentile_bounds(range(1, 13))[0] == 10.0  # ... but can from below
     assert percentile_bounds([]) == (-math.inf, math.inf)
+    # a minute of arrivals at 80 rps: n choose k overflows a float (the study crashed here on the GPU); the bounds
+    # sit where the normal approximation of Bin(n, 0.95) puts them, np ± 1.645 sd (+1 for 1-based ranks)
+    n = 4800
+    lower, upper = percentile_bounds(range(n))
+    sd = math.sqrt(n * 0.95 * 0.05)
+    assert abs(upper - (n * 0.95 + 1.645 * sd)) <= 2 and abs(lower - (n * 0.95 - 1.645 * sd)) <= 2
+    assert share_bounds(0, n)[1] == pytest.approx(1 - 0.05 ** (1 / n), rel=1e-6)  # exact at k = 0
     # coverage: on exponential samples the true p95 lies under the upper bound in at least 95% of draws
     rng = np.random.default_rng(0)
     true = -math.log(0.05)
