@@ -1,7 +1,9 @@
 """Why the engine's programs take minutes to compile: each chosen program compiled alone (no parallel contention),
 under several sets of XLA flags side by side, with its compile seconds, XLA's memory plan (temp bytes), the
-rematerialization warnings XLA printed, and one call's run time, so a flag that cuts compiling can be checked
-not to slow the program. Each variant runs in a subprocess of its own (XLA reads its flags once). Writes JSON.
+rematerialization warnings XLA printed, one call's run time and its host time (how long the call takes to
+return, before the device is waited on), so a flag that cuts compiling can be checked not to slow the program.
+Each variant runs in a subprocess of its own (XLA reads its flags once); all of them at once, each timing its
+programs under one shared lock so that no two time the GPU together. Writes JSON.
 
     python bench/compile.py --model 0.6b --slots 256 --programs step:256:1,step:256:4,codec:256:8 \
         --variants "default=;no-remat=--xla_disable_hlo_passes=rematerialization" --out runs/compile-0.6b.json
@@ -10,6 +12,7 @@ not to slow the program. Each variant runs in a subprocess of its own (XLA reads
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import re
@@ -57,11 +60,11 @@ def call(engine, kind: str, a: int, b: int, exe):
 
 
 def child(args) -> dict:
-    """This process's variant: compile each program alone, then time it."""
+    """This process's variant: compile each program alone, then time them all under the shared lock."""
     import jax
 
     engine = engine_for(args)
-    rows = {}
+    rows, compiled = {}, {}
     for spec in args.programs.split(","):
         kind, a, b = spec.split(":")
         a, b = int(a), int(b)
@@ -69,19 +72,26 @@ def child(args) -> dict:
         lowered = engine._lower(kind, a, b)
         lower_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        exe = lowered.compile()
+        compiled[spec] = (kind, a, b, lowered.compile())
         compile_s = time.perf_counter() - t0
-        mem = exe.memory_analysis()
-        jax.block_until_ready(call(engine, kind, a, b, exe))
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(call(engine, kind, a, b, exe))
-            times.append(time.perf_counter() - t0)
+        mem = compiled[spec][3].memory_analysis()
         rows[spec] = {"lower_s": round(lower_s, 2), "compile_s": round(compile_s, 2),
-                      "temp_gib": round(getattr(mem, "temp_size_in_bytes", 0) / 2**30, 3),
-                      "run_ms": round(statistics.median(times) * 1e3, 3)}
+                      "temp_gib": round(getattr(mem, "temp_size_in_bytes", 0) / 2**30, 3)}
         print(spec, rows[spec], file=sys.stderr, flush=True)
+    with open(args.lock, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for spec, (kind, a, b, exe) in compiled.items():
+            jax.block_until_ready(call(engine, kind, a, b, exe))
+            host, total = [], []
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                out = call(engine, kind, a, b, exe)
+                host.append(time.perf_counter() - t0)
+                jax.block_until_ready(out)
+                total.append(time.perf_counter() - t0)
+            rows[spec].update(run_ms=round(statistics.median(total) * 1e3, 3),
+                              host_ms=round(statistics.median(host) * 1e3, 3))
+            print(spec, rows[spec], file=sys.stderr, flush=True)
     return rows
 
 
@@ -97,6 +107,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--child-timeout-s", type=float, default=200, help="give up on a variant after this long")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--lock", default="/tmp/qtts-compile-bench.lock", help=argparse.SUPPRESS)
     p.add_argument("--out")
     args = p.parse_args()
     if args.child:
@@ -104,23 +115,27 @@ def main() -> None:
         return
     result = {"model": args.model, "slots": args.slots, "context": args.context, "variants": {}}
     base = os.environ.get("XLA_FLAGS", "")
+    started = {}
     for variant in args.variants.split(";"):
         name, _, flags = variant.partition("=")
-        env = {**os.environ, "XLA_FLAGS": f"{base} {flags}".strip()}
+        # every variant holds its own engine on the one GPU: no process may take most of its memory up front
+        env = {**os.environ, "XLA_FLAGS": f"{base} {flags}".strip(), "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
         cmd = [sys.executable, __file__, "--child", *sys.argv[1:]]
-        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        started[name] = (flags, proc, time.perf_counter())
+    for name, (flags, proc, t0) in started.items():
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout_s)
-        except subprocess.TimeoutExpired as exc:
-            err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
-            proc = subprocess.CompletedProcess(cmd, -9, "", err)
-        sys.stderr.write(proc.stderr[-4000:])
-        plans = [f"{v} {u}" for v, u in REMAT.findall(proc.stderr)]
+            stdout, stderr = proc.communicate(timeout=max(1.0, args.child_timeout_s - (time.perf_counter() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        sys.stderr.write(stderr[-4000:])
+        plans = [f"{v} {u}" for v, u in REMAT.findall(stderr)]
         result["variants"][name] = {
             "xla_flags": flags, "wall_s": round(time.perf_counter() - t0, 1), "returncode": proc.returncode,
             "remat_warnings": len(plans), "remat_plans": plans[:8],
-            "programs": json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None,
-            "printed": [line for line in proc.stderr.splitlines() if line[:5] in ("step:", "codec", "first", "inser")]}
+            "programs": json.loads(stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None,
+            "log_tail": None if proc.returncode == 0 else stderr[-2000:]}
         print(name, json.dumps(result["variants"][name]), flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
