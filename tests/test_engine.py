@@ -246,3 +246,40 @@ def test_delivery_lag_reported_by_the_bridge_widens_the_margin(engine):
     assert engine.jitter.margin() == pytest.approx(0.05)
     engine.set_clock(time.perf_counter)  # a new clock starts a new measurement
     assert engine.jitter.margin() == floor
+
+
+class ManualClock:
+    """Engine time that moves only when the test moves it."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_burst_waits_while_a_playing_streams_headroom_cannot_pay_for_its_prefill(engine, monkeypatch):
+    """Newcomers' prefill and first frame run before the playing streams' next frame: with 70 ms of audio in
+    hand and 90 ms of work ahead of that frame, arrivals wait in the queue; once the playing stream has stepped
+    ahead, they start."""
+    for name in ("step_costs", "first_costs", "prefill_costs"):
+        monkeypatch.setattr(engine, name, {k: 0.030 for k in getattr(engine, name)})
+    clock = ManualClock()
+    engine.set_clock(clock)
+    try:
+        playing = engine.submit(engine.prepare(Request("Playing on.", speaker="ryan", max_frames=40, **GREEDY)),
+                                Collector())
+        engine.run_once()  # its first chunk at 1000.0, then one step of three frames into the codec
+        assert playing.decoded == 1 + CONFIG.frames_per_step
+        clock.now += playing.decoded * 0.08 - 0.07  # 70 ms of audio left in hand
+        late = [engine.submit(engine.prepare(Request(t, speaker="aiden", max_frames=8, **GREEDY)), Collector())
+                for t in ("Burst one.", "Burst two.")]
+        engine.run_once()
+        assert all(s.slot is None for s in late) and len(engine.queue) == 2
+        engine.run_once()  # the playing stream stepped three more frames meanwhile: 310 ms in hand
+        assert all(s.slot is not None for s in late) and not engine.queue
+        while engine.run_once():
+            clock.now += 0.01
+        assert all(s.finished for s in (playing, *late))
+    finally:
+        engine.set_clock(time.perf_counter)

@@ -74,3 +74,33 @@ def test_margin_is_a_high_quantile_of_measured_lateness_never_below_the_floor():
     for _ in range(100):  # the window forgets: a quiet machine gets its floor back
         jitter.add(0.0)
     assert jitter.margin() == 0.01
+
+
+def test_first_frame_programs_stop_at_max_first_and_larger_bursts_cost_more_calls():
+    from qtts_jax.engine import EngineConfig
+    from qtts_jax.engine.stats import EngineStats
+
+    c = EngineConfig(slots=256, max_first=64)
+    assert c.ladder == (16, 64, 128, 256) and c.first_sizes == (16, 64)
+    assert EngineConfig(slots=8, max_first=4).first_sizes == (8,)  # the smallest rung always exists
+    costs = {16: 0.010, 64: 0.020}
+    st = EngineStats(slots=256, live=0, queued=0, oldest_wait_s=0.0, frames_left=(), queued_frames=(),
+                     ladder=c.ladder, prefill_sizes=(1, 32), step_sizes=(1,), headroom_margin_s=0.0,
+                     step_costs={}, prefill_costs={1: 0.001, 32: 0.004}, first_costs=costs, iteration_s=0.0,
+                     min_headroom_s=None, iterations=0, recent_frame_s=())
+    assert st.first_cost(3) == 0.010 and st.first_cost(40) == 0.020
+    assert st.first_cost(64 + 10) == 0.020 + 0.010  # 74 newcomers: two iterations' first-frame programs
+    assert st.prefill_cost(33) == 0.004 + 0.001
+
+
+def test_newcomers_start_only_as_far_as_the_least_headroom_pays_for_their_prefill_and_first_frame():
+    from qtts_jax.engine import newcomers_that_fit
+
+    def iteration_s(m):  # prefill + first frame grow with the newcomers, then the playing rows' one-frame step
+        return 0.004 * m + 0.030
+
+    assert newcomers_that_fit(10, 0.100, 0.010, iteration_s) == 10  # 0.070 s for ten: fits in 0.090
+    assert newcomers_that_fit(10, 0.062, 0.010, iteration_s) == 5  # five take 0.050 s of 0.052: the rest wait
+    assert newcomers_that_fit(10, 0.040, 0.010, iteration_s) == 0  # not even one: they wait, nobody runs dry
+    assert newcomers_that_fit(10, None, 0.010, iteration_s) == 10  # nothing playing: nobody can run dry
+    assert newcomers_that_fit(0, 1.0, 0.010, iteration_s) == 0

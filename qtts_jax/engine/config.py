@@ -43,6 +43,10 @@ class EngineConfig:
     batch_sizes: tuple[int, ...] | None = None
     min_batch: int = 16
     max_prefill: int = 32  # requests per prefill call; a prefill ladder of powers of 4 up to this
+    # Newcomers whose first frame one iteration runs: its programs exist for the rungs up to this only (each
+    # holds a step and a codec; the large rungs cost a cold start half a minute each and serve only bursts,
+    # whose later arrivals then start one iteration later).
+    max_first: int = 64
     # The longest a step may run: a request arriving during it waits that long before its own prefill.
     max_step_s: float = 0.1
     # Playback policy. Every stream builds a lead of `lead_s` of audio from spare compute, each frame going
@@ -68,12 +72,21 @@ class EngineConfig:
         return tuple(sorted(sizes))
 
     @property
+    def first_sizes(self) -> tuple[int, ...]:
+        """Rungs of the newcomers' first-frame program: the ladder's up to `max_first` (at least its smallest)."""
+        ladder = self.ladder
+        return tuple(n for n in ladder if n <= max(self.max_first, ladder[0]))
+
+    @property
     def prefill_sizes(self) -> tuple[int, ...]:
         return geometric(1, min(self.max_prefill, self.slots))
 
     @property
     def step_sizes(self) -> tuple[int, ...]:
         """Frames a step call may run: powers of two up to `frames_per_step`, and it. A two-frame step is what
-        lets a loaded engine build a lead while newcomers, with one frame of audio each, join every iteration."""
+        lets a loaded engine build a lead while newcomers, with one frame of audio each, join every iteration.
+        Each is a program of its own: as a loop bound of one program the count makes a GPU loop that reads its
+        condition on the host every trip, so the call returns only once the device is done (measured on the
+        H200: the loop's dispatch took the whole 40-60 ms step, and no host work overlapped it)."""
         top = max(1, self.frames_per_step)
         return tuple(sorted({1 << i for i in range(top.bit_length()) if 1 << i <= top} | {top}))

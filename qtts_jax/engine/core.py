@@ -8,8 +8,9 @@ every program is compiled for a ladder of batch sizes, and each call takes only 
 few live streams steps as fast as a small one, and the cache is only touched where it is read and written.
 
 One iteration of the loop (`run_once`); its decisions are `scheduler`'s pure functions:
-1. every waiting request that has a free slot is prefilled, all of them in one call per prompt bucket, so a
-   burst of N arrivals costs about one prefill;
+1. waiting requests that have a free slot are prefilled, all of them in one call per prompt bucket, so a
+   burst of N arrivals costs about one prefill; as many as the playing streams' headroom pays for (their
+   prefill and first frame run before the playing streams' next frame), the rest waiting an iteration;
 2. the newcomers step their first frame and decode it in one small program of their own, queued first, so
    their first audio does not wait for the playing streams' step;
 3. the playing rows, and the newcomers right after their first frame, step `n` frames in one `lax.scan`: the
@@ -52,8 +53,8 @@ from qtts_jax.codec import streaming as codec_streaming
 from qtts_jax.codec.config import SAMPLES_PER_FRAME
 from qtts_jax.engine import programs
 from qtts_jax.engine.config import EngineConfig, rung
-from qtts_jax.engine.scheduler import Jitter, StepPlan, chunks_due, step_frames
-from qtts_jax.engine.stats import EngineStats
+from qtts_jax.engine.scheduler import Jitter, StepPlan, chunks_due, newcomers_that_fit, step_frames
+from qtts_jax.engine.stats import EngineStats, cost_in_calls
 from qtts_jax.generate import pad_prompts
 from qtts_jax.job import Job
 from qtts_jax.model import Model
@@ -153,7 +154,7 @@ class Engine:
         t0 = time.perf_counter()
         keys = [("insert", bucket, r) for bucket in c.prompt_buckets for r in c.prefill_sizes]
         keys += [("step", b, n) for b in c.ladder for n in c.step_sizes]
-        keys += [("first", b, 1) for b in c.ladder]
+        keys += [("first", b, 1) for b in c.first_sizes]
         keys += [("codec", b, n) for b in c.ladder for n in c.codec_sizes]
         lowered = [self._lower(*key) for key in keys]  # tracing holds the GIL; compiling does not
 
@@ -208,6 +209,7 @@ class Engine:
         t0 = self.clock()
         parts = _PartTimer()
         self._reap_cancelled()
+        self._margin_s = self.jitter.margin()
         joined, prefill_done = self._admit()
         parts.mark("admit")
         live = [i for i, s in enumerate(self.slots) if s is not None and not s.lm_done]
@@ -215,12 +217,11 @@ class Engine:
             with self._lock:  # streams may have left (cancelled): admission must not see them for ever
                 self._stats = self._snapshot()
             return False
-        new = [self.slots[i] for i in live if not self.slots[i].codes]
+        new = [self.slots[i] for i in live if not self.slots[i].codes]  # at most max(first_sizes): see _admit
         playing = [self.slots[i] for i in live if self.slots[i].codes]
         first = self._dispatch_first(new) if new else None
         extra = (self.prefill_costs.get(rung(self.config.prefill_sizes, len(joined)), 0.0) if joined else 0.0) + (
-            self.first_costs.get(rung(self.config.ladder, len(new)), 0.0) if new else 0.0)
-        self._margin_s = self.jitter.margin()
+            self.first_costs.get(rung(self.config.first_sizes, len(new)), 0.0) if new else 0.0)
         # newcomers join the playing streams' step right after their first frame: their next audio comes with it
         stepping = playing + new
         plan, out = None, None
@@ -332,7 +333,7 @@ class Engine:
     def _dispatch_first(self, new: list[Stream]):
         """Queue newcomers' first frame and its audio (one program) ahead of the step. Returns its outputs and
         which newcomers decode their frame in it (those whose schedule starts with a one-frame chunk)."""
-        b = rung(self.config.ladder, len(new))
+        b = rung(self.config.first_sizes, len(new))
         idx, mask = self._rows(new, b)
         fresh, decode = np.zeros(b, bool), np.zeros(b, bool)
         for j, s in enumerate(new):
@@ -377,14 +378,16 @@ class Engine:
                     self._finish(stream)
 
     def _admit(self) -> tuple[list[Stream], jax.Array | None]:
-        """Give every waiting request that fits a free slot and prefill them together: one call per prompt
-        bucket (up to `max_prefill` requests each). Returns the admitted streams and a small output of the
-        last prefill to wait on (the state itself goes on to the step, donated)."""
+        """Give waiting requests free slots and prefill them together: one call per prompt bucket (up to
+        `max_prefill` requests each); as many as one first-frame program takes and the playing streams' headroom
+        pays for (`_newcomer_limit`), the rest wait. Returns the admitted streams and a small output of the last
+        prefill to wait on (the state itself goes on to the step, donated)."""
         c = self.config
         joined = []
         with self._lock:
             free = [i for i, s in enumerate(self.slots) if s is None]
-            while free and self.queue:
+            limit = self._newcomer_limit(min(len(free), len(self.queue), max(c.first_sizes)))
+            while free and self.queue and len(joined) < limit:
                 stream = self.queue.popleft()
                 if stream.cancelled:
                     self._finish(stream, error="cancelled")
@@ -412,6 +415,21 @@ class Engine:
                 args = self._insert_args([(s.slot, s.job) for s in part], r)
                 self.state, done = self._program("insert", bucket, r)(self.model.params, self.state, *args)
         return joined, done
+
+    def _newcomer_limit(self, waiting: int) -> int:
+        """`scheduler.newcomers_that_fit` from the measured costs: m newcomers' prefill and first frame, then a
+        one-frame step of every live row, against the least headroom of the streams with audio out."""
+        if not waiting or not self.step_costs:  # an engine not yet timed has no costs to judge by
+            return waiting
+        now, c = self.clock(), self.config
+        heads = [h for s in self.slots if s is not None and (h := s.buffered(now)) is not None]
+        live = sum(s is not None and not s.lm_done for s in self.slots)
+
+        def iteration_s(m: int) -> float:
+            return (cost_in_calls(self.prefill_costs, m) + cost_in_calls(self.first_costs, m)
+                    + self.step_costs[rung(c.ladder, live + m), 1])
+
+        return newcomers_that_fit(waiting, min(heads, default=None), self._margin_s, iteration_s)
 
     def _insert_args(self, items: list[tuple[int, Job]], size: int) -> tuple:
         """Stacked prefill inputs for `items` (slot, job), padded to `size` rows aimed past the last slot."""
@@ -501,7 +519,7 @@ class Engine:
                 chunk = min(max(c.schedule), max(n, 1))
                 chunk = min(s for s in c.codec_sizes if s >= chunk)
                 self.step_costs[b, n] = timed(partial(step, b, n)) + timed(partial(codec, b, chunk))
-        for b in c.ladder:
+        for b in c.first_sizes:
             self.first_costs[b] = timed(partial(first, b))
         for r in c.prefill_sizes:
             self.prefill_costs[r] = timed(partial(insert, r))

@@ -12,6 +12,9 @@ the first byte. A stream's *headroom* is the audio it has handed out minus what 
   newcomers, joining the step right after their one-frame first chunk, must get their next audio before that
   frame has played; and no longer than `max_step_s` (a request arriving meanwhile waits for it) unless only a
   longer step keeps up with playback.
+- **Newcomers.** An iteration starts only as many waiting requests as the playing streams' headroom pays for:
+  their prefill and first frame run before the playing streams' next frame, so a burst of arrivals waits an
+  iteration or two rather than making a playing stream run dry.
 - **Margin.** The late side of what was measured: iterations that ran longer than predicted, and chunks that
   reached the event loop later than the engine handed them out. Not a constant guessed here.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -54,6 +58,24 @@ def step_frames(costs: dict[int, float], headroom: np.ndarray, newcomer_audio_s:
     brief = [n for n in fits if costs[n] <= max_step_s and costs[n] + extra_s <= n * FRAME_SECONDS]
     n = max(brief or fits, default=sizes[0])
     return StepPlan(n, extra_s + costs[n])
+
+
+def newcomers_that_fit(waiting: int, min_headroom_s: float | None, margin_s: float,
+                       iteration_s: Callable[[int], float]) -> int:
+    """How many of `waiting` requests (free slots permitting) this iteration starts: the most m for which
+    `iteration_s(m)`, the seconds until the playing streams' next audio when m newcomers are prefilled and take
+    their first frame ahead of the step (which they then join), stays within the least headroom of the streams
+    with audio out, `min_headroom_s`, less the margin. All of them when no stream has audio out (nobody can run
+    dry); none when even m = 1 does not fit: they wait while the playing streams step on and gain headroom.
+    `iteration_s` grows with m (costs by ladder rung), so the answer is found by bisection."""
+    if waiting <= 0 or min_headroom_s is None:
+        return max(waiting, 0)
+    budget = min_headroom_s - margin_s
+    lo, hi = 0, waiting
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if iteration_s(mid) <= budget else (lo, mid - 1)
+    return lo
 
 
 def chunks_due(pending: np.ndarray, want: np.ndarray, lm_done: np.ndarray, headroom: np.ndarray, lead_s: float,

@@ -36,10 +36,17 @@ class EngineStats:
         return self.step_costs[(rung(self.ladder, max(live, 1)), frames)]
 
     def first_cost(self, newcomers: int) -> float:
-        return self.first_costs[rung(self.ladder, max(newcomers, 1))]
+        """Newcomers' first frames: one program per iteration, of at most the largest first-frame rung each."""
+        return cost_in_calls(self.first_costs, newcomers)
 
     def prefill_cost(self, requests: int) -> float:
-        """Prefilling `requests` together: full calls of the largest size, then one for the rest."""
-        top = self.prefill_sizes[-1]
-        full, rest = divmod(max(requests, 1), top)
-        return full * self.prefill_costs[top] + (self.prefill_costs[rung(self.prefill_sizes, rest)] if rest else 0.0)
+        """Prefilling `requests` together (largest prompt bucket)."""
+        return cost_in_calls(self.prefill_costs, requests)
+
+
+def cost_in_calls(costs: dict, n: int) -> float:
+    """Cost of `n` rows through calls of the sizes `costs` holds (size -> seconds): full calls of the largest
+    size, then one of the smallest size that holds the rest."""
+    sizes = tuple(sorted(costs))
+    full, rest = divmod(max(n, 1), sizes[-1])
+    return full * costs[sizes[-1]] + (costs[rung(sizes, rest)] if rest else 0.0)
