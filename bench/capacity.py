@@ -26,6 +26,7 @@ import math
 import re
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -77,9 +78,10 @@ def requests_for(args, mode: str, load: float) -> int:
 
 
 def measure(args, out: Path, name: str, serialised: bool, modes: dict[str, list[float]],
-            policy: tuple[str, ...] = ()) -> dict:
+            policy: tuple[str, ...] = (), save=lambda partial: None) -> dict:
     """Starts the server, sweeps each mode's loads (one condition each, `requests_for` many), stops it; with
-    --restart starts it once more and times that start."""
+    --restart starts it once more and times that start. `save` gets the result so far after every condition,
+    so a run cut short (a device lease, a crash) keeps what it measured."""
     prompts = load_corpus("voice_agent")
     options = {"voice": "ryan", "seed": 0, "max_frames": args.max_frames}  # the server's default chunk schedule
     slo, contract = SLO(), Contract(args.contract_ttfa_ms)
@@ -94,6 +96,7 @@ def measure(args, out: Path, name: str, serialised: bool, modes: dict[str, list[
                                 options=options, warmup=args.warmup, slo=slo, contract=contract)
                 (c,) = summary["conditions"]
                 conditions.append(c)
+                save({**result, mode: {"conditions": conditions, "partial": True}})
                 print(name, json.dumps({"condition": c["condition"], **{k: c[k] for k in COLUMNS},
                                         "safe": c["slo"]["safe"], "zero_underrun": c["contract_verdict"]["overall"]},
                                        default=float), flush=True)
@@ -185,9 +188,13 @@ def main() -> None:
     runs = runs or [("batched", False, batched, ())]
     if not args.no_serialised:
         runs.append(("serialised", True, {"closed": numbers(args.serialised_loads)}, ()))
-    for name, serialised, modes, policy in runs:
-        result["servers"][name] = measure(args, out, name, serialised, {m: v for m, v in modes.items() if v}, policy)
+    def save(name, server):
+        result["servers"][name] = server
         (out / "summary.json").write_text(json.dumps(result, indent=2, default=float))
+
+    for name, serialised, modes, policy in runs:
+        save(name, measure(args, out, name, serialised, {m: v for m, v in modes.items() if v}, policy,
+                           save=partial(save, name)))
     (out / "table.md").write_text(table(result["servers"]))
     print(table(result["servers"]), flush=True)
 
