@@ -28,7 +28,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--lead-ms", type=float, help="playback lead each stream builds from spare compute before its "
                                                  "chunks grow to the schedule's sizes (QTTS_LEAD_MS; default 1000)")
     s.add_argument("--max-step-ms", type=float, help="the longest engine step, which a newly arrived request waits "
-                                                     "for, unless only a longer one keeps up (default 100)")
+                                                     "for, unless only a longer one keeps up (QTTS_MAX_STEP_MS; default 100)")
+    s.add_argument("--newcomer-guard", choices=["on", "off"],
+                   help="on: an engine iteration starts only the waiting requests whose prefill and first frame "
+                        "every playing stream's audio in hand outlasts, the others wait an iteration; off: all that "
+                        "have a free slot start at once (QTTS_NEWCOMER_GUARD; default on)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"], help="weights dtype (QTTS_DTYPE; default float32)")
     s.add_argument("--ttfa-target-ms", type=float, help="admission TTFA target (QTTS_TTFA_TARGET_MS; default 300)")
     s.add_argument("--starvation-ms", type=float, help="underrun an admitted stream may suffer; the default 0 "
@@ -63,8 +67,11 @@ def serve(args) -> int:
     from serving.app import Settings, run
 
     keys = ("model", "host", "port", "slots", "context", "frames_per_step", "lead_ms", "max_step_ms", "dtype",
-            "ttfa_target_ms",
+            "ttfa_target_ms", "newcomer_guard",
             "starvation_ms", "max_queue", "max_input_chars", "drain_timeout_s", "voices_dir", "compile_cache")
     keys += ("header_timeout_s", "idle_timeout_s", "max_connections", "voice_aliases")
-    settings = Settings.from_env(**{k: getattr(args, k) for k in keys})
+    flags = {k: getattr(args, k) for k in keys}
+    if flags["newcomer_guard"] is not None:
+        flags["newcomer_guard"] = flags["newcomer_guard"] == "on"
+    settings = Settings.from_env(**flags)
     return run(settings)

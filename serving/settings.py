@@ -20,6 +20,7 @@ class Settings:
     frames_per_step: int = 4
     lead_ms: float = 1000.0  # playback lead each stream builds from spare compute (EngineConfig.lead_s)
     max_step_ms: float = 100.0  # the longest step; a request arriving during it waits for it (EngineConfig.max_step_s)
+    newcomer_guard: bool = True  # start only the newcomers the playing streams' headroom pays for (EngineConfig)
     dtype: str = "float32"
     ttfa_target_ms: float = 300.0
     starvation_ms: float = 0.0  # the zero-underrun contract: no admitted stream may stall
@@ -75,7 +76,8 @@ class Settings:
         buckets = tuple(b for b in (32, 64, 128, 256) if b < self.context // 2) or (min(32, self.context // 2),)
         return EngineConfig(slots=self.slots, context=self.context, frames_per_step=self.frames_per_step,
                             prompt_buckets=buckets, max_trailing=min(256, self.context // 2),
-                            lead_s=self.lead_ms / 1000, max_step_s=self.max_step_ms / 1000)
+                            lead_s=self.lead_ms / 1000, max_step_s=self.max_step_ms / 1000,
+                            guard_newcomers=self.newcomer_guard)
 
     def admission(self) -> AdmissionConfig:
         return AdmissionConfig(ttfa_target_s=self.ttfa_target_ms / 1000, starvation_s=self.starvation_ms / 1000,

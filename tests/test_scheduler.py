@@ -104,3 +104,10 @@ def test_newcomers_start_only_as_far_as_the_least_headroom_pays_for_their_prefil
     assert newcomers_that_fit(10, 0.040, 0.010, iteration_s) == 0  # not even one: they wait, nobody runs dry
     assert newcomers_that_fit(10, None, 0.010, iteration_s) == 10  # nothing playing: nobody can run dry
     assert newcomers_that_fit(0, 1.0, 0.010, iteration_s) == 0
+
+
+def test_newcomer_guard_setting_reaches_the_engine_config():
+    from serving.settings import Settings
+
+    assert Settings().engine_config().guard_newcomers is True
+    assert Settings(newcomer_guard=False).engine_config().guard_newcomers is False

@@ -55,6 +55,9 @@ class EngineConfig:
     # `scheduler.Jitter`), never less than `min_margin_s`.
     lead_s: float = 1.0
     min_margin_s: float = 0.01
+    # Start only the newcomers whose prefill and first frame the playing streams' headroom pays for
+    # (`scheduler.newcomers_that_fit`); off, every waiting request with a free slot starts at once.
+    guard_newcomers: bool = True
 
     @property
     def codec_sizes(self) -> tuple[int, ...]:

@@ -419,9 +419,10 @@ class Engine:
     def _newcomer_limit(self, waiting: int) -> int:
         """`scheduler.newcomers_that_fit` from the measured costs: m newcomers' prefill and first frame, then a
         one-frame step of every live row, against the least headroom of the streams with audio out."""
-        if not waiting or not self.step_costs:  # an engine not yet timed has no costs to judge by
+        c = self.config
+        if not waiting or not c.guard_newcomers or not self.step_costs:  # untimed: no costs to judge by
             return waiting
-        now, c = self.clock(), self.config
+        now = self.clock()
         heads = [h for s in self.slots if s is not None and (h := s.buffered(now)) is not None]
         live = sum(s is not None and not s.lm_done for s in self.slots)
 
