@@ -28,15 +28,15 @@ REMAT = re.compile(r"[Cc]an't reduce memory use below ([\d.]+)([KMGT]i?B)")
 
 
 def engine_for(args):
+    """The engine `qtts-jax serve` builds for these slots and context."""
     import jax.numpy as jnp
 
-    from qtts_jax.engine import Engine, EngineConfig
+    from qtts_jax.engine import Engine
     from qtts_jax.model import load_model
+    from serving.settings import Settings
 
     model = load_model(args.model, dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
-    buckets = tuple(b for b in (32, 64, 128, 256) if b < args.context // 2)
-    return Engine(model, EngineConfig(slots=args.slots, context=args.context, prompt_buckets=buckets,
-                                      max_trailing=min(256, args.context // 2)))
+    return Engine(model, Settings(slots=args.slots, context=args.context).engine_config())
 
 
 def call(engine, kind: str, a: int, b: int, exe):

@@ -73,7 +73,7 @@ class Settings:
         return cls(**values)
 
     def engine_config(self) -> EngineConfig:
-        buckets = tuple(b for b in (32, 64, 128, 256) if b < self.context // 2) or (min(32, self.context // 2),)
+        buckets = tuple(b for b in EngineConfig.prompt_buckets if b < self.context // 2) or (min(32, self.context // 2),)
         return EngineConfig(slots=self.slots, context=self.context, frames_per_step=self.frames_per_step,
                             prompt_buckets=buckets, max_trailing=min(256, self.context // 2),
                             lead_s=self.lead_ms / 1000, max_step_s=self.max_step_ms / 1000,

@@ -27,7 +27,9 @@ def rung(sizes: tuple[int, ...], n: int) -> int:
 class EngineConfig:
     slots: int = 8
     context: int = 1024  # KV-cache rows per slot: prompt bucket + frames
-    prompt_buckets: tuple[int, ...] = (32, 64, 128, 256)
+    # Prompt lengths compiled for. No 32: a short prompt padded to 64 costs a prefill the same launches, and each
+    # bucket is a prefill program per ladder size at start-up (`Settings.engine_config` keeps 32 for tiny contexts).
+    prompt_buckets: tuple[int, ...] = (64, 128, 256)
     max_trailing: int = 256  # text tokens fed one per frame (streaming-text layout)
     frames_per_step: int = 4  # the most frames one step call runs (playback headroom permitting)
     schedule: tuple[int, ...] = DEFAULT_SCHEDULE  # frames per audio chunk once a stream has its lead: 1, 2, 4, 8 ...
@@ -42,7 +44,7 @@ class EngineConfig:
     # a call's cost grows slowly with its rows (below 16 it is launch overhead), so rungs are far apart.
     batch_sizes: tuple[int, ...] | None = None
     min_batch: int = 16
-    max_prefill: int = 32  # requests per prefill call; a prefill ladder of powers of 4 up to this
+    max_prefill: int = 32  # requests per prefill call; a prefill ladder of powers of 8 up to this
     # Newcomers whose first frame one iteration runs: its programs exist for the rungs up to this only (each
     # holds a step and a codec; the large rungs cost a cold start half a minute each and serve only bursts,
     # whose later arrivals then start one iteration later).
@@ -82,7 +84,10 @@ class EngineConfig:
 
     @property
     def prefill_sizes(self) -> tuple[int, ...]:
-        return geometric(1, min(self.max_prefill, self.slots))
+        """1, 8, ... up to `max_prefill`: a few newcomers an iteration under steady arrivals, the largest for
+        bursts; a prefill of 8 rows costs about what one of 4 does (launch-bound), and each size is a program
+        per prompt bucket to compile at start-up."""
+        return geometric(1, min(self.max_prefill, self.slots), factor=8)
 
     @property
     def step_sizes(self) -> tuple[int, ...]:
