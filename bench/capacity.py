@@ -78,7 +78,7 @@ def requests_for(args, mode: str, load: float) -> int:
 
 
 def measure(args, out: Path, name: str, serialised: bool, modes: dict[str, list[float]],
-            policy: tuple[str, ...] = (), save=lambda partial: None) -> dict:
+            policy: tuple[str, ...] = (), save=lambda _: None) -> dict:
     """Starts the server, sweeps each mode's loads (one condition each, `requests_for` many), stops it; with
     --restart starts it once more and times that start. `save` gets the result so far after every condition,
     so a run cut short (a device lease, a crash) keeps what it measured."""
@@ -188,6 +188,7 @@ def main() -> None:
     runs = runs or [("batched", False, batched, ())]
     if not args.no_serialised:
         runs.append(("serialised", True, {"closed": numbers(args.serialised_loads)}, ()))
+
     def save(name, server):
         result["servers"][name] = server
         (out / "summary.json").write_text(json.dumps(result, indent=2, default=float))

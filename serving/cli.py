@@ -29,7 +29,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                                                  "chunks grow to the schedule's sizes (QTTS_LEAD_MS; default 1000)")
     s.add_argument("--max-step-ms", type=float, help="the longest engine step, which a newly arrived request waits "
                                                      "for, unless only a longer one keeps up (QTTS_MAX_STEP_MS; default 100)")
-    s.add_argument("--newcomer-guard", choices=["on", "off"],
+    s.add_argument("--newcomer-guard", type=_on_off, metavar="{on,off}",
                    help="on: an engine iteration starts only the waiting requests whose prefill and first frame "
                         "every playing stream's audio in hand outlasts, the others wait an iteration; off: all that "
                         "have a free slot start at once (QTTS_NEWCOMER_GUARD; default on)")
@@ -55,6 +55,12 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     return s
 
 
+def _on_off(text: str) -> bool:
+    if text in ("on", "off"):
+        return text == "on"
+    raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+
+
 def _slots(text: str) -> int | str:
     if text == "auto":
         return text
@@ -70,8 +76,5 @@ def serve(args) -> int:
             "ttfa_target_ms", "newcomer_guard",
             "starvation_ms", "max_queue", "max_input_chars", "drain_timeout_s", "voices_dir", "compile_cache")
     keys += ("header_timeout_s", "idle_timeout_s", "max_connections", "voice_aliases")
-    flags = {k: getattr(args, k) for k in keys}
-    if flags["newcomer_guard"] is not None:
-        flags["newcomer_guard"] = flags["newcomer_guard"] == "on"
-    settings = Settings.from_env(**flags)
+    settings = Settings.from_env(**{k: getattr(args, k) for k in keys})
     return run(settings)

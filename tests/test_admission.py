@@ -35,7 +35,7 @@ def snapshot(live=(), queued=(), slots=64, iteration_s=0.03, scale=1.0) -> Engin
     """live: frames left per stream in a slot; queued: frame caps of waiting requests."""
     return EngineStats(
         slots=slots, live=len(live), queued=len(queued), oldest_wait_s=0.0, frames_left=tuple(live),
-        queued_frames=tuple(queued), ladder=LADDER, prefill_sizes=PREFILLS, step_sizes=(1, 4),
+        queued_frames=tuple(queued), ladder=LADDER, step_sizes=(1, 4),
         step_costs={(b, n): scale * iteration_cost(b, n) for b in LADDER for n in (1, 4)},
         prefill_costs={r: scale * prefill_cost(r) for r in PREFILLS},
         first_costs={b: scale * first_cost(b) for b in LADDER}, headroom_margin_s=0.02, iteration_s=iteration_s,

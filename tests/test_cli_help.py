@@ -36,3 +36,12 @@ def test_qtts_jax_assembles_the_library_server_and_study_commands(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     assert capsys.readouterr().out.startswith("usage: qtts-jax serve")
+
+
+def test_newcomer_guard_flag_is_on_or_off_and_nothing_else():
+    parser = _serve_parser()
+    assert parser.parse_args(["--newcomer-guard", "off"]).newcomer_guard is False
+    assert parser.parse_args(["--newcomer-guard", "on"]).newcomer_guard is True
+    assert parser.parse_args([]).newcomer_guard is None  # unset: QTTS_NEWCOMER_GUARD, then the default
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--newcomer-guard", "maybe"])

@@ -85,7 +85,7 @@ def test_first_frame_programs_stop_at_max_first_and_larger_bursts_cost_more_call
     assert EngineConfig(slots=8, max_first=4).first_sizes == (8,)  # the smallest rung always exists
     costs = {16: 0.010, 64: 0.020}
     st = EngineStats(slots=256, live=0, queued=0, oldest_wait_s=0.0, frames_left=(), queued_frames=(),
-                     ladder=c.ladder, prefill_sizes=(1, 32), step_sizes=(1,), headroom_margin_s=0.0,
+                     ladder=c.ladder, step_sizes=(1,), headroom_margin_s=0.0,
                      step_costs={}, prefill_costs={1: 0.001, 32: 0.004}, first_costs=costs, iteration_s=0.0,
                      min_headroom_s=None, iterations=0, recent_frame_s=())
     assert st.first_cost(3) == 0.010 and st.first_cost(40) == 0.020

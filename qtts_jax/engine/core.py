@@ -305,7 +305,7 @@ class Engine:
             oldest_wait_s=now - queued[0].timings.submitted if queued else 0.0,
             frames_left=tuple(0 if s.lm_done else max(s.frames_cap - len(s.codes), 0) for s in in_slots),
             queued_frames=tuple(s.frames_cap for s in queued),
-            ladder=c.ladder, prefill_sizes=c.prefill_sizes, step_sizes=c.step_sizes,
+            ladder=c.ladder, step_sizes=c.step_sizes,
             headroom_margin_s=self._margin_s, lead_s=c.lead_s, late_chunks=self.late_chunks,
             step_costs=dict(self.step_costs), prefill_costs=dict(self.prefill_costs), first_costs=dict(self.first_costs),
             iteration_s=self._iteration_s, min_headroom_s=min(headrooms) if headrooms else None,

@@ -19,7 +19,6 @@ class EngineStats:
     frames_left: tuple[int, ...]  # per stream in a slot: frames it may still produce (0 once its LM is done)
     queued_frames: tuple[int, ...]  # per waiting request: its frame cap
     ladder: tuple[int, ...]
-    prefill_sizes: tuple[int, ...]
     step_sizes: tuple[int, ...]  # frames a step call may run
     headroom_margin_s: float  # headroom the loop keeps in hand beyond an iteration's predicted cost (measured)
     step_costs: dict  # (rung, frames) -> seconds of one iteration stepping that many frames (step + codec)
