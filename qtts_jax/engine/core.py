@@ -220,8 +220,7 @@ class Engine:
         new = [self.slots[i] for i in live if not self.slots[i].codes]  # at most max(first_sizes): see _admit
         playing = [self.slots[i] for i in live if self.slots[i].codes]
         first = self._dispatch_first(new) if new else None
-        extra = (self.prefill_costs.get(rung(self.config.prefill_sizes, len(joined)), 0.0) if joined else 0.0) + (
-            self.first_costs.get(rung(self.config.first_sizes, len(new)), 0.0) if new else 0.0)
+        extra = self._newcomers_s(len(joined), len(new))
         # newcomers join the playing streams' step right after their first frame: their next audio comes with it
         stepping = playing + new
         plan, out = None, None
@@ -427,10 +426,15 @@ class Engine:
         live = sum(s is not None and not s.lm_done for s in self.slots)
 
         def iteration_s(m: int) -> float:
-            return (cost_in_calls(self.prefill_costs, m) + cost_in_calls(self.first_costs, m)
-                    + self.step_costs[rung(c.ladder, live + m), 1])
+            return self._newcomers_s(m, m) + self.step_costs[rung(c.ladder, live + m), 1]
 
         return newcomers_that_fit(waiting, min(heads, default=None), self._margin_s, iteration_s)
+
+    def _newcomers_s(self, prefilled: int, first: int) -> float:
+        """Measured seconds of prefilling `prefilled` requests (in calls of at most `max_prefill`) and of
+        the first-frame program for `first` newcomers, which run ahead of the step; 0 before anything is timed."""
+        return ((cost_in_calls(self.prefill_costs, prefilled) if prefilled and self.prefill_costs else 0.0)
+                + (cost_in_calls(self.first_costs, first) if first and self.first_costs else 0.0))
 
     def _insert_args(self, items: list[tuple[int, Job]], size: int) -> tuple:
         """Stacked prefill inputs for `items` (slot, job), padded to `size` rows aimed past the last slot."""
