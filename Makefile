@@ -5,7 +5,10 @@ PY := $(VENV)/bin/python
 INSTALL := $(PY) -m pip install --quiet --no-compile
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup test synth serve study lab clean
+.PHONY: help setup setup-gpu test synth serve study explore lab clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 12
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -21,6 +24,10 @@ $(VENV)/.study: pyproject.toml | $(PY)
 	$(INSTALL) -e ".[study]"
 	touch $@
 
+$(VENV)/.cuda: pyproject.toml | $(PY)
+	$(INSTALL) -e ".[cuda]"
+	touch $@
+
 $(VENV)/.lab: pyproject.toml | $(PY)
 	$(INSTALL) -e ".[study,lab]"
 	touch $@
@@ -31,35 +38,46 @@ $(VENV)/.dev: pyproject.toml requirements-reference.txt | $(PY)
 	$(INSTALL) --no-deps qwen-tts==0.1.1
 	touch $@
 
-setup: $(VENV)/.dev
+setup: $(VENV)/.dev  ## everything the tests need (the package, the reference, PyTorch on CPU)
+
+setup-gpu: $(VENV)/.cuda  ## JAX's CUDA build (the cuda extra), for an NVIDIA GPU
 
 # The slowest tests are listed at the end, so a slow one is seen before the suite outgrows CI.
 # Two workers (a 2-core CI machine; more only where there are cores), each taking whole files (module fixtures
 # are built once), in the order tests/conftest.py gives them (slowest first).
-test: setup
+test: setup  ## the test suite (2 workers; the 15 slowest listed at the end)
 	$(PY) -m pytest -q --durations=15 -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
-synth: $(VENV)/.core
-	$(VENV)/bin/qtts-jax synth --model tiny-random --text "$(or $(TEXT),Hello from qtts-jax.)" --out $(or $(OUT),runs/hello.wav)
+# MODEL=DIR|tiny-random; without MAX_FRAMES a real model ends on its own and random weights (which rarely end)
+# stop after the CLI's 24 frames (1.9 s)
+synth: $(VENV)/.core  ## one file: TEXT="..." OUT=runs/hello.wav [MODEL=DIR] [MAX_FRAMES=N] [VOICE=serena]
+	$(VENV)/bin/qtts-jax synth --model $(or $(MODEL),tiny-random) --text "$(or $(TEXT),Hello from qtts-jax.)" \
+		--out $(or $(OUT),runs/hello.wav) $(if $(MAX_FRAMES),--max-frames $(MAX_FRAMES)) $(if $(VOICE),--speaker $(VOICE))
 
-# Speech server (OpenAI-compatible HTTP + WebSocket); MODEL=DIR|tiny-random, PORT, SLOTS, HOST
-serve: $(VENV)/.core
-	$(VENV)/bin/qtts-jax serve --model $(or $(MODEL),tiny-random) --host $(or $(HOST),127.0.0.1) --port $(or $(PORT),8000) --slots $(or $(SLOTS),8)
+# Speech server (OpenAI-compatible HTTP + WebSocket, the page at /); MODEL=DIR|tiny-random, PORT, SLOTS, HOST, DTYPE
+serve: $(VENV)/.core  ## the speech server and its page: http://127.0.0.1:8000/ [MODEL=DIR] [SLOTS=8|auto] [PORT] [DTYPE]
+	$(VENV)/bin/qtts-jax serve --model $(or $(MODEL),tiny-random) --host $(or $(HOST),127.0.0.1) --port $(or $(PORT),8000) \
+		--slots $(or $(SLOTS),8) $(if $(DTYPE),--dtype $(DTYPE))
 
 # Capacity study: a batched (2 slots) and a serialised tiny-random server on 127.0.0.1 side by side (or URL=...);
 # runs/<id>/report.html. Unset LOADS/REQUESTS/MAX_FRAMES/SLOTS take the CLI's defaults (`qtts-jax study capacity --help`).
 # CHUNKS defaults to one-frame chunks: on a 2-core CPU a 2-slot step takes ~53 ms, so a 2-frame chunk lands
 # ~106 ms after the 80 ms before it started playing and every stream starves by construction, which would put
 # the verdict on the 100 ms starvation line and let two runs disagree.
-study: $(VENV)/.study
+# PRICE: USD per replica-hour for the fleet's cost (unset: the CLI's default, which the report names as such).
+study: $(VENV)/.study  ## capacity study -> runs/<id>/report.html [URL=http://host:port] [LOADS="1 2 4"] [PRICE=USD/h]
 	$(PY) -m studies capacity $(if $(URL),--url $(URL),--compare-serialised) $(if $(LOADS),--loads $(LOADS)) \
 		$(if $(REQUESTS),--requests $(REQUESTS)) $(if $(MAX_FRAMES),--max-frames $(MAX_FRAMES)) \
-		$(if $(SLOTS),--slots $(SLOTS)) --chunk-schedule $(or $(CHUNKS),1)
+		$(if $(SLOTS),--slots $(SLOTS)) $(if $(PRICE),--price-per-hour $(PRICE)) --chunk-schedule $(or $(CHUNKS),1)
+
+# One synthesis through a server (a local tiny-random one unless URL=...): listen, waveform, spectrogram, timings
+explore: $(VENV)/.study  ## notebooks/explore_model.py -> runs/<id>/report.html [TEXT=...] [URL=...] [MODEL=DIR]
+	$(PY) -m studies explore $(if $(URL),--url $(URL)) $(if $(MODEL),--model $(MODEL)) $(if $(TEXT),--text "$(TEXT)")
 
 # JupyterLab on notebooks/: the jupytext .py files open as notebooks and stay the source (notebooks/jupytext.toml)
 # (--allow-root only when run as root, as in containers)
-lab: $(VENV)/.lab
+lab: $(VENV)/.lab  ## JupyterLab on notebooks/
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
-clean:
+clean:  ## remove .venv and runs/
 	rm -rf $(VENV) runs
