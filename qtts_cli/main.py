@@ -13,32 +13,47 @@ import numpy as np
 
 from qtts_jax.checkpoint import CheckpointError
 from qtts_jax.request import Request, RequestError
+from serving.aliases import DEFAULT as VOICE_ALIASES
 from serving.cli import add_serve_parser, serve
+
+DEFAULT_VOICE = VOICE_ALIASES["alloy"]  # the server's default voice on CustomVoice models, so synth sounds the same
+RANDOM_MAX_FRAMES = 24  # random weights rarely reach EOS: without a cap a short text runs ~16 s of noise
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qtts-jax", description="Qwen3-TTS (12 Hz) in JAX")
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("synth", help="synthesize text into a 24 kHz WAV")
-    s.add_argument("--model", required=True, help="checkpoint directory (Hugging Face layout) or tiny-random")
-    s.add_argument("--text", required=True)
-    s.add_argument("--speaker", help="CustomVoice speaker (default: the first one listed by `info`)")
-    s.add_argument("--language", default="auto")
-    s.add_argument("--instruct", help="style instruction (VoiceDesign; CustomVoice 1.7B)")
-    s.add_argument("--ref-audio", help="Base models: reference recording of the voice to clone (WAV/FLAC/MP3/OGG)")
-    s.add_argument("--ref-text", help="transcript of --ref-audio: clones in ICL mode (without it: x-vector only)")
-    s.add_argument("--xvector-only", action="store_true", help="clone from the speaker embedding alone")
+    s = sub.add_parser("synth", help="synthesize text into a 24 kHz WAV",
+                       description="Every flag's default is in its help; the model defaults to tiny-random.")
+    s.add_argument("--model", default="tiny-random",
+                   help="checkpoint directory (Hugging Face layout), tiny-random or tiny-random-base "
+                        "(default tiny-random: random weights, so the audio is noise)")
+    s.add_argument("--text", required=True, help="what to say")
+    s.add_argument("--speaker", help="CustomVoice speaker (default: alloy's speaker, as the server's default voice, "
+                                     f"{DEFAULT_VOICE}; else the first one `info` lists)")
+    s.add_argument("--language", default="auto", help="a language name as `info` lists them, or auto (default auto)")
+    s.add_argument("--instruct", help="style instruction (VoiceDesign; CustomVoice 1.7B; default none)")
+    s.add_argument("--ref-audio", help="Base models: reference recording of the voice to clone (WAV/FLAC/MP3/OGG, "
+                                       "1-30 s; required on Base models)")
+    s.add_argument("--ref-text", help="transcript of --ref-audio: clones in ICL mode (default none: x-vector only)")
+    s.add_argument("--xvector-only", action="store_true",
+                   help="clone from the speaker embedding alone even with --ref-text (default off)")
     s.add_argument("--ref-silence", type=float, default=0.0, metavar="SECONDS",
                    help="silence appended to the reference before encoding, against its last phonemes bleeding "
-                        "into the output (0 = as the reference implementation)")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--greedy", action="store_true", help="argmax decoding for talker and code predictor")
-    s.add_argument("--max-frames", type=int, help="cap on complete 80 ms frames")
-    s.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    s.add_argument("--out", required=True, help="output .wav")
-    s.add_argument("--codes-out", help="also save the codes [frames, 16] as .npy")
+                        "into the output (default 0 = as the reference implementation)")
+    s.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same audio (default 0)")
+    s.add_argument("--greedy", action="store_true",
+                   help="argmax decoding for talker and code predictor (default off: sampled)")
+    s.add_argument("--max-frames", type=int,
+                   help=f"cap on complete 80 ms frames (default: a real model ends on its own; random weights, "
+                        f"which rarely end, stop after {RANDOM_MAX_FRAMES} = {RANDOM_MAX_FRAMES * 0.08:.2f} s)")
+    s.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="weights dtype (default float32; bfloat16 halves memory)")
+    s.add_argument("--out", default="speech.wav", help="output .wav (default speech.wav)")
+    s.add_argument("--codes-out", help="also save the codes [frames, 16] as .npy (default: not saved)")
     i = sub.add_parser("info", help="print what a checkpoint is (kind, size, speakers, languages)")
-    i.add_argument("--model", required=True)
+    i.add_argument("--model", default="tiny-random",
+                   help="checkpoint directory, tiny-random or tiny-random-base (default tiny-random)")
     add_serve_parser(sub)
     sub.add_parser("study", help="capacity studies of a server: `qtts-jax study {capacity,sustained,fleet} --help`",
                    add_help=False)
@@ -80,12 +95,17 @@ def main(argv: list[str] | None = None) -> int:
             raise RequestError("ref_audio", f"only Base models clone voices; this is a {model.cfg.model_type} model")
         speaker = args.speaker
         if speaker is None and model.cfg.model_type == "custom_voice":
-            speaker = sorted(model.cfg.speakers)[0]
+            speaker = DEFAULT_VOICE if DEFAULT_VOICE in model.cfg.speakers else sorted(model.cfg.speakers)[0]
             print(f"speaker: {speaker} (pass --speaker to choose)", file=sys.stderr)
+        max_frames = args.max_frames
+        if max_frames is None and model.is_noise:
+            max_frames = RANDOM_MAX_FRAMES
+            print(f"max frames: {max_frames} (random weights rarely end; pass --max-frames to change)",
+                  file=sys.stderr)
         req = Request(
             text=args.text, speaker=speaker, language=args.language, instruct=args.instruct, voice=voice, seed=args.seed,
             greedy=True if args.greedy else None, subtalker_greedy=True if args.greedy else None,
-            max_frames=args.max_frames,
+            max_frames=max_frames,
         )
         t0 = time.perf_counter()
         (result,) = model.generate(req)
@@ -98,6 +118,4 @@ def main(argv: list[str] | None = None) -> int:
         np.save(args.codes_out, result.codes)
     seconds = len(result.audio) / result.sample_rate
     print(f"wrote {args.out}: {result.frames} frames, {seconds:.2f} s of audio in {elapsed:.2f} s")
-    if model.is_noise:
-        print(f"note: {model.name} has random weights, so this audio is noise", file=sys.stderr)
     return 0

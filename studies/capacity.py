@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from studies import provenance
-from studies.fleet import fleet_size
+from studies.fleet import DEFAULT_PRICE_PER_HOUR, fleet_size
 from studies.slo import SLO, Contract, safe_capacity, zero_underrun_capacity
 from studies.sweep import sweep
 
@@ -59,12 +59,15 @@ def slug(label: str) -> str:
 
 def study(servers: dict[str, str], out_dir: str | Path, mode: str, loads: list[float], requests: int,
           prompts: list[str], options: dict, warmup: int = 2, buffer_ms: float = 0.0, slo: SLO = SLO(),
-          protocol: str = "http", target_load: float = 100.0, price_per_hour: float = 1.0,
+          protocol: str = "http", target_load: float = 100.0, price_per_hour: float | None = None,
           configs: dict[str, dict] | None = None, contract: Contract = Contract()) -> dict:
     """Sweeps each server (label -> URL) in turn into out_dir/servers/<label>/ and writes out_dir/summary.json
     (provenance, settings, per server: conditions, assessment, fleet) and out_dir/records.jsonl (every
     request of every server, labelled). `configs`: how local servers were started, for provenance. The fleet
-    is sized on the SLO's safe capacity; the zero-underrun contract is reported beside it."""
+    is sized on the SLO's safe capacity; the zero-underrun contract is reported beside it. Without a
+    `price_per_hour` the fleet is priced at the placeholder default and the summary says so."""
+    price_is_default = price_per_hour is None
+    price_per_hour = DEFAULT_PRICE_PER_HOUR if price_is_default else price_per_hour
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     about = {label: provenance.server(url, (configs or {}).get(label)) for label, url in servers.items()}
@@ -84,7 +87,7 @@ def study(servers: dict[str, str], out_dir: str | Path, mode: str, loads: list[f
     summary = {"provenance": provenance.provenance(out.name, about), "mode": mode, "protocol": protocol,
                "unit": unit(mode), "loads": sorted(loads), "requests_per_condition": requests, "warmup": warmup,
                "buffer_ms": buffer_ms, "options": options, "slo": vars(slo), "target_load": target_load,
-               "price_per_hour": price_per_hour, "servers": results, "safe_capacity": results[0]["safe_capacity"],
+               "price_per_hour": price_per_hour, "price_is_default": price_is_default, "servers": results, "safe_capacity": results[0]["safe_capacity"],
                "contract": vars(contract), "zero_underrun_capacity": results[0]["zero_underrun_capacity"]}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     return summary

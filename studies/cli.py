@@ -1,6 +1,6 @@
 """`python -m studies`: `capacity` (sweep + HTML report, against a URL or a local server it starts),
-`sustained` (A/B of two builds under sustained load, golden-checked) and `fleet` (replicas and cost for a
-target load)."""
+`sustained` (A/B of two builds under sustained load, golden-checked), `fleet` (replicas and cost for a
+target load) and `explore` (one synthesis to listen to and look at)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,30 @@ import contextlib
 import json
 import sys
 
-from studies.fleet import fleet_size
+from studies.fleet import DEFAULT_PRICE_PER_HOUR, fleet_size
+
+PRICE_HELP = (f"USD per replica-hour (default {DEFAULT_PRICE_PER_HOUR:g}: a placeholder, and the output says so; "
+              "give your accelerator's price)")
+
+
+class _Help(argparse.HelpFormatter):
+    """Adds "(default: X)" to a flag's help once, unless the help already names its default or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def _parser(prog: str = "python -m studies") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="capacity studies of a qtts-jax speech server")
     sub = p.add_subparsers(dest="command", required=True)
-    defaults = {"formatter_class": argparse.ArgumentDefaultsHelpFormatter}  # every flag's help shows its default
+    defaults = {"formatter_class": _Help}  # every flag's help shows its default, once
     f = sub.add_parser("fleet", help="replicas and cost for a target load", **defaults)
     f.add_argument("--safe-capacity", type=float, required=True, help="one replica's safe capacity")
     f.add_argument("--target", type=float, required=True, help="target load, same unit as the safe capacity")
-    f.add_argument("--price-per-hour", type=float, default=0.0, help="per replica")
+    f.add_argument("--price-per-hour", type=float, help=PRICE_HELP)
     c = sub.add_parser("capacity", help="sweep one or two servers, judge the SLOs, write runs/<id>/report.html",
                        **defaults)
     c.add_argument("--url", help="server to study (default: start a local tiny-random server on 127.0.0.1)")
@@ -47,8 +60,8 @@ def _parser(prog: str = "python -m studies") -> argparse.ArgumentParser:
                    help="zero-underrun contract, judged beside the SLO: p95 TTFA target; the contract also needs "
                         "every request to succeed and no stream to stall after its first audio at zero buffer")
     c.add_argument("--target", type=float, default=100.0, help="fleet sizing: load to carry, in the loads' unit")
-    c.add_argument("--price-per-hour", type=float, default=1.0, help="fleet sizing: USD per replica-hour")
-    c.add_argument("--runs", default="runs", help="parent directory of the run directory")
+    c.add_argument("--price-per-hour", type=float, help="fleet sizing: " + PRICE_HELP)
+    c.add_argument("--runs-dir", default="runs", help="parent directory of the run directory")
     s = sub.add_parser("sustained", help="A/B of two builds under sustained load: passes A, B, B, A per workload, "
                                          "golden-checked; runs notebooks/sustained_ab.py -> runs/<id>/report.html",
                        **defaults)
@@ -81,25 +94,54 @@ def _parser(prog: str = "python -m studies") -> argparse.ArgumentParser:
     s.add_argument("--pause-ms", type=float, default=120.0, help="processed: silence between the turns")
     s.add_argument("--no-gpu", action="store_true", help="do not sample nvidia-smi")
     s.add_argument("--gpu-ids", default="", help="nvidia-smi -i (e.g. 0); default every GPU")
-    s.add_argument("--runs", default="runs", help="parent directory of the run directory")
+    s.add_argument("--runs-dir", default="runs", help="parent directory of the run directory")
+    e = sub.add_parser("explore", help="one synthesis through a server: listen, waveform, spectrogram, where the "
+                                       "time to first audio goes; runs notebooks/explore_model.py -> "
+                                       "runs/<id>/report.html", **defaults)
+    e.add_argument("--url", help="a running server (default: start a local one on --model for the one request)")
+    e.add_argument("--model", default="tiny-random", help="local server: checkpoint directory or tiny-random")
+    e.add_argument("--text", default="Hi, how can I help you today?", help="what to say")
+    e.add_argument("--voice", default="alloy", help="a speaker, an OpenAI voice name or a registered voice "
+                                                    "(default alloy, the server's default voice)")
+    e.add_argument("--seed", type=int, default=0, help="sampling seed")
+    e.add_argument("--max-frames", type=int, default=48,
+                   help="cap on 80 ms frames (0: the model's own end; random weights rarely end)")
+    e.add_argument("--runs-dir", default="runs", help="parent directory of the run directory")
     return p
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m studies") -> int:
     args = _parser(prog).parse_args(argv)
     if args.command == "fleet":
+        price = DEFAULT_PRICE_PER_HOUR if args.price_per_hour is None else args.price_per_hour
         try:
-            fleet = fleet_size(args.safe_capacity, args.target, args.price_per_hour)
+            fleet = fleet_size(args.safe_capacity, args.target, price)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         for name, key in (("40% headroom", "headroom_40"), ("60% utilisation", "utilisation_60")):
             f = fleet[key]
             print(f"{name}: {f['replicas']} replicas, ${f['per_hour']:.2f}/h, ${f['per_month']:.0f}/month")
+        if args.price_per_hour is None:
+            print(f"(at the placeholder price ${price:g} per replica-hour: pass --price-per-hour)")
         return 0
     if args.command == "sustained":
         return sustained(args)
+    if args.command == "explore":
+        return explore(args)
     return capacity(args)
+
+
+def explore(args) -> int:
+    from studies.report import new_run_dir, run_notebook
+
+    run_dir = new_run_dir(args.runs_dir, "explore")
+    print(f"explore: {args.url or f'a local {args.model} server'} -> {run_dir}", file=sys.stderr)
+    report = run_notebook("explore_model", {"server_url": args.url or "", "model": args.model, "text": args.text,
+                                            "voice": args.voice, "seed": args.seed, "max_frames": args.max_frames},
+                          run_dir)
+    print(f"audio: {run_dir / 'speech.wav'}; report: {report}")
+    return 0
 
 
 def capacity(args) -> int:
@@ -120,7 +162,7 @@ def capacity(args) -> int:
     except ValueError as exc:
         print(f"error: --contract-ttfa-ms: {exc}", file=sys.stderr)
         return 2
-    run_dir = new_run_dir(args.runs, "capacity" + ("-serialised" if args.serialised else ""))
+    run_dir = new_run_dir(args.runs_dir, "capacity" + ("-serialised" if args.serialised else ""))
     loads = [int(x) if args.mode == "closed" else x for x in args.loads]
     options = {"voice": "ryan", "seed": 0, "chunk_schedule": args.chunk_schedule, "max_frames": args.max_frames}
     local = {"model": args.model, "context": 256, "frames_per_step": 1}  # local_server's defaults
@@ -169,7 +211,7 @@ def sustained(args) -> int:
     if args.concurrency < 1 or args.window_s <= 0 or args.fill_s < 0:
         print("error: need --concurrency >= 1, --window-s > 0, --fill-s >= 0", file=sys.stderr)
         return 2
-    run_dir = new_run_dir(args.runs, "sustained")
+    run_dir = new_run_dir(args.runs_dir, "sustained")
     with contextlib.ExitStack() as stack:
         url_a = args.url or stack.enter_context(local_server(args.model, slots=args.slots, context=args.context,
                                                              log_path=run_dir / "server.log"))

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 
+# no price is a fact of the software: a placeholder that every output using it names as such
+DEFAULT_PRICE_PER_HOUR = 1.0
+
 
 def fleet_size(safe_capacity: float, target: float, price_per_hour: float = 0.0) -> dict:
     """Replicas with 40% headroom (`ceil(target / safe × 1.4)`) and at 60% utilisation

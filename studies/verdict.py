@@ -153,7 +153,9 @@ def fleet_text(server: dict, summary: dict) -> str:
     rows = "".join(f"| {name} | {fleet[key]['replicas']} | {fleet[key]['per_hour']:.2f} "
                    f"| {fleet[key]['per_month']:.0f} |\n" for name, key in rules)
     return (f"**{server['label']}**: target {target:g} {unit(mode, target)} at {server['safe_capacity']:g} per "
-            f"replica, ${summary['price_per_hour']:g}/h per replica:\n\n"
+            f"replica, ${summary['price_per_hour']:g}/h per replica"
+            + (" (the placeholder default: pass `--price-per-hour` for your accelerator's price)"
+               if summary.get("price_is_default") else "") + ":\n\n"
             "| policy | replicas | $/hour | $/month |\n|---|---|---|---|\n" + rows)
 
 

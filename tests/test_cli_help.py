@@ -45,3 +45,27 @@ def test_newcomer_guard_flag_is_on_or_off_and_nothing_else():
     assert parser.parse_args([]).newcomer_guard is None  # unset: QTTS_NEWCOMER_GUARD, then the default
     with pytest.raises(SystemExit):
         parser.parse_args(["--newcomer-guard", "maybe"])
+
+
+def test_study_help_names_each_default_once(capsys):
+    """argparse's defaults formatter printed "(default: X)" beside help that already named its default."""
+    for command in ("capacity", "sustained", "fleet", "explore"):
+        with pytest.raises(SystemExit):
+            main(["study", command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        for chunk in text.split("  --")[1:]:
+            assert chunk.count("default") <= 1, chunk
+    with pytest.raises(SystemExit):
+        main(["study", "capacity", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--runs-dir RUNS_DIR parent directory of the run directory (default: runs)" in text
+    assert "--price-per-hour PRICE_PER_HOUR fleet sizing: USD per replica-hour (default 1: a placeholder" in text
+
+
+def test_fleet_says_when_its_price_is_the_placeholder(capsys):
+    assert main(["study", "fleet", "--safe-capacity", "2", "--target", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "7 replicas, $7.00/h" in out and "placeholder price $1" in out
+    assert main(["study", "fleet", "--safe-capacity", "2", "--target", "10", "--price-per-hour", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "7 replicas, $14.00/h" in out and "placeholder" not in out

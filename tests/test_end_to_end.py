@@ -8,8 +8,10 @@ import json
 import numpy as np
 
 import qtts_cli.main as cli
+from qtts_cli.main import DEFAULT_VOICE, RANDOM_MAX_FRAMES
 from qtts_jax.audio import to_int16
 from qtts_jax.request import Request, VoicePrompt
+from serving.aliases import DEFAULT as DEFAULT_ALIASES
 from support import read_wav
 
 FRAMES = 8
@@ -65,13 +67,18 @@ def test_icl_clone_audio_cut_matches_reference(reference_wrapper, checkpoint_mod
     np.testing.assert_allclose(result.audio, wavs[0], rtol=0, atol=1e-4)
 
 
-def test_synth_tiny_random_writes_valid_wav(tmp_path, capsys):
+def test_synth_defaults_to_tiny_random_the_servers_voice_and_a_short_cap(tmp_path, capsys, caplog):
+    """A newcomer's first `synth`: no --model, no --speaker, no --max-frames. Random weights rarely end, so the
+    CLI caps them (16 s of noise otherwise) and says so; the voice is the server's default (alloy -> serena)."""
     out = tmp_path / "hello.wav"
-    assert cli.main(["synth", "--model", "tiny-random", "--text", "Hello", "--max-frames", "10", "--out", str(out)]) == 0
+    assert cli.main(["synth", "--text", "Hello", "--out", str(out)]) == 0
     rate, audio = read_wav(out)
-    assert rate == 24000 and len(audio) == 10 * 1920
+    assert rate == 24000 and len(audio) == RANDOM_MAX_FRAMES * 1920
     assert np.abs(audio).max() > 0
-    assert "noise" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"speaker: {DEFAULT_VOICE}" in err and f"max frames: {RANDOM_MAX_FRAMES}" in err
+    assert DEFAULT_VOICE == DEFAULT_ALIASES["alloy"]  # the voice a request without one gets from the server
+    assert "noise" in caplog.text
 
 
 def test_same_seed_same_audio_different_seed_different(tiny_model):

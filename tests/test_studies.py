@@ -360,9 +360,10 @@ def test_sustained_ab_needs_a_fixed_seed_before_any_traffic():
 
 def test_sustained_cli_refuses_bad_arguments_before_starting_anything(capsys, tmp_path):
     assert study_main(["sustained", "--compare-url", "http://127.0.0.1:9", "--compare-serialised",
-                       "--runs", str(tmp_path)]) == 2
+                       "--runs-dir", str(tmp_path)]) == 2
     assert "not both" in capsys.readouterr().err
-    assert study_main(["sustained", "--url", "http://127.0.0.1:9", "--window-s", "0", "--runs", str(tmp_path)]) == 2
+    assert study_main(["sustained", "--url", "http://127.0.0.1:9", "--window-s", "0",
+                       "--runs-dir", str(tmp_path)]) == 2
     assert not list(tmp_path.iterdir())  # no run directory, no server
 
 

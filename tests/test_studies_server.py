@@ -88,7 +88,7 @@ def test_capacity_cli_sweeps_over_the_websocket(url, tmp_path, capsys):
     from studies.cli import main as study_main
 
     assert study_main(["capacity", "--url", url, "--protocol", "ws", "--loads", "1", "--requests", "2",
-                       "--warmup", "0", "--max-frames", "6", "--runs", str(tmp_path)]) == 0
+                       "--warmup", "0", "--max-frames", "6", "--runs-dir", str(tmp_path)]) == 0
     (run,) = tmp_path.iterdir()
     assert json.loads((run / "summary.json").read_text())["protocol"] == "ws"
     assert {r.protocol for r in read_jsonl(run / "records.jsonl")} == {"ws"}
@@ -193,7 +193,7 @@ def test_sustained_cli_runs_both_workloads_abba_with_golden_checks_and_no_gpu(ur
                      "--plain-corpus", str(tmp_path / "plain.txt"),
                      "--processed-corpus", str(tmp_path / "processed.txt"),
                      "--concurrency", "2", "--fill-s", "0.3", "--window-s", "2.0", "--max-frames", "6",
-                     "--runs", str(tmp_path / "runs")])
+                     "--runs-dir", str(tmp_path / "runs")])
     out = capsys.readouterr().out
     assert rc == 0, out
     (run,) = (tmp_path / "runs").iterdir()
