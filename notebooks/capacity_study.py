@@ -39,7 +39,7 @@ starvation_p95_ms = 100.0
 min_success_rate = 0.99
 contract_ttfa_p95_ms = 100.0  # zero-underrun contract's TTFA target
 target_load = 100.0  # fleet target, in the same unit as loads
-price_per_hour = 1.0  # per replica, USD
+price_per_hour = None  # per replica, USD; None: the placeholder default, which the report names
 label = ""
 compare_url = ""  # optional second server (e.g. a serialised one) swept the same way, shown side by side
 compare_label = "compare"
@@ -59,7 +59,7 @@ from studies.corpora import load_corpus
 from studies.plots import capacity_curves, show, ttfa_cdfs
 from studies.records import read_jsonl
 from studies.slo import SLO, Contract
-from studies.verdict import conditions_table, contract_text, fleet_text, provenance_table, verdict_text
+from studies.verdict import conditions_table, contract_text, fleet_text, machine_text, provenance_table, verdict_text
 
 pd.set_option("display.max_colwidth", None)  # provenance values are long; never cut them to "..."
 out = Path(out_dir)
@@ -89,6 +89,8 @@ display(Markdown(f"{summary['mode']} loop over {summary['protocol']}, {summary['
 # contract's verdict.
 
 # %%
+if warning := machine_text(summary):
+    display(Markdown(warning))
 for server in summary["servers"]:
     display(Markdown(f"### {server['label']}"))
     display(conditions_table(server))

@@ -30,19 +30,47 @@ def assess(conditions: list[dict], slo: SLO, slots: int | None, contract: Contra
     safe = safe_capacity(conditions, slo)
     ordered = sorted(conditions, key=lambda c: c["load"])
     stop = _first_short(ordered, "verdict")
+    contract_stop = _first_short(ordered, "contract_verdict")
     limited_by = []
     if stop is None:
         limited_by.append("highest load tried")
     if ordered[0]["mode"] == "closed" and slots and safe == slots:
         limited_by.append("slot count")
+    zero = zero_underrun_capacity(conditions, contract)
     return {
-        "safe_capacity": safe, "limited_by": limited_by,
+        "safe_capacity": safe, "safe_capacity_status": status(safe, stop), "limited_by": limited_by,
         "stopped_at": stop,
         "passes_above": [c["load"] for c in ordered if stop and c["load"] > stop["load"]
                          and c["verdict"]["overall"] == "pass"],
-        "zero_underrun_capacity": zero_underrun_capacity(conditions, contract),
-        "contract_stopped_at": _first_short(ordered, "contract_verdict"),
+        "zero_underrun_capacity": zero, "zero_underrun_capacity_status": status(zero, contract_stop),
+        "contract_stopped_at": contract_stop,
     }
+
+
+def status(capacity: float, stop: dict | None) -> str:
+    """How to read a capacity: "at least" (every load tried passed, or the next one is undecided: the replica may
+    carry more), "exactly" (the next load fails), "undecided" (the lowest load is undecided: no number can be
+    given) or "none" (the lowest load fails). A 0 alone would read as a measured zero, which an undecided
+    lowest load is not."""
+    if stop is None:
+        return "at least"
+    if stop["overall"] == "undecided":
+        return "at least" if capacity else "undecided"
+    return "exactly" if capacity else "none"
+
+
+def capacity_text(capacity: float, capacity_status: str, stop: dict | None, mode: str) -> str:
+    """A capacity as a planner should read it: "at least 2 streams in flight", "1 stream in flight (load 2
+    fails)", "undecided (load 1 is undecided)", "none (load 1 fails)"."""
+    at = f"load {stop['load']:g} {'fails' if stop['overall'] == 'fail' else 'is undecided'}" if stop else ""
+    if capacity_status == "undecided":
+        return f"undecided ({at})"
+    if capacity_status == "none":
+        return f"none ({at})"
+    number = f"{capacity:g} {unit(mode, capacity)}"
+    if capacity_status == "exactly":
+        return f"{number} ({at})"
+    return f"at least {number}" + (f" ({at})" if stop else " (every load tried passed)")
 
 
 def _first_short(ordered: list[dict], key: str) -> dict | None:
@@ -72,22 +100,24 @@ def study(servers: dict[str, str], out_dir: str | Path, mode: str, loads: list[f
     out.mkdir(parents=True, exist_ok=True)
     about = {label: provenance.server(url, (configs or {}).get(label)) for label, url in servers.items()}
     dirs = {label: out / "servers" / f"{i}-{slug(label)}" for i, label in enumerate(servers, 1)}
-    results = []
+    results, whole = [], provenance.MachineLoad()
     for label, url in servers.items():
+        meter = provenance.MachineLoad()
         r = sweep(url, mode, loads, requests, prompts, dirs[label], options=options,
                   warmup=warmup, buffer_ms=buffer_ms, slo=slo, protocol=protocol, server=label, contract=contract)
         a = assess(r["conditions"], slo, about[label].get("slots"), contract)
         results.append({"label": label, "url": url, "slots": about[label].get("slots"), **a,
                         "fleet": fleet_size(a["safe_capacity"], target_load, price_per_hour)
                         if a["safe_capacity"] > 0 else None,
-                        "conditions": r["conditions"]})
+                        "machine_load": meter.result(), "conditions": r["conditions"]})
     with open(out / "records.jsonl", "w", encoding="utf-8") as f:
         for label in servers:
             f.write((dirs[label] / "records.jsonl").read_text(encoding="utf-8"))
-    summary = {"provenance": provenance.provenance(out.name, about), "mode": mode, "protocol": protocol,
+    summary = {"provenance": provenance.provenance(out.name, about, whole.result()), "mode": mode, "protocol": protocol,
                "unit": unit(mode), "loads": sorted(loads), "requests_per_condition": requests, "warmup": warmup,
                "buffer_ms": buffer_ms, "options": options, "slo": vars(slo), "target_load": target_load,
                "price_per_hour": price_per_hour, "price_is_default": price_is_default, "servers": results, "safe_capacity": results[0]["safe_capacity"],
+               "safe_capacity_status": results[0]["safe_capacity_status"],
                "contract": vars(contract), "zero_underrun_capacity": results[0]["zero_underrun_capacity"]}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     return summary

@@ -152,7 +152,7 @@ def capacity(args) -> int:
     from studies.report import new_run_dir, run_notebook
     from studies.server import local_server
     from studies.slo import SLO, Contract
-    from studies.verdict import contract_text, verdict_text
+    from studies.verdict import contract_text, last_line, machine_text, verdict_text
 
     if args.compare_url and args.compare_serialised:
         print("error: give --compare-url or --compare-serialised, not both", file=sys.stderr)
@@ -190,8 +190,9 @@ def capacity(args) -> int:
     for server in summary["servers"]:
         print(verdict_text(server, summary).replace("**", ""), end="\n\n")
         print(contract_text(server, summary).replace("**", ""), end="\n\n")
-    print(f"safe capacity: {summary['safe_capacity']:g}; zero-underrun capacity: "
-          f"{summary['zero_underrun_capacity']:g}; report: {report}")
+    if warning := machine_text(summary):
+        print(warning.replace("**", ""), end="\n\n")
+    print(last_line(summary, report))
     return 0
 
 

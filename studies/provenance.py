@@ -11,6 +11,7 @@ import os
 import platform
 import shutil
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 
@@ -60,6 +61,69 @@ def machine() -> dict:
             "cpu_count": os.cpu_count(), "memory_gib": mem_gib, "gpus": gpus}
 
 
+# Other processes using a quarter of a core on average compete with the servers and clients being measured
+BUSY_CORES = 0.25
+
+
+def _busy_ticks() -> int | None:
+    """CPU ticks every process spent running, machine-wide (/proc/stat's first line: all but idle and iowait)."""
+    try:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(
+            int, Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9])
+    except (OSError, ValueError):
+        return None
+    return user + nice + system + irq + softirq + steal
+
+
+def _own_ticks() -> int:
+    """CPU ticks of this process and its descendants (the local servers, the load clients), reaped ones included."""
+    parents, ticks = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # exited meanwhile
+            continue
+        fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        parents[int(stat.parent.name)] = int(fields[1])
+        ticks[int(stat.parent.name)] = sum(map(int, fields[11:15]))  # utime, stime, cutime, cstime
+    ours = {os.getpid()}
+    for pid in sorted(parents):  # a child's pid may be lower than its parent's: walk up from each instead
+        chain, p = [], pid
+        while p in parents and p not in ours and p not in chain and p > 1:
+            chain.append(p)
+            p = parents[p]
+        if p in ours:
+            ours.update(chain)
+    return sum(ticks.get(pid, 0) for pid in ours)
+
+
+class MachineLoad:
+    """How busy the machine was while a study measured: load average before and after, and the CPU time that
+    processes other than the study (its servers and clients included) spent meanwhile. Other work competes for
+    the CPU the servers and clients need, so a busy machine makes verdicts worse than the server's own."""
+
+    def __init__(self):
+        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.start = self._snapshot()
+
+    def _snapshot(self) -> dict:
+        busy = _busy_ticks()
+        return {"t": time.monotonic(), "busy": busy, "own": _own_ticks() if busy is not None else None,
+                "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+
+    def result(self) -> dict:
+        end, start = self._snapshot(), self.start
+        wall = end["t"] - start["t"]
+        out = {"wall_s": round(wall, 1), "cpu_count": os.cpu_count(), "load_avg_start": start["loadavg"],
+               "load_avg_end": end["loadavg"], "busy_cores": BUSY_CORES}
+        if start["busy"] is None or end["busy"] is None or wall <= 0:
+            return {**out, "other_cpu_s": None, "study_cpu_s": None, "other_cores": None, "busy": None}
+        own = (end["own"] - start["own"]) / self.hz
+        other = max(0.0, (end["busy"] - start["busy"]) / self.hz - own)
+        return {**out, "study_cpu_s": round(own, 1), "other_cpu_s": round(other, 1),
+                "other_cores": round(other / wall, 2), "busy": other / wall >= BUSY_CORES}
+
+
 def _get(url: str, timeout_s: float = 10.0):
     with urllib.request.urlopen(url, timeout=timeout_s) as resp:
         return json.loads(resp.read())
@@ -102,7 +166,8 @@ def server(url: str, config: dict | None = None) -> dict:
     return out
 
 
-def provenance(run_id: str, servers: dict[str, dict]) -> dict:
-    """The block summary.json and the report carry; `servers` maps each label to `server(...)`."""
+def provenance(run_id: str, servers: dict[str, dict], machine_load: dict | None = None) -> dict:
+    """The block summary.json and the report carry; `servers` maps each label to `server(...)`,
+    `machine_load` is `MachineLoad.result()` over the measurement."""
     return {"run_id": run_id, "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            **commit(), "servers": servers, "packages": packages(), "machine": machine()}
+            **commit(), "servers": servers, "packages": packages(), "machine": machine(), "machine_load": machine_load}

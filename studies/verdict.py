@@ -7,7 +7,7 @@ import math
 
 import pandas as pd
 
-from studies.capacity import unit
+from studies.capacity import capacity_text, unit
 from studies.stats import CONFIDENCE
 
 CI = f"{2 * CONFIDENCE - 1:.0%} CI"
@@ -74,10 +74,10 @@ def _loads(xs) -> str:
 def verdict_text(server: dict, summary: dict) -> str:
     """Markdown: the safe capacity, where and why the sweep stopped counting, and what bounds the number."""
     mode, slo, safe = summary["mode"], summary["slo"], server["safe_capacity"]
-    sure = f" (every SLO met with {CONFIDENCE:.0%} confidence at this load and every lower one)."
-    lines = [f"**Safe capacity per replica ({server['label']}): {safe:g} {unit(mode, safe)}**"
-             + (sure if safe else ".")]
     stop = server["stopped_at"]
+    sure = f" (every SLO met with {CONFIDENCE:.0%} confidence at {safe:g} and every lower load)."
+    lines = [f"**Safe capacity per replica ({server['label']}): "
+             f"{capacity_text(safe, server['safe_capacity_status'], stop, mode)}**" + (sure if safe else ".")]
     if stop:
         cond = next(c for c in server["conditions"] if c["load"] == stop["load"])
         why = []
@@ -89,8 +89,8 @@ def verdict_text(server: dict, summary: dict) -> str:
             why.append(_p95_why(cond, name, verdict, target))
         what = "fails" if stop["overall"] == "fail" else "is undecided"
         lines.append(f"Load {stop['load']:g} {what}: " + "; ".join(why) + "."
-                     + (" More requests per load (`--requests`) would decide it." if stop["overall"] == "undecided"
-                        else ""))
+                     + (" More requests per load (`--requests`), or a quieter machine, would decide it."
+                        if stop["overall"] == "undecided" else ""))
     if server["passes_above"]:
         lines.append(f"Load {_loads(server['passes_above'])} meets every SLO but a lower load does not; a replica "
                      "run there would pass through the failing load, so it is not counted.")
@@ -108,7 +108,9 @@ def contract_text(server: dict, summary: dict) -> str:
     """Markdown: the zero-underrun capacity, how rare an underrun can still be there, and why the first load
     above it breaks the contract. Beside the SLO's verdict, never instead of it: the fleet is sized on that."""
     mode, target, zero = summary["mode"], summary["contract"]["ttfa_p95_ms"], server["zero_underrun_capacity"]
-    lines = [f"**Zero-underrun capacity per replica ({server['label']}): {zero:g} {unit(mode, zero)}**"]
+    stop = server["contract_stopped_at"]
+    lines = [f"**Zero-underrun capacity per replica ({server['label']}): "
+             f"{capacity_text(zero, server['zero_underrun_capacity_status'], stop, mode)}**"]
     if zero:
         top = next(c for c in server["conditions"] if c["load"] == zero)
         lines[0] += (f" (every request succeeded, no stream stalled after its first audio at a zero-buffer player and "
@@ -117,7 +119,6 @@ def contract_text(server: dict, summary: dict) -> str:
                      f"most {_pct(top['underrun_share_ci'][1])} of its streams underrun).")
     else:
         lines[0] += "."
-    stop = server["contract_stopped_at"]
     if stop:
         cond = next(c for c in server["conditions"] if c["load"] == stop["load"])
         why = [_contract_why(cond, name, verdict, target) for name, verdict in stop["slos"].items()]
@@ -144,6 +145,9 @@ def fleet_text(server: dict, summary: dict) -> str:
     """Markdown: replicas and cost for the target load under both sizing rules, or why there is no fleet."""
     fleet, mode = server["fleet"], summary["mode"]
     if fleet is None:
+        if server["safe_capacity_status"] == "undecided":
+            return (f"**{server['label']}: no fleet size**: the lowest load is undecided, so a replica's capacity "
+                    "is unknown, not zero. More requests per load or a quieter machine would decide it.")
         return (f"**{server['label']}: no fleet size**: no load met every SLO with confidence, so a replica's "
                 "capacity is unknown. Try lower loads, more requests per load, a start-up buffer or a smaller "
                 "first chunk.")
@@ -157,6 +161,36 @@ def fleet_text(server: dict, summary: dict) -> str:
             + (" (the placeholder default: pass `--price-per-hour` for your accelerator's price)"
                if summary.get("price_is_default") else "") + ":\n\n"
             "| policy | replicas | $/hour | $/month |\n|---|---|---|---|\n" + rows)
+
+
+def machine_text(summary: dict) -> str:
+    """Markdown warning when other processes were busy on the machine during the measurement, naming the
+    servers whose sweeps it overlapped; empty when the machine was quiet or its load unknown."""
+    load = summary["provenance"].get("machine_load") or {}
+    if not load.get("busy"):
+        return ""
+    busy = [s["label"] for s in summary["servers"] if (s.get("machine_load") or {}).get("busy")]
+    avg = load.get("load_avg_end") or [math.nan]
+    return (f"**Warning: the machine was busy.** While this study measured, other processes used "
+            f"{load['other_cpu_s']:g} CPU-seconds in {load['wall_s']:g} s (on average {load['other_cores']:g} of its "
+            f"{load['cpu_count']} CPUs; a quiet machine uses under {load['busy_cores']:g}), load average "
+            f"{avg[0]:.2f} at the end" + (f"; busy during the sweep of {', '.join(busy)}" if busy else "")
+            + ". They compete with the servers and clients measured, so these verdicts may be worse than the "
+            "servers' own: run again on a quiet machine before relying on them.")
+
+
+def last_line(summary: dict, report) -> str:
+    """The CLI's last line: each server's verdict by name, then where the report is."""
+    mode = summary["mode"]
+    def both(s: dict) -> str:
+        safe = capacity_text(s["safe_capacity"], s["safe_capacity_status"], s["stopped_at"], mode)
+        zero = capacity_text(s["zero_underrun_capacity"], s["zero_underrun_capacity_status"],
+                             s["contract_stopped_at"], mode)
+        return f"{s['label']}: safe capacity {safe}, zero-underrun capacity {zero}"
+
+    verdicts = [both(s) for s in summary["servers"]]
+    busy = " (busy machine: see the warning)" if (summary["provenance"].get("machine_load") or {}).get("busy") else ""
+    return "; ".join(verdicts) + f"{busy}; report: {report}"
 
 
 def provenance_table(summary: dict) -> pd.DataFrame:
@@ -176,5 +210,15 @@ def provenance_table(summary: dict) -> pd.DataFrame:
     m = p["machine"]
     rows += [("machine", f"{m['cpu']}, {m['cpu_count']} CPUs, {m['memory_gib']} GiB; {m['platform']}"),
              ("GPUs", "; ".join(m["gpus"]) or "none"),
+             ("machine load during the run", _load_row(p.get("machine_load"))),
              ("packages", ", ".join(f"{k} {v}" for k, v in p["packages"].items() if v))]
     return pd.DataFrame(rows, columns=["what", "value"]).set_index("what")
+
+
+def _load_row(load: dict | None) -> str:
+    if not load or load.get("other_cpu_s") is None:
+        return "not measured (no /proc on this machine)"
+    avg = " → ".join(", ".join(f"{x:.2f}" for x in a) for a in (load["load_avg_start"], load["load_avg_end"]) if a)
+    return (f"other processes {load['other_cpu_s']:g} CPU-s in {load['wall_s']:g} s ({load['other_cores']:g} "
+            f"CPUs on average: {'busy' if load['busy'] else 'quiet'}); the study's own {load['study_cpu_s']:g} "
+            f"CPU-s; load average (1, 5, 15 min) {avg}")
