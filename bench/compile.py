@@ -27,16 +27,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 REMAT = re.compile(r"[Cc]an't reduce memory use below ([\d.]+)([KMGT]i?B)")
 
 
-def engine_for(args):
-    """The engine `qtts-jax serve` builds for these slots and context."""
+def engine_for(args, model=None, **overrides):
+    """The engine `qtts-jax serve` builds for these slots and context (on `model`, else one loaded here), with
+    `overrides` of its EngineConfig."""
+    import dataclasses
+
     import jax.numpy as jnp
 
     from qtts_jax.engine import Engine
     from qtts_jax.model import load_model
     from serving.settings import Settings
 
-    model = load_model(args.model, dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
-    return Engine(model, Settings(slots=args.slots, context=args.context).engine_config())
+    model = model or load_model(args.model, dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
+    return Engine(model, dataclasses.replace(Settings(slots=args.slots, context=args.context).engine_config(),
+                                             **overrides))
 
 
 def call(engine, kind: str, a: int, b: int, exe):
@@ -48,11 +52,11 @@ def call(engine, kind: str, a: int, b: int, exe):
     if kind == "step":
         engine.state, out = exe(engine.model.params, engine.state, idx, zeros)
     elif kind == "first":
-        engine.state, engine.codec_state, out = exe(engine.model.params, engine.model.codec_params, engine.state,
+        engine.state, engine.codec_state, out = exe(engine.model.params, engine.codec_params, engine.state,
                                                     engine.codec_state, idx, zeros, zeros, zeros)
     elif kind == "codec":
         codes = np.zeros((a, b, cfg.num_code_groups), np.int32)
-        out, engine.codec_state = exe(engine.model.codec_params, engine.codec_state, idx, zeros, codes,
+        out, engine.codec_state = exe(engine.codec_params, engine.codec_state, idx, zeros, codes,
                                       np.full(a, b, np.int32))
     else:
         engine.state, out = exe(engine.model.params, engine.state, *engine._dummy_inserts(a, b))

@@ -34,6 +34,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         "every playing stream's audio in hand outlasts, the others wait an iteration; off: all that "
                         "have a free slot start at once (QTTS_NEWCOMER_GUARD; default on)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"], help="weights dtype (QTTS_DTYPE; default float32)")
+    s.add_argument("--codec-dtype", choices=["float32", "bfloat16"],
+                   help="the streaming codec's arithmetic: bfloat16 runs its convolutions on tensor cores "
+                        "(QTTS_CODEC_DTYPE; default float32, the reference's)")
     s.add_argument("--ttfa-target-ms", type=float, help="admission TTFA target (QTTS_TTFA_TARGET_MS; default 300)")
     s.add_argument("--starvation-ms", type=float, help="underrun an admitted stream may suffer; the default 0 "
                                                        "refuses (429) what would make any playing stream stall")
@@ -73,7 +76,7 @@ def serve(args) -> int:
     from serving.app import Settings, run
 
     keys = ("model", "host", "port", "slots", "context", "frames_per_step", "lead_ms", "max_step_ms", "dtype",
-            "ttfa_target_ms", "newcomer_guard",
+            "codec_dtype", "ttfa_target_ms", "newcomer_guard",
             "starvation_ms", "max_queue", "max_input_chars", "drain_timeout_s", "voices_dir", "compile_cache")
     keys += ("header_timeout_s", "idle_timeout_s", "max_connections", "voice_aliases")
     settings = Settings.from_env(**{k: getattr(args, k) for k in keys})

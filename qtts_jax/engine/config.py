@@ -60,6 +60,10 @@ class EngineConfig:
     # Start only the newcomers whose prefill and first frame the playing streams' headroom pays for
     # (`scheduler.newcomers_that_fit`); off, every waiting request with a free slot starts at once.
     guard_newcomers: bool = True
+    # The streaming codec's arithmetic: "float32" (the reference's), or "bfloat16", which puts its convolutions on
+    # tensor cores in the channels-last layout cuDNN runs natively; in fp32 XLA hands cuDNN channels-first tensors
+    # and cuDNN converts them back, a fifth of a codec call's time on the H200 (bench/results/kernels-*.json).
+    codec_dtype: str = "float32"
 
     @property
     def codec_sizes(self) -> tuple[int, ...]:

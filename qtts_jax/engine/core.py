@@ -97,7 +97,10 @@ class Engine:
         self._primed: collections.OrderedDict[bytes, codec_streaming.StreamState] = collections.OrderedDict()
         self._primed_lock = threading.Lock()
         self.state = programs.init_state(model, c)
-        self.codec_state = codec_streaming.init_state(model.codec_cfg, c.slots)
+        codec_dtype = jnp.dtype(c.codec_dtype)
+        self.codec_params = jax.tree.map(
+            lambda a: a.astype(codec_dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, model.codec_params)
+        self.codec_state = codec_streaming.init_state(model.codec_cfg, c.slots, codec_dtype)
         self.slots: list[Stream | None] = [None] * c.slots
         self.queue: collections.deque[Stream] = collections.deque()
         self._lock = threading.Lock()
@@ -338,7 +341,7 @@ class Engine:
         for j, s in enumerate(new):
             fresh[j], decode[j] = s.fresh_codec, s.next_chunk_frames() == 1
         self.state, self.codec_state, out = self._program("first", b, 1)(
-            self.model.params, self.model.codec_params, self.state, self.codec_state, idx, mask, fresh, decode)
+            self.model.params, self.codec_params, self.state, self.codec_state, idx, mask, fresh, decode)
         return out, decode[: len(new)]
 
     def _take_first(self, new: list[Stream], out, decode: np.ndarray) -> None:
@@ -470,12 +473,12 @@ class Engine:
             return self._jit_insert.lower(self.model.params, self.state, *self._dummy_inserts(a, b))
         idx, zeros = np.full(a, c.slots, np.int32), np.zeros(a, bool)
         if kind == "first":
-            return self._jit_first.lower(self.model.params, self.model.codec_params, self.state, self.codec_state,
+            return self._jit_first.lower(self.model.params, self.codec_params, self.state, self.codec_state,
                                          idx, zeros, zeros, zeros)
         if kind == "step":
             return self._jit_step.lower(self.model.params, self.state, idx, zeros, n=b)
         codes = np.zeros((a, b, cfg.num_code_groups), np.int32)
-        return self._jit_codec.lower(self.model.codec_params, self.codec_state, idx, zeros, codes,
+        return self._jit_codec.lower(self.codec_params, self.codec_state, idx, zeros, codes,
                                      np.zeros(a, np.int32))
 
     def _program(self, kind: str, a: int, b: int):
@@ -504,14 +507,14 @@ class Engine:
         def codec(b, n):
             idx, zeros = np.full(b, c.slots, np.int32), np.zeros(b, bool)
             codes = np.zeros((b, n, cfg.num_code_groups), np.int32)
-            audio, self.codec_state = self._program("codec", b, n)(self.model.codec_params, self.codec_state, idx, zeros,
+            audio, self.codec_state = self._program("codec", b, n)(self.codec_params, self.codec_state, idx, zeros,
                                                          codes, np.full(b, n, np.int32))
             return audio
 
         def first(b):
             idx, zeros = np.full(b, c.slots, np.int32), np.zeros(b, bool)
             self.state, self.codec_state, out = self._program("first", b, 1)(
-                self.model.params, self.model.codec_params, self.state, self.codec_state, idx, zeros, zeros, zeros)
+                self.model.params, self.codec_params, self.state, self.codec_state, idx, zeros, zeros, zeros)
             return out
 
         def insert(r):
@@ -547,11 +550,11 @@ class Engine:
 
     def _prime(self, codes: np.ndarray) -> codec_streaming.StreamState:
         """Decode ``codes`` [T, 16] through a fresh one-slot state, in chunks of the compiled sizes."""
-        state = codec_streaming.init_state(self.model.codec_cfg, 1)
+        state = codec_streaming.init_state(self.model.codec_cfg, 1, jnp.dtype(self.config.codec_dtype))
         start, sizes = 0, sorted(self.config.codec_sizes, reverse=True)
         while start < len(codes):
             n = next(n for n in sizes if n <= len(codes) - start)
-            state = self._codec_one(self.model.codec_params, state, codes[None, start : start + n])
+            state = self._codec_one(self.codec_params, state, codes[None, start : start + n])
             start += n
         return state
 
@@ -583,7 +586,7 @@ class Engine:
             s.decoded += f
             s.pending -= f
             s.inflight = f
-        audio, self.codec_state = self._program("codec", b, n)(self.model.codec_params, self.codec_state, idx, fresh, codes,
+        audio, self.codec_state = self._program("codec", b, n)(self.codec_params, self.codec_state, idx, fresh, codes,
                                                      count)
         self._audio = (audio, due)
 

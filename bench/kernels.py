@@ -1,0 +1,151 @@
+"""Which kernels an engine program spends its device time in: each chosen program is called under the JAX
+profiler, and the trace is reduced to, per call, the wall time, the time some kernel ran (the rest is the device
+waiting for the host to launch the next one), the number of kernels launched, and the kernels (and the HLO ops they
+come from) that take the most time. The evidence for where a frame's 40-60 ms at 256 rows go. With
+--variants, each program is profiled once per engine configuration, side by side in one run. Writes JSON.
+
+    python bench/kernels.py --model 0.6b --slots 256 --programs step:256:1,codec:256:1,first:16:1 \
+        --variants "fp32=;bf16=codec_dtype=bfloat16" --out runs/kernels-0.6b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import dataclasses
+import glob
+import gzip
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.compile import call, engine_for  # noqa: E402
+
+
+def device_events(trace: dict) -> tuple[dict[str, list[dict]], dict]:
+    """The trace's complete events on the device, by line kind ("kernels": the streams' kernels and copies;
+    "xla_ops": the HLO ops they belong to), and seconds per (process, thread) for every line of the trace, so a
+    reader can check what was counted."""
+    procs, threads = {}, {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            procs[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[e["pid"], e["tid"]] = e["args"]["name"]
+    lines = collections.Counter()
+    events = collections.defaultdict(list)
+    for e in trace["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        proc, thread = procs.get(e["pid"], str(e["pid"])), threads.get((e["pid"], e["tid"]), str(e["tid"]))
+        lines[f"{proc} | {thread}"] += e.get("dur", 0) / 1e6
+        if "/device:" in proc:
+            events["kernels" if "Stream" in thread else "xla_ops" if "Ops" in thread else "other"].append(e)
+    return events, {k: round(v, 4) for k, v in lines.most_common(40)}
+
+
+def busy_us(events: list[dict]) -> float:
+    """Microseconds during which at least one of `events` ran (overlapping kernels counted once)."""
+    total, end = 0.0, -1.0
+    for e in sorted(events, key=lambda e: e["ts"]):
+        start, stop = e["ts"], e["ts"] + e.get("dur", 0)
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def summarise(events: list[dict], calls: int, top: int) -> dict:
+    """Per call: device-busy ms and kernel count; the `top` kernels by total time (with the HLO op, when the
+    trace names it)."""
+    by_name: dict[str, list] = collections.defaultdict(lambda: [0.0, 0, ""])
+    for e in events:
+        args = e.get("args", {})
+        op = args.get("hlo_op") or args.get("long_name") or args.get("tf_op") or ""
+        entry = by_name[e["name"]]
+        entry[0] += e.get("dur", 0)
+        entry[1] += 1
+        entry[2] = entry[2] or str(op)[:240]
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "busy_ms_per_call": round(busy_us(events) / 1e3 / calls, 3),
+        "kernels_per_call": round(len(events) / calls, 1),
+        "top": [{"kernel": k[:160], "ms_per_call": round(t / 1e3 / calls, 3), "count_per_call": round(n / calls, 1),
+                 "op": op} for k, (t, n, op) in ranked],
+    }
+
+
+def variants(text: str) -> dict[str, dict]:
+    """"name=field=value,field=value;name2=" -> {name: EngineConfig overrides}; values are typed from the fields'
+    defaults."""
+    from qtts_jax.engine import EngineConfig
+
+    kinds = {f.name: type(getattr(EngineConfig(), f.name)) for f in dataclasses.fields(EngineConfig)}
+    out = {}
+    for part in filter(None, (x.strip() for x in text.split(";"))):
+        name, _, rest = part.partition("=")
+        pairs = [kv.split("=", 1) for kv in rest.split(",") if kv]
+        out[name] = {k: (v.lower() in ("1", "true", "on")) if kinds[k] is bool else kinds[k](v) for k, v in pairs}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="0.6b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--slots", type=int, default=256)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--programs", default="step:256:1,codec:256:1,first:16:1",
+                   help="kind:a:b of step|codec|first|insert (insert: bucket and requests), comma-separated")
+    p.add_argument("--variants", default="default=",
+                   help='engine configurations side by side: "name=field=value,...;name2=..." (EngineConfig fields)')
+    p.add_argument("--calls", type=int, default=5, help="profiled calls per program")
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    import jax
+
+    first = engine_for(args)
+    engines = {name: engine_for(args, first.model, **overrides) for name, overrides in variants(args.variants).items()}
+    del first
+    keys = [(kind, int(a), int(b)) for kind, a, b in (x.split(":") for x in args.programs.split(","))]
+    jobs = [(name, engine, key) for name, engine in engines.items() for key in keys]
+    lowered = [engine._lower(*key) for _, engine, key in jobs]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        compiled = list(pool.map(lambda low: low.compile(), lowered))
+    result = {"model": args.model, "dtype": args.dtype, "slots": args.slots, "context": args.context,
+              "device": str(jax.devices()[0]), "command": " ".join(sys.argv), "programs": {}}
+    for (variant, engine, key), exe in zip(jobs, compiled):
+        for _ in range(2):  # the first call of an executable pays its one-off set-up
+            jax.block_until_ready(call(engine, *key, exe))
+        walls = []
+        with tempfile.TemporaryDirectory() as tmp:
+            jax.profiler.start_trace(tmp, create_perfetto_trace=True)
+            for _ in range(args.calls):
+                t0 = time.perf_counter()
+                jax.block_until_ready(call(engine, *key, exe))
+                walls.append(time.perf_counter() - t0)
+            jax.profiler.stop_trace()
+            traces = glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)
+            with gzip.open(traces[0]) as f:
+                trace = json.load(f)
+        events, lines = device_events(trace)
+        name = ":".join(map(str, (variant, *key)))
+        result["programs"][name] = {"wall_ms": round(statistics.median(walls) * 1e3, 3), "trace_lines_s": lines,
+                                    **{kind: summarise(e, args.calls, args.top) for kind, e in events.items()}}
+        print(name, result["programs"][name]["wall_ms"],
+              {kind: (s["busy_ms_per_call"], s["kernels_per_call"]) for kind, s in
+               ((kind, result["programs"][name][kind]) for kind in events)}, flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
