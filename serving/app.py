@@ -22,13 +22,14 @@ from qtts_jax import compile_cache, sizing
 from qtts_jax.bridge import AsyncEngine
 from qtts_jax.engine import Engine
 from qtts_jax.request import Request
-from serving import aliases, routes, ws
+from serving import aliases, page, routes, ws
 from serving.connections import Runner
 from serving.errors import ApiError
 from serving.keys import (ALIASES, BRIDGE, ENGINE, METRICS, MODEL, REQUEST_ID, SCHEDULER, SERVED_NAMES, SETTINGS,
                           SOCKETS, VOICE_WARMUP, VOICES, WARMUP_ERROR, WARMUP_TASK)
 from serving.metrics import Metrics
 from serving.scheduler import Scheduler
+from serving.schemas import served_names
 from serving.settings import Settings
 from serving.voices import VoiceStore
 
@@ -108,7 +109,7 @@ def create_app(settings: Settings = Settings(), model=None, engine: Engine | Non
                           handler_args={"max_field_size": 16384})
     app[SETTINGS] = settings
     app[MODEL] = engine.model
-    app[SERVED_NAMES] = (engine.model.name, "qwen3-tts")
+    app[SERVED_NAMES] = served_names(engine.model)
     cfg = engine.model.cfg
     app[ALIASES] = aliases.table(settings.voice_aliases, cfg.model_type, cfg.speakers)  # ValueError if wrong
     app[ENGINE] = engine
@@ -127,6 +128,7 @@ def create_app(settings: Settings = Settings(), model=None, engine: Engine | Non
     app.on_shutdown.append(_close_sockets)
     routes.setup(app)
     ws.setup(app)
+    page.setup(app)  # the page at / and the API docs at /docs
     return app
 
 

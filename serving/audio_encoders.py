@@ -1,12 +1,14 @@
-"""Float32 24 kHz PCM chunks -> bytes of the response format, incrementally.
+"""Float32 PCM chunks (at the output rate: serving/audio_out.py converts the model's 24 kHz) -> bytes of the
+response format, incrementally.
 
 Every encoder has `encode(pcm) -> bytes` (whatever is ready now; may be empty) and `finish() -> bytes`.
 Streaming encoders hand bytes out as soon as the codec produces them:
 
 - `pcm`: raw signed 16-bit little-endian mono (what OpenAI clients assume for `pcm`).
 - `wav`: a RIFF header whose sizes are 0xFFFFFFFF when streaming (length unknown), exact otherwise.
-- `mp3`: lameenc (incremental `encode` + `flush`), 24 kHz mono.
-- `opus`: PyAV's Ogg muxer with libopus at 24 kHz, `page_duration` 20 ms so pages leave progressively.
+- `ulaw` / `alaw`: G.711, one byte a sample, no header (8 kHz telephony: serving/g711.py).
+- `mp3`: lameenc (incremental `encode` + `flush`), mono.
+- `opus`: PyAV's Ogg muxer with libopus (8, 12, 16, 24 or 48 kHz only), `page_duration` 20 ms so pages leave progressively.
 - `aac`: PyAV's ADTS muxer with FFmpeg's AAC encoder: every frame carries its own header, so it streams.
 - `flac`: PyAV's FLAC muxer. A whole file has exact STREAMINFO totals. A stream cannot know its length, and
   libsndfile takes a total of 0 ("unknown") as 2^63-1 frames and fails on a file shorter than its header says,
@@ -24,8 +26,10 @@ import numpy as np
 
 from qtts_jax.audio import to_int16
 from qtts_jax.codec.config import SAMPLE_RATE, SAMPLES_PER_FRAME
+from serving import g711
 
-FORMATS = ("mp3", "opus", "aac", "wav", "pcm", "flac")
+FORMATS = ("mp3", "opus", "aac", "wav", "pcm", "flac", "ulaw", "alaw")
+OPUS_RATES = (8000, 12000, 16000, 24000, 48000)  # the rates libopus encodes at
 # streamed unless the request says "stream": false; FLAC is a whole file unless it says "stream": true, since a
 # streamed FLAC must state a length up front (the frame cap, padded with silence) and a whole one is exact
 STREAM_BY_DEFAULT = frozenset(FORMATS) - {"flac"}
@@ -36,7 +40,10 @@ CONTENT_TYPES = {
     "wav": "audio/wav",
     "pcm": "audio/pcm",
     "flac": "audio/flac",
+    "ulaw": "audio/basic",  # RFC 2046: 8 kHz μ-law mono, no header
+    "alaw": "audio/x-alaw-basic",
 }
+SAMPLE_FORMATS = {"pcm": "s16le", "wav": "s16le", "ulaw": "mulaw", "alaw": "alaw"}  # X-Sample-Format of raw ones
 
 
 def wav_header(sample_rate: int = SAMPLE_RATE, data_bytes: int | None = None) -> bytes:
@@ -60,6 +67,14 @@ class Encoder:
 class PcmEncoder(Encoder):
     def encode(self, pcm):
         return to_int16(pcm).tobytes()
+
+
+class G711Encoder(Encoder):
+    def __init__(self, law: str):
+        self._law = law
+
+    def encode(self, pcm):
+        return g711.encode(self._law, to_int16(pcm))
 
 
 class WavStreamEncoder(Encoder):
@@ -189,6 +204,8 @@ def make_encoder(fmt: str, streaming: bool, sample_rate: int = SAMPLE_RATE, tota
         return PcmEncoder()
     if fmt == "wav":
         return WavStreamEncoder(sample_rate)
+    if fmt in g711.TABLES:
+        return G711Encoder(fmt)
     if fmt == "mp3":
         return Mp3Encoder(sample_rate)
     if fmt == "opus":

@@ -19,12 +19,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from serving import voice_routes
-from serving.audio_encoders import CONTENT_TYPES, SAMPLE_RATE, SAMPLES_PER_FRAME, encode_whole, make_encoder
+from serving.audio_encoders import CONTENT_TYPES, SAMPLE_FORMATS, SAMPLES_PER_FRAME
+from serving.audio_out import StreamOut, whole
 from serving.errors import ApiError
 from serving.keys import (ALIASES, ENGINE, METRICS, MODEL, REQUEST_ID, SCHEDULER, SERVED_NAMES, SETTINGS, VOICES,
                           WARMUP_ERROR)
-from serving.schemas import (OPENAI_MODEL_ALIASES, base64_chars, parse_speech, read_json, speech_options,
-                             speech_schema)
+from serving.schemas import (OPENAI_MODEL_ALIASES, SpeechParams, base64_chars, parse_speech, read_json,
+                             speech_options, speech_schema)
 from serving.utterance import Utterance
 
 _RID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -43,12 +44,12 @@ def _server_timing(t: dict) -> str:
     return ", ".join(f"{n};dur={t[k]}" for n, k in names if t.get(k) is not None)
 
 
-def _audio_headers(fmt: str, rid: str, u: Utterance) -> dict:
-    t = u.timings()
-    h = {"Content-Type": CONTENT_TYPES[fmt], "X-Request-Id": rid, "X-Sample-Rate": str(SAMPLE_RATE),
+def _audio_headers(p: SpeechParams, rid: str, u: Utterance) -> dict:
+    t, fmt = u.timings(), p.response_format
+    h = {"Content-Type": CONTENT_TYPES[fmt], "X-Request-Id": rid, "X-Sample-Rate": str(p.sample_rate),
          "X-Channels": "1", "Server-Timing": _server_timing(t), "Cache-Control": "no-store"}
-    if fmt in ("pcm", "wav"):
-        h["X-Sample-Format"] = "s16le"
+    if fmt in SAMPLE_FORMATS:
+        h["X-Sample-Format"] = SAMPLE_FORMATS[fmt]
     if t.get("first_chunk_ms") is not None:
         h["X-TTFA-Ms"] = str(t["first_chunk_ms"])
     return h
@@ -65,16 +66,17 @@ async def speech(request: web.Request) -> web.StreamResponse:
                           max_ref_audio_bytes=settings.max_voice_upload_bytes)
     prompt = None
     if "ref_audio" in opts:
-        prompt = await voice_routes.inline_voice(app, opts["ref_audio"], opts.get("ref_text"))
+        ref_text = None if opts.get("x_vector_only_mode") else opts.get("ref_text")
+        prompt = await voice_routes.inline_voice(app, opts["ref_audio"], ref_text)
     p = parse_speech(opts, engine=app[ENGINE], served_names=app[SERVED_NAMES], voices=app.get(VOICES),
                      aliases=app[ALIASES], prompt=prompt)
-    u = Utterance(app, p.job, rid, "/v1/audio/speech", started)
+    u = Utterance(app, p.job, rid, "/v1/audio/speech", started, speed=p.speed, rate=p.sample_rate)
     try:
         if not p.stream:
-            return await _whole(request, u, p.response_format)
+            return await _whole(request, u, p)
         if p.stream_format == "sse":
-            return await _sse(request, u, p.response_format)
-        return await _chunked(request, u, p.response_format)
+            return await _sse(request, u, p)
+        return await _chunked(request, u, p)
     finally:
         u.close()
 
@@ -85,17 +87,19 @@ def _engine_error(u: Utterance) -> ApiError:
     return ApiError(503, "cancelled", f"the request ended before any audio: {u.error}", retry_after=1)
 
 
-async def _whole(request, u: Utterance, fmt: str) -> web.Response:
+async def _whole(request, u: Utterance, p: SpeechParams) -> web.Response:
     parts = [pcm async for pcm in u.chunks()]
     if u.error is not None:
         raise _engine_error(u)
     audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-    data = encode_whole(fmt, audio)
-    headers = _audio_headers(fmt, u.rid, u)
+    data = whole(p.response_format, audio, p.sample_rate, p.speed)
+    headers = _audio_headers(p, u.rid, u)
     headers["X-Audio-Frames"] = str(u.frames)
     headers["X-Timings"] = json.dumps(u.timings(), separators=(",", ":"))
     if u.samples:  # real-time factor as the batched Rust server reports it: seconds taken per second of audio
-        headers["X-RTF"] = f"{(time.perf_counter() - u.started) / (u.samples / SAMPLE_RATE):.4f}"
+        headers["X-RTF"] = f"{(time.perf_counter() - u.started) / u.audio_seconds:.4f}"
+    for name, value in _usage(u).items():  # vLLM-Omni's usage headers
+        headers[f"x-vllm-omni-{name.replace('_', '-')}"] = str(value)
     ctype = headers.pop("Content-Type")
     return web.Response(body=data, headers=headers, content_type=ctype.split(";")[0])
 
@@ -110,17 +114,23 @@ async def _first(u: Utterance):
     return it, first
 
 
-async def _chunked(request, u: Utterance, fmt: str) -> web.StreamResponse:
+def _usage(u: Utterance) -> dict:
+    """Tokens as vLLM-Omni counts them: text in (characters here), codec frames out."""
+    chars = len(u.job.request.text)
+    return {"input_tokens": chars, "output_tokens": u.frames, "total_tokens": chars + u.frames}
+
+
+async def _chunked(request, u: Utterance, p: SpeechParams) -> web.StreamResponse:
     it, first = await _first(u)
     if first is None and u.error is not None:
         raise _engine_error(u)
-    headers = _audio_headers(fmt, u.rid, u)
-    if fmt in ("pcm", "wav"):  # what the batched Rust server's streaming clients read
-        headers["X-Audio-Format"] = f"pcm-s16le-{SAMPLE_RATE}-mono"
+    headers = _audio_headers(p, u.rid, u)
+    if p.response_format in ("pcm", "wav"):  # what the batched Rust server's streaming clients read
+        headers["X-Audio-Format"] = f"pcm-s16le-{p.sample_rate}-mono"
     resp = web.StreamResponse(headers=headers)
     resp.enable_chunked_encoding()
     await resp.prepare(request)
-    enc = make_encoder(fmt, streaming=True, total_samples=u.job.frames_cap * SAMPLES_PER_FRAME)
+    enc = StreamOut(p.response_format, p.sample_rate, p.speed, u.job.frames_cap * SAMPLES_PER_FRAME)
     if first is not None:
         await _write(resp, enc.encode(first))
         async for pcm in it:
@@ -143,20 +153,21 @@ def _sse_event(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _sse(request, u: Utterance, fmt: str) -> web.StreamResponse:
+async def _sse(request, u: Utterance, p: SpeechParams) -> web.StreamResponse:
     it, first = await _first(u)
     if first is None and u.error is not None:
         raise _engine_error(u)
-    headers = _audio_headers(fmt, u.rid, u)
+    headers = _audio_headers(p, u.rid, u)
     headers["Content-Type"] = "text/event-stream"
-    headers["X-Audio-Format"] = fmt
+    headers["X-Audio-Format"] = p.response_format
     resp = web.StreamResponse(headers=headers)
     await resp.prepare(request)
-    enc = make_encoder(fmt, streaming=True)
+    enc = StreamOut(p.response_format, p.sample_rate, p.speed)
 
     async def delta(data: bytes):
         if data:
-            await resp.write(_sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}))
+            await resp.write(_sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode(),
+                                         "response_format": p.response_format}))
 
     if first is not None:
         await delta(enc.encode(first))
@@ -166,9 +177,7 @@ async def _sse(request, u: Utterance, fmt: str) -> web.StreamResponse:
         await resp.write(_sse_event({"type": "error", "error": {"code": "engine_error", "message": u.error}}))
     else:
         await delta(enc.finish())
-        chars = len(u.job.request.text)
-        done = {"type": "speech.audio.done",
-                "usage": {"input_tokens": chars, "output_tokens": u.frames, "total_tokens": chars + u.frames}}
+        done = {"type": "speech.audio.done", "usage": _usage(u)}
         done.update(u.summary())
         await resp.write(_sse_event(done))
     await resp.write_eof()
@@ -284,7 +293,7 @@ def setup(app: web.Application) -> None:
     r.add_get("/health", health)
     r.add_get("/ready", ready)
     r.add_get("/v1/models", models)
-    r.add_get("/v1/models/{model_id}", model)
+    r.add_get("/v1/models/{model_id:.+}", model)  # Hugging Face ids have a slash
     r.add_get("/v1/audio/voices", voices)
     voice_routes.setup(app)
     r.add_get("/openapi.json", openapi)

@@ -15,11 +15,20 @@ from typing import Any
 from qtts_jax.job import Job
 from qtts_jax.request import Request, RequestError, VoicePrompt
 from serving.audio_encoders import FORMATS, STREAM_BY_DEFAULT
+from serving.audio_out import output_rate
 from serving.errors import ApiError, bad, from_request_error
+from serving.resample import RATES
 
 MAX_SEED = 2**32 - 1
 OPENAI_MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 # ISO 639-1 codes (and xx-YY locales) -> the model's language names, for clients of the batched Rust server
+# vLLM-Omni's task types <-> the checkpoint kinds they need
+TASK_TYPES = {"CustomVoice": "custom_voice", "VoiceDesign": "voice_design", "Base": "base"}
+# fields only vLLM-Omni's clients send: a body with one of them gets vLLM-Omni's defaults (see `speech_options`)
+OMNI_FIELDS = frozenset({"task_type", "non_streaming_mode", "max_new_tokens", "initial_codec_chunk_frames",
+                         "x_vector_only_mode"})
+_HF_SIZES = {"0b6": "0.6B", "1b7": "1.7B"}
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 LANGUAGE_CODES = {"zh": "chinese", "en": "english", "de": "german", "it": "italian", "pt": "portuguese",
                   "es": "spanish", "ja": "japanese", "ko": "korean", "fr": "french", "ru": "russian"}
 
@@ -27,6 +36,19 @@ LANGUAGE_CODES = {"zh": "chinese", "en": "english", "de": "german", "it": "itali
 # C0/C1 controls and DEL, except tab, line feed and carriage return; surrogates left unpaired by JSON "\ud800"
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def task_type(model) -> str:
+    """The served model's vLLM-Omni task type (CustomVoice, VoiceDesign or Base)."""
+    return {v: k for k, v in TASK_TYPES.items()}[model.cfg.model_type]
+
+
+def served_names(model) -> tuple[str, ...]:
+    """The names a request's `model` may use: the served name, `qwen3-tts`, and the Hugging Face id of a
+    checkpoint of this kind and size (`Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice`), which vLLM-Omni's clients send."""
+    size = _HF_SIZES.get(model.cfg.model_size, model.cfg.model_size)
+    hf = f"Qwen/Qwen3-TTS-12Hz-{size}-{task_type(model)}"
+    return tuple(dict.fromkeys((model.name, "qwen3-tts", hf, f"Qwen/{model.name}")))
 
 
 def check_text(field: str, text: str) -> str:
@@ -110,8 +132,10 @@ def speech_fields(max_input_chars: int = 4096, max_ref_audio_bytes: int = 16 * 1
                        required=True),
         "response_format": Field("string", "Audio format (default mp3; wav for bodies that use text)", enum=FORMATS,
                                  default="mp3"),
-        "speed": Field("number", "Playback speed; only 1.0 is supported (other values are refused)",
-                       minimum=0.25, maximum=4.0, default=1.0),
+        "speed": Field("number", "Playback speed, pitch kept (a time-stretch of the stream)", minimum=0.25,
+                       maximum=4.0, default=1.0),
+        "sample_rate": Field("integer", "Output sample rate in Hz (default 24000, the model's; ulaw/alaw: 8000)",
+                             enum=RATES),
         "instructions": Field("string", "Style instruction (models that accept one)", max_length=4096),
         "stream_format": Field("string", "audio: bytes of the format; sse: speech.audio.delta events",
                                enum=("audio", "sse"), default="audio"),
@@ -135,6 +159,18 @@ def speech_fields(max_input_chars: int = 4096, max_ref_audio_bytes: int = 16 * 1
                                      "request; cached by content", max_length=base64_chars(max_ref_audio_bytes)),
         "ref_text": Field("string", "Transcript of ref_audio (ICL cloning); without it, x-vector only",
                           max_length=4096),
+        # vLLM-Omni's extension fields
+        "task_type": Field("string", "vLLM-Omni: the task, which must be the served model's kind (inferred when "
+                                     "omitted)", enum=tuple(TASK_TYPES)),
+        "non_streaming_mode": Field("boolean", "vLLM-Omni: prompt layout; true puts the whole text before the "
+                                               "codes, false feeds it beside them (default: false on Base, true "
+                                               "otherwise). Not about how the audio is sent"),
+        "max_new_tokens": Field("integer", "vLLM-Omni: cap on generated codec tokens (frames + the end token)",
+                                minimum=1, maximum=100_001),
+        "initial_codec_chunk_frames": Field("integer", "vLLM-Omni: frames in the first audio chunk (0: the "
+                                                       "server's schedule)", minimum=0, maximum=64),
+        "x_vector_only_mode": Field("boolean", "vLLM-Omni: clone from the speaker embedding only (no in-context "
+                                               "reference), for ref_audio or a registered voice"),
     }
 
 
@@ -186,6 +222,8 @@ class SpeechParams:
     stream: bool
     stream_format: str
     rust_dialect: bool  # the body used `text`: a client of the batched Rust server (whole WAV by default)
+    sample_rate: int = 24000  # of the audio sent
+    speed: float = 1.0
 
 
 def parse_options(body: Any, fields: dict[str, Field], *, required: bool = True) -> dict:
@@ -252,9 +290,9 @@ def build_job(opts: dict, *, engine, served_names: tuple[str, ...], voices=None,
         raise bad("model", f"{opts['model']!r} is not served here; use one of {list(served_names)}", "model_not_found")
     if "input" in opts and not opts["input"].strip():
         raise bad("input", "must not be empty", "empty")
-    if opts.get("speed", 1.0) != 1.0:
-        raise bad("speed", "only 1.0 is supported: time-stretching would change the voice, so it is refused "
-                           "rather than ignored", "unsupported")
+    if "task_type" in opts and opts["task_type"] != (served := task_type(engine.model)):
+        raise bad("task_type", f"{opts['task_type']} needs a {opts['task_type']} checkpoint; this server runs a "
+                               f"{served} model: use task_type {served!r} or leave it out", "task_mismatch")
     voice = opts.get("voice")
     if prompt is not None:
         if voice is not None:
@@ -262,15 +300,32 @@ def build_job(opts: dict, *, engine, served_names: tuple[str, ...], voices=None,
         speaker = None
     else:
         speaker, prompt = resolve_voice(voice, model=engine.model, voices=voices, aliases=aliases)
+    if opts.get("x_vector_only_mode") and prompt is not None and prompt.ref_codes is not None:
+        prompt = VoicePrompt(xvector=prompt.xvector)  # the registered voice's embedding alone
+    max_frames = opts.get("max_frames")
+    if "max_new_tokens" in opts:
+        if max_frames is not None:
+            raise bad("max_new_tokens", "give either max_frames or max_new_tokens, not both", "conflict")
+        max_frames = max(opts["max_new_tokens"] - 1, 1)  # the last token is the end of speech, not a frame
     greedy = opts.get("greedy")
     req = Request(
         text=opts.get("input", ""), speaker=speaker, voice=prompt, language=language(opts.get("language", "auto")),
         instruct=opts.get("instructions") or None, seed=opts.get("seed", 0), greedy=greedy,
         subtalker_greedy=greedy, temperature=opts.get("temperature"), top_k=opts.get("top_k"),
         top_p=opts.get("top_p"), repetition_penalty=opts.get("repetition_penalty"),
-        max_frames=opts.get("max_frames"),
+        max_frames=max_frames, non_streaming=opts.get("non_streaming_mode"),
     )
     schedule = tuple(opts["chunk_schedule"]) if "chunk_schedule" in opts else None
+    if opts.get("initial_codec_chunk_frames"):
+        if schedule is not None:
+            raise bad("initial_codec_chunk_frames", "give either chunk_schedule or initial_codec_chunk_frames, "
+                                                    "not both", "conflict")
+        first, sizes = opts["initial_codec_chunk_frames"], engine.config.codec_sizes
+        if first not in sizes:
+            raise bad("initial_codec_chunk_frames", f"must be one of {list(sizes)} (the chunk sizes this server's "
+                                                    "codec is compiled for) or 0", "unsupported")
+        schedule = (first, *engine.config.schedule[1:]) if len(engine.config.schedule) > 1 else (
+            first, *engine.config.schedule)
     try:
         return engine.prepare(req, schedule)
     except RequestError as exc:
@@ -288,17 +343,28 @@ def speech_options(body: Any, *, model, max_input_chars: int, max_ref_audio_byte
             opts[name] = opts.pop(alias)
     if "text" in body:
         opts["_dialect"] = "rust"
+    elif OMNI_FIELDS & set(body):
+        opts["_dialect"] = "omni"
     if "input" not in opts:
         raise bad("input", "is required", "missing_field")
     if "ref_text" in opts and "ref_audio" not in opts:
         raise bad("ref_text", "is the transcript of ref_audio: send ref_audio too", "missing_field")
     if "ref_audio" in opts:
+        if _URL.match(opts["ref_audio"].strip()) or opts["ref_audio"].strip().lower().startswith("file:"):
+            raise bad("ref_audio", "is a URL: the server never fetches a URL or opens a file named in a request; "
+                                   "send the recording itself as a base64 data URL (data:audio/wav;base64,...)",
+                      "url_not_accepted")
+        if opts.get("x_vector_only_mode") is False and "ref_text" not in opts:
+            raise bad("ref_text", "x_vector_only_mode false clones in context, from ref_audio and its transcript: "
+                                  "send ref_text", "missing_field")
         if model.cfg.model_type != "base":
             raise bad("ref_audio", f"cloning a voice needs a Base checkpoint; this server runs a "
                                    f"{model.cfg.model_type} model", "unsupported")
     if "voice" not in opts and "ref_audio" not in opts:
         if opts.get("_dialect") == "rust" and model.cfg.model_type == "custom_voice":
             opts["voice"] = "alloy"
+        elif opts.get("_dialect") == "omni" and "vivian" in model.cfg.speakers:
+            opts["voice"] = "vivian"  # vLLM-Omni's default speaker
         else:
             raise bad("voice", "is required", "missing_field")
     return opts
@@ -307,14 +373,20 @@ def speech_options(body: Any, *, model, max_input_chars: int, max_ref_audio_byte
 def parse_speech(opts: dict, *, engine, served_names, voices=None, aliases=None,
                  prompt: VoicePrompt | None = None) -> SpeechParams:
     """Options from `speech_options` -> what to synthesise (the engine's `Job`) and how to send it."""
-    rust = opts.get("_dialect") == "rust"
+    rust, omni = opts.get("_dialect") == "rust", opts.get("_dialect") == "omni"
     job = build_job({k: v for k, v in opts.items() if k not in ("ref_audio", "ref_text", "_dialect")},
                     engine=engine, served_names=served_names, voices=voices, aliases=aliases, prompt=prompt)
-    fmt = opts.get("response_format", "wav" if rust else "mp3")
+    fmt = opts.get("response_format", "wav" if rust or omni else "mp3")
+    rate = output_rate(fmt, opts.get("sample_rate"))
     stream_format = opts.get("stream_format", "audio")
-    stream = opts.get("stream", False if rust else fmt in STREAM_BY_DEFAULT)
+    if omni:  # vLLM-Omni: a whole file unless stream_format says otherwise; stream=true alone means SSE
+        stream_format = opts.get("stream_format", "sse" if opts.get("stream") else None)
+        stream, stream_format = stream_format is not None, stream_format or "audio"
+    else:
+        stream = opts.get("stream", False if rust else fmt in STREAM_BY_DEFAULT)
     return SpeechParams(job=job, response_format=fmt, stream=stream or stream_format == "sse",
-                        stream_format=stream_format, rust_dialect=rust)
+                        stream_format=stream_format, rust_dialect=rust, sample_rate=rate,
+                        speed=opts.get("speed", 1.0))
 
 
 def speech_schema(max_input_chars: int = 4096, max_ref_audio_bytes: int = 16 * 1024 * 1024) -> dict:

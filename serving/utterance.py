@@ -13,8 +13,10 @@ from serving.keys import BRIDGE, METRICS, SCHEDULER
 class Utterance:
     """A prepared `Job`, admitted (or refused with 429/503) and submitted as it is made."""
 
-    def __init__(self, app, job: Job, rid: str, endpoint: str, started: float | None = None):
+    def __init__(self, app, job: Job, rid: str, endpoint: str, started: float | None = None, speed: float = 1.0,
+                 rate: int = SAMPLE_RATE):
         self.app, self.job, self.rid, self.endpoint = app, job, rid, endpoint
+        self.speed, self.rate = speed, rate  # of the audio the client gets: it plays 1/speed s per model second
         self.started = time.perf_counter() if started is None else started
         sched = app[SCHEDULER]
         self.predicted_ttfa = sched.admit()  # raises 429/503
@@ -38,14 +40,14 @@ class Utterance:
                     self.first = False
                     metrics.observe_first_chunk(self.stream.timings)
                     sched.observe(self.stream.timings)
-                headroom = self.track.on_audio(len(chunk.pcm) / SAMPLE_RATE)
+                headroom = self.track.on_audio(len(chunk.pcm) / SAMPLE_RATE / self.speed)
                 if headroom is not None:
                     metrics.headroom.observe(headroom)
                     if headroom < 0:
                         metrics.late_chunks.inc()
                 self.frames += chunk.frames
                 self.samples += len(chunk.pcm)
-                metrics.audio_seconds.inc(len(chunk.pcm) / SAMPLE_RATE)
+                metrics.audio_seconds.inc(len(chunk.pcm) / SAMPLE_RATE / self.speed)
                 yield chunk.pcm
         metrics.collect_steps()
 
@@ -59,7 +61,7 @@ class Utterance:
         metrics = self.app[METRICS]
         metrics.requests.labels(self.endpoint, outcome).inc()
         metrics.observe_request(self.endpoint, time.perf_counter() - self.started, len(self.job.request.text),
-                                self.samples / SAMPLE_RATE)
+                                self.audio_seconds)
 
     def timings(self) -> dict:
         t = self.stream.timings.as_dict()
@@ -69,6 +71,11 @@ class Utterance:
             self.track.worst_headroom * 1000, 3)
         return t
 
+    @property
+    def audio_seconds(self) -> float:
+        """Seconds of audio the client plays so far (the model's, stretched by 1/speed)."""
+        return self.samples / SAMPLE_RATE / self.speed
+
     def summary(self) -> dict:
-        return {"request_id": self.rid, "frames": self.frames, "audio_seconds": round(self.samples / SAMPLE_RATE, 4),
-                "sample_rate": SAMPLE_RATE, "timings": self.timings()}
+        return {"request_id": self.rid, "frames": self.frames, "audio_seconds": round(self.audio_seconds, 4),
+                "sample_rate": self.rate, "timings": self.timings()}

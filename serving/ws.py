@@ -1,17 +1,23 @@
-"""WebSocket for agents: `GET /v1/audio/speech/stream`.
+"""WebSocket for agents: `GET /v1/audio/speech/stream`, in two protocols told apart by the client's first
+message: vLLM-Omni's (`session.config`, `input.text`, ...: serving/omni_ws.py) or ours, below. Ours greets with
+`session.created` once the client's first message shows it is ours, or after 0.25 s of silence (a client may
+wait for the greeting before it speaks); a client whose first message comes later than that and is vLLM-Omni's
+is still served as one, after that stray greeting.
 
 Client -> server (JSON text messages):
   {"type": "session.update", "session": {voice, language, instructions, seed, temperature, top_k, top_p,
-                                         repetition_penalty, max_frames, greedy, chunk_schedule}}
+                                         repetition_penalty, max_frames, greedy, chunk_schedule,
+                                         speed, sample_rate, response_format (pcm | ulaw | alaw)}}
   {"type": "input_text.append", "text": "..."}     add text to the buffer
   {"type": "input_text.commit"}  (alias "flush")   speak the buffered text as one utterance
   {"type": "cancel"}                               stop the utterance in flight (within one engine step),
                                                    drop queued ones and the text buffer
   {"type": "close"}                                finish queued utterances, then close (1000)
 Server -> client:
-  {"type": "session.created"|"session.updated", "session": {...}, "sample_rate": 24000, "format": "pcm_s16le"}
+  {"type": "session.created"|"session.updated", "session": {...}, "sample_rate": 24000,
+   "format": "pcm_s16le"|"g711_ulaw"|"g711_alaw"}
   {"type": "utterance.queued"|"utterance.started", "utterance_id": n, "request_id": ...}
-  binary messages: raw PCM s16le mono 24 kHz of the utterance in flight
+  binary messages: the utterance in flight, raw mono at the session's rate (PCM s16le, or G.711 bytes)
   {"type": "utterance.done", "utterance_id": n, "cancelled": bool, "frames", "audio_seconds", "timings"}
   {"type": "error", "error": {"code", "message", "param"}, "utterance_id"?}  (the socket stays open,
   except for flooding: too many messages per second closes it with 1008)
@@ -30,18 +36,21 @@ import uuid
 
 from aiohttp import WSMsgType, web
 
-from qtts_jax.audio import to_int16
 from qtts_jax.job import Job
+from serving import omni_ws
 from serving.audio_encoders import SAMPLE_RATE
+from serving.audio_out import StreamOut, output_rate
 from serving.errors import ApiError, bad
 from serving.keys import ALIASES, ENGINE, SCHEDULER, SERVED_NAMES, SETTINGS, SOCKETS, VOICES
-from serving.schemas import build_job, check_text, parse_options, speech_fields
+from serving.schemas import Field, base64_chars, build_job, check_text, parse_options, speech_fields
 from serving.utterance import Utterance
 
 log = logging.getLogger(__name__)
 
 SESSION_FIELDS = ("voice", "language", "instructions", "seed", "temperature", "top_k", "top_p",
-                  "repetition_penalty", "max_frames", "greedy", "chunk_schedule")
+                  "repetition_penalty", "max_frames", "greedy", "chunk_schedule", "speed", "sample_rate")
+RAW_FORMATS = {"pcm": "pcm_s16le", "ulaw": "g711_ulaw", "alaw": "g711_alaw"}  # what a binary message carries
+GREETING_WAIT_S = 0.25  # how long a silent client waits for session.created (a vLLM-Omni client speaks first)
 
 
 class Session:
@@ -51,6 +60,7 @@ class Session:
         self.settings = self.app[SETTINGS]
         all_fields = speech_fields(self.settings.max_input_chars)
         self.fields = {k: all_fields[k] for k in SESSION_FIELDS}
+        self.fields["response_format"] = Field("string", "Audio in the binary messages", enum=tuple(RAW_FORMATS))
         self.options: dict = {}
         self.buffer = ""
         self.pending: asyncio.Queue = asyncio.Queue()
@@ -62,8 +72,6 @@ class Session:
         self.closer: asyncio.Future | None = None  # the socket's close, should the runner die
         self.runner = asyncio.create_task(self._run())
         self.runner.add_done_callback(self._runner_done)
-        self._tokens = self.settings.ws_max_messages_per_s
-        self._last = time.monotonic()
 
     async def send(self, obj: dict) -> None:
         if not self.ws.closed:
@@ -77,15 +85,10 @@ class Session:
             payload["utterance_id"] = utterance_id
         await self.send(payload)
 
-    def _rate_ok(self) -> bool:
-        now = time.monotonic()
-        rate = self.settings.ws_max_messages_per_s
-        self._tokens = min(rate, self._tokens + (now - self._last) * rate)
-        self._last = now
-        if self._tokens < 1:
-            return False
-        self._tokens -= 1
-        return True
+    def describe(self, kind: str) -> dict:
+        fmt = self.options.get("response_format", "pcm")
+        return {"type": kind, "session": self.options, "format": RAW_FORMATS[fmt],
+                "sample_rate": output_rate(fmt, self.options.get("sample_rate"))}
 
     def _job(self, text: str) -> Job:
         """The session's options and `text`, prepared by the engine (400 naming the field if it cannot be)."""
@@ -100,14 +103,14 @@ class Session:
             if set(msg) - {"type", "session"}:
                 raise bad(sorted(set(msg) - {"type", "session"})[0], "unknown field", "unknown_field")
             opts = {**self.options, **parse_options(session, self.fields, required=False)}
+            output_rate(opts.get("response_format", "pcm"), opts.get("sample_rate"))  # G.711 is 8 kHz only
             saved, self.options = self.options, opts
             try:
                 self._job("check")  # model-level checks (voice, language, instructions) now, not later
             except ApiError:
                 self.options = saved
                 raise
-            await self.send({"type": "session.updated", "session": self.options, "sample_rate": SAMPLE_RATE,
-                             "format": "pcm_s16le"})
+            await self.send(self.describe("session.updated"))
         elif kind == "input_text.append":
             text = msg.get("text")
             if not isinstance(text, str):
@@ -129,7 +132,7 @@ class Session:
             job = self._job(text)  # a text the engine cannot take is refused now, not when its turn comes
             uid = self.next_id
             self.next_id += 1
-            await self.pending.put((uid, self.generation, job))
+            await self.pending.put((uid, self.generation, job, dict(self.options)))
             await self.send({"type": "utterance.queued", "utterance_id": uid})
         elif kind == "cancel":
             self.generation += 1
@@ -149,12 +152,12 @@ class Session:
             if item is None:
                 await self.ws.close(code=1000, message=b"bye")
                 return
-            uid, gen, job = item
+            uid, gen, job, options = item
             if gen != self.generation:
                 await self.send({"type": "utterance.done", "utterance_id": uid, "cancelled": True, "frames": 0})
                 continue
             try:
-                await self._speak(uid, gen, job)
+                await self._speak(uid, gen, job, options)
             except ApiError as err:
                 await self.error(err, uid)
             except ConnectionError:  # the client is gone: nothing is left to tell it
@@ -163,15 +166,22 @@ class Session:
                 log.exception("websocket utterance %d failed", uid)
                 await self.error(ApiError(500, "internal_error", "the utterance failed; the server logged why"), uid)
 
-    async def _speak(self, uid: int, gen: int, job: Job) -> None:
+    async def _speak(self, uid: int, gen: int, job: Job, options: dict) -> None:
         rid = f"{uuid.uuid4().hex}"
-        u = Utterance(self.app, job, rid, "/v1/audio/speech/stream")
+        fmt, speed = options.get("response_format", "pcm"), options.get("speed", 1.0)
+        rate = output_rate(fmt, options.get("sample_rate"))
+        u = Utterance(self.app, job, rid, "/v1/audio/speech/stream", speed=speed, rate=rate)
+        out = StreamOut(fmt, rate, speed)
         self.current, self.current_id = u, uid
         try:
             await self.send({"type": "utterance.started", "utterance_id": uid, "request_id": rid})
             async for pcm in u.chunks():
-                if gen == self.generation and not self.ws.closed:
-                    await self.ws.send_bytes(to_int16(pcm).tobytes())
+                data = out.encode(pcm)
+                if data and gen == self.generation and not self.ws.closed:
+                    await self.ws.send_bytes(data)
+            data = out.finish() if u.error is None else b""
+            if data and gen == self.generation and not self.ws.closed:
+                await self.ws.send_bytes(data)
             done = {"type": "utterance.done", "utterance_id": uid,
                     "cancelled": u.error == "cancelled" or gen != self.generation}
             done.update(u.summary())
@@ -200,27 +210,62 @@ class Session:
             await self.runner
 
 
+class _Bucket:
+    """Messages a second a socket may send (a token bucket): a flood closes the socket with 1008."""
+
+    def __init__(self, rate: float):
+        self.rate, self.tokens, self.last = rate, rate, time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.rate, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+def _json(msg) -> dict | None:
+    """A text message's JSON object, or None."""
+    if msg.type != WSMsgType.TEXT:
+        return None
+    try:
+        data = json.loads(msg.data)
+    except (ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 async def speech_socket(request: web.Request) -> web.WebSocketResponse:
     app = request.app
     sched = app[SCHEDULER]
     if not sched.accepting:
         sched.admit()  # raises the 503 with Retry-After before the upgrade
     settings = app[SETTINGS]
-    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=settings.ws_max_message_bytes)
+    # a Base model's vLLM-Omni session.config may carry a base64 ref_audio as large as a registration's recording
+    limit = settings.ws_max_message_bytes + (base64_chars(settings.max_voice_upload_bytes) if VOICES in app else 0)
+    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=limit)
     await ws.prepare(request)
     app[SOCKETS].add(ws)
-    session = Session(request, ws)
-    await session.send({"type": "session.created", "session": {}, "sample_rate": SAMPLE_RATE,
-                        "format": "pcm_s16le"})
+    first = asyncio.ensure_future(ws.receive())
+    await asyncio.wait({first}, timeout=GREETING_WAIT_S)
+    omni = first.done() and (_json(first.result()) or {}).get("type") in omni_ws.TYPES
+    session = omni_ws.OmniSession(request, ws) if omni else Session(request, ws)
+    if not omni:
+        await session.send({"type": "session.created", "session": {}, "sample_rate": SAMPLE_RATE,
+                            "format": "pcm_s16le"})
+    bucket, decided, msg = _Bucket(settings.ws_max_messages_per_s), omni, await first
     try:
-        async for msg in ws:
+        while True:
             if msg.type == WSMsgType.BINARY:
                 await session.error(bad("message", "binary messages are not accepted; send JSON text",
                                         "invalid_type"))
+                msg = await ws.receive()
                 continue
             if msg.type != WSMsgType.TEXT:
                 break
-            if not session._rate_ok():
+            if not bucket.take():
                 await session.error(ApiError(429, "rate_limited", "too many messages per second", "message"))
                 await ws.close(code=1008, message=b"too many messages")
                 break
@@ -231,6 +276,10 @@ async def speech_socket(request: web.Request) -> web.WebSocketResponse:
                     raise bad("message", "is not valid JSON", "invalid_json") from None
                 if not isinstance(data, dict):
                     raise bad("message", "must be a JSON object", "invalid_json")
+                if not decided and data.get("type") in omni_ws.TYPES:  # a vLLM-Omni client slower than the greeting
+                    await session.shutdown()
+                    session = omni_ws.OmniSession(request, ws)
+                decided = True
                 await session.handle(data)
             except ApiError as err:
                 await session.error(err)
@@ -239,6 +288,7 @@ async def speech_socket(request: web.Request) -> web.WebSocketResponse:
                 await session.error(ApiError(500, "internal_error", "the message failed; the server logged why"))
             if session.closing:
                 break
+            msg = await ws.receive()
         if session.closing:  # let queued utterances finish; the runner closes the socket
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await session.runner

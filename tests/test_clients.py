@@ -1,6 +1,10 @@
 """The clients people already use, unmodified, against a live `tiny-random` server on 127.0.0.1: the official
-`openai` SDK (sync, async, progressive streaming, every format), pipecat's `OpenAITTSService` with its default
-voice, and a client written to the batched Rust server's README (urllib, `text`/`language`, `x-rtf`, `/health`).
+`openai` SDK (sync, async, progressive streaming, every format, `speed` and `sample_rate`), pipecat's
+`OpenAITTSService` with its default voice, a client written to the batched Rust server's README (urllib,
+`text`/`language`, `x-rtf`, `/health`), and clients of vLLM-Omni's speech API written to its documented shape
+(REST fields with their meaning, its WebSocket protocol on our path, our open-loop generator sending
+`non_streaming_mode`). tiny-random's audio is noise, so lengths, rates and events are checked here; the
+time-stretch's pitch and duration on real waveforms are test_audio_out's.
 
 One small engine and one server for the module keep it fast. tiny-random's random weights rarely end on their
 own, so the SDK calls cap frames through `extra_body`; the framework and Rust-style clients cannot, and run
@@ -10,6 +14,7 @@ to the cap the engine derives from their short text.
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import json
 import threading
@@ -17,6 +22,7 @@ import time
 import urllib.request
 import wave
 
+import aiohttp
 import av
 import numpy as np
 import openai
@@ -26,11 +32,13 @@ from aiohttp import web
 
 from qtts_jax.engine import Engine
 from serving.app import METRICS, SCHEDULER, Settings, create_app
+from studies.load import open_loop
 from support import SMALL
 
 CONFIG = SMALL  # test_hardening's too: its programs come from the compilation cache
 FRAME = 1920  # samples per 80 ms frame at 24 kHz
 FRAMES = 10
+HF_ID = "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice"  # tiny-random is a 1.7B-shaped CustomVoice model
 
 
 class Live:
@@ -275,3 +283,175 @@ def test_voice_aliases_default_override_file_env_and_bad_targets(server, tmp_pat
         with pytest.raises(ValueError, match=message):
             create_app(Settings(voice_aliases=spec, warmup=False), engine=engine)
     assert aliases.table("", "base", ()) == {v: v for v in aliases.OPENAI_VOICES}
+
+
+def post(server, body: dict):
+    req = urllib.request.Request(server.url + "/v1/audio/speech", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=120)
+
+
+def refused(server, body: dict) -> dict:
+    with pytest.raises(urllib.error.HTTPError) as err:
+        post(server, body)
+    assert err.value.code == 400
+    return json.loads(err.value.read())["error"]
+
+
+def test_vllm_omni_rest_fields_are_honoured(server):
+    """The documented body: HF model id, task_type, language, max_new_tokens (frames + end token),
+    sample_rate 8000, non_streaming_mode; a whole WAV by default with the usage headers; `stream: true` is SSE
+    (speech.audio.* events), `stream_format: audio` raw bytes."""
+    body = {"model": HF_ID, "input": "Hello, how are you?", "voice": "vivian", "language": "English",
+            "task_type": "CustomVoice", "max_new_tokens": 11, "non_streaming_mode": True, "sample_rate": 8000,
+            "initial_codec_chunk_frames": 1, "seed": 3}
+    r = post(server, body)
+    assert r.headers["Content-Type"] == "audio/wav" and "chunked" not in r.headers.get("Transfer-Encoding", "")
+    audio, rate = sf.read(io.BytesIO(r.read()), dtype="int16")
+    assert rate == 8000 and len(audio) == 10 * FRAME // 3  # 10 frames of 80 ms at 8 kHz
+    assert r.headers["x-vllm-omni-output-tokens"] == "10"
+    r = post(server, {**body, "response_format": "pcm", "stream": True})
+    assert r.headers["Content-Type"] == "text/event-stream"
+    events = [json.loads(line[6:]) for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    assert {e["type"] for e in events[:-1]} == {"speech.audio.delta"} and events[-1]["type"] == "speech.audio.done"
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    assert len(pcm) == 2 * len(audio) and events[-1]["usage"]["output_tokens"] == 10
+    r = post(server, {**body, "response_format": "pcm", "stream_format": "audio"})
+    assert r.headers["Transfer-Encoding"] == "chunked" and r.headers["X-Sample-Rate"] == "8000"
+    assert r.read() == pcm  # seeded: the same audio however it is sent
+
+
+def test_non_streaming_mode_changes_the_prompt_layout(server):
+    """The field has its meaning: the same seeded greedy request in the two layouts gives other audio, and each
+    layout gives the same audio twice."""
+    def speak(layout):
+        return post(server, {"input": "Layouts differ.", "voice": "ryan", "response_format": "pcm", "greedy": True,
+                             "max_new_tokens": 7, "non_streaming_mode": layout}).read()
+    a, b = speak(True), speak(False)
+    assert a == speak(True) and len(a) == len(b) == 6 * FRAME * 2 and a != b
+
+
+def test_vllm_omni_refusals_name_the_field(server):
+    base = {"input": "hi", "voice": "vivian"}
+    err = refused(server, {**base, "task_type": "Base"})
+    assert err["param"] == "task_type" and "CustomVoice" in err["message"]
+    err = refused(server, {**base, "ref_audio": "https://example.com/reference.wav", "ref_text": "x"})
+    assert err["param"] == "ref_audio" and "base64 data URL" in err["message"]
+    err = refused(server, {**base, "ref_audio": "file:///etc/passwd"})
+    assert err["param"] == "ref_audio" and "never" in err["message"]
+    err = refused(server, {**base, "speaker_embedding": [0.1]})  # a field we do not take: the list of those we do
+    assert err["param"] == "speaker_embedding" and "non_streaming_mode" in err["message"]
+    assert refused(server, {**base, "initial_codec_chunk_frames": 2})["param"] == "initial_codec_chunk_frames"
+    assert refused(server, {**base, "max_new_tokens": 5, "max_frames": 4})["param"] == "max_new_tokens"
+    assert refused(server, {**base, "sample_rate": 11025})["param"] == "sample_rate"
+    assert refused(server, {**base, "response_format": "ulaw", "sample_rate": 16000})["param"] == "sample_rate"
+    assert refused(server, {**base, "speed": 5})["param"] == "speed"
+    assert json.loads(urllib.request.urlopen(f"{server.url}/v1/models/{HF_ID}").read())["id"] == HF_ID
+
+
+async def _events(ws, until: str):
+    """Messages up to and including the event `until`: (JSON events, binary payloads)."""
+    events, audio = [], []
+    async for msg in ws:
+        if msg.type == aiohttp.WSMsgType.BINARY:
+            audio.append(msg.data)
+            continue
+        assert msg.type == aiohttp.WSMsgType.TEXT, msg
+        events.append(json.loads(msg.data))
+        if events[-1]["type"] == until:
+            return events, audio
+    raise AssertionError(f"socket closed before {until}: {events}")
+
+
+def test_vllm_omni_websocket_client(server):
+    """A client written to vLLM-Omni's WebSocket protocol: its first message is session.config and the first
+    thing it hears is audio.start (no greeting of ours); two utterances on one socket with the sticky config;
+    bad messages are error events and the socket goes on; stream_audio false is one WAV per sentence;
+    sentence splitting starts audio before input.done; session.close closes with 1000."""
+    async def go():
+        async with aiohttp.ClientSession() as http, http.ws_connect(
+                server.url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
+            await ws.send_json({"type": "session.config", "model": HF_ID, "voice": "vivian",
+                                "response_format": "pcm", "stream_audio": True, "max_new_tokens": 7,
+                                "sample_rate": 16000, "speed": 2.0})
+            for utterance in (0, 1):
+                await ws.send_json({"type": "input.text", "text": "Hello "})
+                await ws.send_json({"type": "input.text", "text": "world."})
+                await ws.send_json({"type": "input.done"})
+                events, audio = await _events(ws, "session.done")
+                assert [e["type"] for e in events] == ["audio.start", "audio.done", "session.done"], events
+                start, done, end = events
+                assert (start["utterance_index"], start["sentence_text"], start["sample_rate"]) == (
+                    utterance, "Hello world.", 16000)
+                pcm = b"".join(audio)
+                assert len(pcm) == done["total_bytes"] == 2 * (6 * FRAME // 2) * 2 // 3  # speed 2, 16 kHz
+                assert not done["error"] and end == {"type": "session.done", "utterance_index": utterance,
+                                                     "total_sentences": 1}
+            for bad, param in (({"type": "dance"}, "type"), ({"type": "session.config", "frobnicate": 1},
+                                                               "frobnicate"),
+                               ({"type": "session.config", "voice": "nobody"}, "voice"),
+                               ({"type": "input.text", "text": 5}, "text")):
+                await ws.send_json(bad)
+                ev = await ws.receive_json()
+                assert ev["type"] == "error" and ev["param"] == param and ev["message"], (bad, ev)
+            await ws.send_str("not json")
+            assert (await ws.receive_json())["type"] == "error"
+            await ws.send_json({"type": "session.config", "voice": "ryan", "max_new_tokens": 5,
+                                "split_granularity": "sentence"})
+            await ws.send_json({"type": "input.text", "text": "First one. Second"})
+            events, audio = await _events(ws, "audio.done")  # the first sentence plays before input.done
+            assert events[0]["sentence_text"] == "First one." and audio[0][:4] == b"RIFF"
+            assert len(audio) == 1 and sf.read(io.BytesIO(audio[0]))[0].shape == (4 * FRAME,)
+            await ws.send_json({"type": "input.text", "text": " one."})
+            await ws.send_json({"type": "input.done"})
+            events, audio = await _events(ws, "session.done")
+            assert [e.get("sentence_index") for e in events] == [1, 1, None] and events[-1]["total_sentences"] == 2
+            await ws.send_json({"type": "session.close"})
+            assert (await ws.receive()).type == aiohttp.WSMsgType.CLOSE and ws.close_code == 1000
+
+    asyncio.run(go())
+
+
+def test_our_websocket_takes_rate_speed_and_ulaw(server):
+    """Our protocol still greets first, and its session takes the same output choices (8 kHz μ-law here)."""
+    async def go():
+        async with aiohttp.ClientSession() as http, http.ws_connect(
+                server.url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
+            assert (await ws.receive_json())["type"] == "session.created"
+            await ws.send_json({"type": "session.update", "session": {"voice": "ryan", "max_frames": 6,
+                                                                      "response_format": "ulaw", "speed": 0.5}})
+            ev = await ws.receive_json()
+            assert (ev["type"], ev["format"], ev["sample_rate"]) == ("session.updated", "g711_ulaw", 8000)
+            await ws.send_json({"type": "session.update", "session": {"sample_rate": 24000}})
+            assert (await ws.receive_json())["error"]["param"] == "sample_rate"
+            await ws.send_json({"type": "input_text.append", "text": "Telephone."})
+            await ws.send_json({"type": "input_text.commit"})
+            events, audio = await _events(ws, "utterance.done")
+            assert len(b"".join(audio)) == 6 * FRAME * 2 // 3 and events[-1]["sample_rate"] == 8000
+
+    asyncio.run(go())
+
+
+def test_open_loop_generator_sending_non_streaming_mode_all_succeed(server):
+    """The field's benchmark sends vLLM-Omni's non_streaming_mode with every request: our open-loop generator
+    doing so gets every request served, every stream valid."""
+    records = asyncio.run(open_loop(server.url, rate=1.0, requests=4, prompts=["Open loop one.", "And two."],
+                                    options={"voice": "ryan", "non_streaming_mode": False, "max_new_tokens": 4,
+                                             "stream_format": "audio"}))  # a rate a 2-core CPU carries
+    assert [r.status for r in records] == [200] * 4 and all(r.ok for r in records), [r.error or r.invalid
+                                                                                     for r in records]
+
+
+def test_openai_sdk_speed_and_sample_rate(server):
+    """The openai SDK's own `speed`, and `sample_rate` through extra_body: the length is the frames' audio
+    divided by the speed at the asked rate; `ulaw` is 8 kHz G.711, one byte a sample."""
+    client = sdk(server)
+    for speed, rate in ((2.0, 16000), (0.5, 48000), (1.0, 22050)):
+        r = client.audio.speech.create(model=HF_ID, voice="alloy", input="Speed.", response_format="pcm",
+                                       speed=speed, extra_body={"sample_rate": rate, "max_frames": 8})
+        assert r.response.headers["x-sample-rate"] == str(rate)
+        assert len(r.content) == 2 * round(round(8 * FRAME / speed) * rate / 24000), (speed, rate)
+    r = client.audio.speech.create(model="tts-1", voice="alloy", input="Phone.", response_format="ulaw",
+                                   extra_body={"max_frames": 8})
+    assert r.response.headers["content-type"] == "audio/basic" and len(r.content) == 8 * FRAME // 3
+    assert len(set(r.content)) > 10 and np.frombuffer(r.content, np.uint8).std() > 0

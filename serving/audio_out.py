@@ -1,0 +1,69 @@
+"""The audio a client asked for, made from the model's 24 kHz float chunks as they come: `speed` (pitch-kept
+time-stretch), then the output rate (streaming resampler), then the format's encoder. HTTP and both WebSocket
+protocols use this one path, so a choice means the same everywhere."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from serving.audio_encoders import OPUS_RATES, SAMPLE_RATE, encode_whole, make_encoder
+from serving.errors import bad
+from serving.g711 import TABLES as G711
+from serving.resample import RATES, StreamResampler
+from serving.timestretch import TimeStretch
+
+
+def output_rate(fmt: str, rate: int | None) -> int:
+    """The rate to send `fmt` at (the asked one, or the format's default); 400 naming `sample_rate` when the
+    format cannot carry it."""
+    if fmt in G711:
+        if rate not in (None, 8000):
+            raise bad("sample_rate", f"{fmt} is G.711 telephony audio, 8000 Hz only (got {rate})")
+        return 8000
+    rate = SAMPLE_RATE if rate is None else rate
+    if rate not in RATES:
+        raise bad("sample_rate", f"{rate} is not one of {list(RATES)}")
+    if fmt == "opus" and rate not in OPUS_RATES:
+        raise bad("sample_rate", f"Opus encodes at {list(OPUS_RATES)} Hz only; ask for one of those or another "
+                                 f"format (got {rate})")
+    return rate
+
+
+class AudioOut:
+    """24 kHz model audio -> `speed` and `rate`, chunk by chunk (`process`, then `finish` once)."""
+
+    def __init__(self, rate: int = SAMPLE_RATE, speed: float = 1.0):
+        self.rate, self.speed = rate, speed
+        self._stretch = TimeStretch(speed, SAMPLE_RATE)
+        self._resample = StreamResampler(SAMPLE_RATE, rate)
+
+    def process(self, pcm: np.ndarray) -> np.ndarray:
+        return self._resample.process(self._stretch.process(pcm))
+
+    def finish(self) -> np.ndarray:
+        return np.concatenate([self._resample.process(self._stretch.finish()), self._resample.finish()])
+
+    def length(self, model_samples: int) -> int:
+        """How many output samples `model_samples` of model audio become."""
+        return round(round(model_samples / self.speed) * self.rate / SAMPLE_RATE)
+
+
+class StreamOut:
+    """`encode(pcm)` / `finish()` -> bytes of `fmt` at the asked speed and rate, as a stream."""
+
+    def __init__(self, fmt: str, rate: int = SAMPLE_RATE, speed: float = 1.0, max_model_samples: int | None = None):
+        self.audio = AudioOut(rate, speed)
+        total = None if max_model_samples is None else self.audio.length(max_model_samples)
+        self._enc = make_encoder(fmt, streaming=True, sample_rate=rate, total_samples=total)
+
+    def encode(self, pcm: np.ndarray) -> bytes:
+        return self._enc.encode(self.audio.process(pcm))
+
+    def finish(self) -> bytes:
+        return self._enc.encode(self.audio.finish()) + self._enc.finish()
+
+
+def whole(fmt: str, pcm: np.ndarray, rate: int = SAMPLE_RATE, speed: float = 1.0) -> bytes:
+    """A complete file of model audio `pcm` at the asked speed and rate."""
+    out = AudioOut(rate, speed)
+    return encode_whole(fmt, np.concatenate([out.process(pcm), out.finish()]), rate)
