@@ -324,3 +324,36 @@ async def test_encoders_are_compiled_in_the_background_after_ready(make_client):
     again = await make_client(warm_voice_encoders=True, voice_max_seconds=2.5, voice_trailing_silence_ms=300)
     await again.app[VOICE_WARMUP][0]
     assert len(engine._primed) == 2
+
+
+async def test_vllm_omni_clone_from_a_data_url_over_rest_and_its_websocket(make_client, model):
+    """vLLM-Omni's Base request: task_type Base, ref_audio as a base64 data URL, x_vector_only_mode (the
+    embedding alone, ref_text ignored), max_new_tokens; the same voice from its WebSocket's sticky session.config.
+    Both give the audio the model gives offline for the x-vector-only clone."""
+    client = await make_client()
+    wav = wav_bytes(recording(1.5, pitch=200, seed=5))
+    url = "data:audio/wav;base64," + base64.b64encode(wav).decode()
+    body = {"input": "Cloned by vLLM-Omni.", "task_type": "Base", "ref_audio": url, "ref_text": "Ignored words.",
+            "x_vector_only_mode": True, "max_new_tokens": 7, "seed": 3, "response_format": "pcm"}
+    r = await client.post("/v1/audio/speech", json=body)
+    assert r.status == 200, await r.text()
+    got = pcm(await r.read())
+    prompt = model.clone_voice(wav, None, trailing_silence_s=0.5)
+    assert_same_audio(got, offline(model, prompt, "Cloned by vLLM-Omni.", seed=3, max_frames=6))
+    for change, param in (({"x_vector_only_mode": False, "ref_text": None}, "ref_text"),
+                          ({"task_type": "CustomVoice"}, "task_type")):
+        r = await client.post("/v1/audio/speech", json={k: v for k, v in {**body, **change}.items() if v is not None})
+        assert r.status == 400 and (await r.json())["error"]["param"] == param
+    async with client.ws_connect("/v1/audio/speech/stream") as ws:
+        await ws.send_json({"type": "session.config", **{k: v for k, v in body.items() if k != "input"}})
+        await ws.send_json({"type": "input.text", "text": "Cloned by vLLM-Omni."})
+        await ws.send_json({"type": "input.done"})
+        audio, kinds = b"", []
+        while "session.done" not in kinds:
+            msg = await ws.receive()
+            if msg.type == aiohttp.WSMsgType.BINARY:
+                audio += msg.data
+            else:
+                kinds.append(json.loads(msg.data)["type"])
+        assert kinds == ["audio.start", "audio.done", "session.done"]
+        assert_same_audio(pcm(audio), got)
