@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import uuid
 
 import numpy as np
@@ -37,14 +36,12 @@ from serving.audio_out import StreamOut, output_rate, whole
 from serving.errors import ApiError, bad
 from serving.keys import ALIASES, ENGINE, MODEL, SERVED_NAMES, SETTINGS, VOICES
 from serving.schemas import Field, build_job, check_text, parse_options, speech_fields, speech_options, task_type
+from serving.sentences import GRANULARITIES, split_units
 from serving.utterance import Utterance
 
 log = logging.getLogger(__name__)
 
 TYPES = ("session.config", "input.text", "input.done", "session.close")
-# where a unit of text ends, per split_granularity: after these marks and a space (or the end of CJK marks)
-_ENDS = {"sentence": re.compile(r"(?<=[.!?…])\s+|(?<=[。！？])"),
-         "clause": re.compile(r"(?<=[.!?…,;:])\s+|(?<=[。！？，；：、])")}
 
 
 def config_fields(settings) -> dict[str, Field]:
@@ -52,7 +49,7 @@ def config_fields(settings) -> dict[str, Field]:
               if k not in ("input", "text", "voice_id", "stream", "stream_format")}
     fields["stream_audio"] = Field("boolean", "Send audio chunks as they are made instead of one file per sentence")
     fields["split_granularity"] = Field("string", "Start audio at each sentence or clause end, before input.done",
-                                        enum=("none", "sentence", "clause"), default="none")
+                                        enum=GRANULARITIES, default="none")
     return fields
 
 
@@ -100,11 +97,9 @@ class OmniSession:
             if len(self.buffer) + len(text) > self.settings.max_input_chars:
                 raise bad("text", f"the utterance would exceed {self.settings.max_input_chars} characters", "too_long")
             self.buffer += text
-            split = self.config.get("split_granularity", "none")
-            if split != "none":
-                *units, self.buffer = _ENDS[split].split(self.buffer)
-                for unit in units:
-                    await self._queue_unit(unit)
+            units, self.buffer = split_units(self.buffer, self.config.get("split_granularity", "none"))
+            for unit in units:
+                await self._queue_unit(unit)
         else:  # input.done
             text, self.buffer = self.buffer, ""
             await self._queue_unit(text)

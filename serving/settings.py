@@ -29,7 +29,7 @@ class Settings:
     max_input_chars: int = 4096
     max_body_bytes: int = 256 * 1024
     drain_timeout_s: float = 30.0
-    ws_max_messages_per_s: float = 50.0
+    ws_max_messages_per_s: float = 200.0  # an LLM's tokens sent one message each (~100/s) stay under it
     ws_max_message_bytes: int = 64 * 1024
     ws_max_pending_utterances: int = 8
     # connections (`run` only): slowloris, idle sockets and descriptor exhaustion (serving/connections.py)

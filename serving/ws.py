@@ -7,8 +7,10 @@ is still served as one, after that stray greeting.
 Client -> server (JSON text messages):
   {"type": "session.update", "session": {voice, language, instructions, seed, temperature, top_k, top_p,
                                          repetition_penalty, max_frames, greedy, chunk_schedule,
-                                         speed, sample_rate, response_format (pcm | ulaw | alaw)}}
-  {"type": "input_text.append", "text": "..."}     add text to the buffer
+                                         speed, sample_rate, response_format (pcm | ulaw | alaw),
+                                         split_granularity (none | sentence | clause)}}
+  {"type": "input_text.append", "text": "..."}     add text to the buffer; with split_granularity, each
+                                                   complete sentence (clause) is committed as it arrives
   {"type": "input_text.commit"}  (alias "flush")   speak the buffered text as one utterance
   {"type": "cancel"}                               stop the utterance in flight (within one engine step),
                                                    drop queued ones and the text buffer
@@ -43,6 +45,7 @@ from serving.audio_out import StreamOut, output_rate
 from serving.errors import ApiError, bad
 from serving.keys import ALIASES, ENGINE, SCHEDULER, SERVED_NAMES, SETTINGS, SOCKETS, VOICES
 from serving.schemas import Field, base64_chars, build_job, check_text, parse_options, speech_fields
+from serving.sentences import GRANULARITIES, split_units
 from serving.utterance import Utterance
 
 log = logging.getLogger(__name__)
@@ -61,6 +64,8 @@ class Session:
         all_fields = speech_fields(self.settings.max_input_chars)
         self.fields = {k: all_fields[k] for k in SESSION_FIELDS}
         self.fields["response_format"] = Field("string", "Audio in the binary messages", enum=tuple(RAW_FORMATS))
+        self.fields["split_granularity"] = Field("string", "Commit each sentence or clause as it completes",
+                                                 enum=GRANULARITIES, default="none")
         self.options: dict = {}
         self.buffer = ""
         self.pending: asyncio.Queue = asyncio.Queue()
@@ -119,21 +124,14 @@ class Session:
             if len(self.buffer) + len(text) > self.settings.max_input_chars:
                 raise bad("text", f"the text buffer would exceed {self.settings.max_input_chars} characters",
                           "too_long")
-            self.buffer += text
+            units, self.buffer = split_units(self.buffer + text, self.options.get("split_granularity", "none"))
+            for unit in units:
+                await self._commit(unit)
         elif kind in ("input_text.commit", "flush"):
             text, self.buffer = self.buffer, ""
             if not text.strip():
                 raise bad("text", "nothing to speak: append text before commit", "empty")
-            if "voice" not in self.options:
-                raise bad("voice", "is required: send session.update with a voice first", "missing_field")
-            if self.pending.qsize() >= self.settings.ws_max_pending_utterances:
-                raise ApiError(429, "too_many_utterances",
-                               f"at most {self.settings.ws_max_pending_utterances} utterances may wait", "text")
-            job = self._job(text)  # a text the engine cannot take is refused now, not when its turn comes
-            uid = self.next_id
-            self.next_id += 1
-            await self.pending.put((uid, self.generation, job, dict(self.options)))
-            await self.send({"type": "utterance.queued", "utterance_id": uid})
+            await self._commit(text)
         elif kind == "cancel":
             self.generation += 1
             self.buffer = ""
@@ -145,6 +143,19 @@ class Session:
         else:
             raise bad("type", f"unknown message type {kind!r}; expected session.update, input_text.append, "
                               "input_text.commit, flush, cancel or close", "unknown_type")
+
+    async def _commit(self, text: str) -> None:
+        """Queue `text` as an utterance; a text the engine cannot take is refused now, not when its turn comes."""
+        if "voice" not in self.options:
+            raise bad("voice", "is required: send session.update with a voice first", "missing_field")
+        if self.pending.qsize() >= self.settings.ws_max_pending_utterances:
+            raise ApiError(429, "too_many_utterances",
+                           f"at most {self.settings.ws_max_pending_utterances} utterances may wait", "text")
+        job = self._job(text)
+        uid = self.next_id
+        self.next_id += 1
+        await self.pending.put((uid, self.generation, job, dict(self.options)))
+        await self.send({"type": "utterance.queued", "utterance_id": uid})
 
     async def _run(self) -> None:
         while True:
@@ -248,15 +259,17 @@ async def speech_socket(request: web.Request) -> web.WebSocketResponse:
     ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=limit)
     await ws.prepare(request)
     app[SOCKETS].add(ws)
-    first = asyncio.ensure_future(ws.receive())
-    await asyncio.wait({first}, timeout=GREETING_WAIT_S)
-    omni = first.done() and (_json(first.result()) or {}).get("type") in omni_ws.TYPES
-    session = omni_ws.OmniSession(request, ws) if omni else Session(request, ws)
-    if not omni:
-        await session.send({"type": "session.created", "session": {}, "sample_rate": SAMPLE_RATE,
-                            "format": "pcm_s16le"})
-    bucket, decided, msg = _Bucket(settings.ws_max_messages_per_s), omni, await first
+    first = asyncio.ensure_future(ws.receive())  # awaited below whatever happens, or cancelled in `finally`
+    session = None
     try:
+        await asyncio.wait({first}, timeout=GREETING_WAIT_S)
+        omni = first.done() and (_json(first.result()) or {}).get("type") in omni_ws.TYPES
+        session = omni_ws.OmniSession(request, ws) if omni else Session(request, ws)
+        bucket, decided = _Bucket(settings.ws_max_messages_per_s), omni
+        if not omni:
+            await session.send({"type": "session.created", "session": {}, "sample_rate": SAMPLE_RATE,
+                                "format": "pcm_s16le"})
+        msg = await first
         while True:
             if msg.type == WSMsgType.BINARY:
                 await session.error(bad("message", "binary messages are not accepted; send JSON text",
@@ -293,7 +306,9 @@ async def speech_socket(request: web.Request) -> web.WebSocketResponse:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await session.runner
     finally:
-        await session.shutdown()
+        first.cancel()  # a no-op once it has its message; the pending receive if the client left before
+        if session is not None:
+            await session.shutdown()
     return ws
 
 

@@ -413,7 +413,8 @@ def test_vllm_omni_websocket_client(server):
 
 
 def test_our_websocket_takes_rate_speed_and_ulaw(server):
-    """Our protocol still greets first, and its session takes the same output choices (8 kHz μ-law here)."""
+    """Our protocol still greets first, and its session takes the same output choices (8 kHz μ-law here) and
+    vLLM-Omni's sentence splitting."""
     async def go():
         async with aiohttp.ClientSession() as http, http.ws_connect(
                 server.url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
@@ -428,6 +429,17 @@ def test_our_websocket_takes_rate_speed_and_ulaw(server):
             await ws.send_json({"type": "input_text.commit"})
             events, audio = await _events(ws, "utterance.done")
             assert len(b"".join(audio)) == 6 * FRAME * 2 // 3 and events[-1]["sample_rate"] == 8000
+            # sentence splitting: the complete sentence is queued and spoken before any commit
+            await ws.send_json({"type": "session.update", "session": {"split_granularity": "sentence",
+                                                                      "max_frames": 3}})
+            await _events(ws, "session.updated")
+            await ws.send_json({"type": "input_text.append", "text": "First part. Still typing"})
+            events, audio = await _events(ws, "utterance.done")
+            assert [e["type"] for e in events] == ["utterance.queued", "utterance.started", "utterance.done"]
+            assert audio and not events[-1]["cancelled"]
+            await ws.send_json({"type": "input_text.commit"})  # the rest
+            events, audio = await _events(ws, "utterance.done")
+            assert events[0]["utterance_id"] == 3 and audio
 
     asyncio.run(go())
 
