@@ -57,7 +57,8 @@ def parts(cfg, codec_cfg, sampler: str) -> dict:
         return state._replace(cache=cache), (logits, hidden)
 
     def step(params, codec_params, state, codec_state, idx):
-        return programs.step(params, state, idx, jnp.ones(idx.shape, bool), cfg=cfg, choose=choose, n=1)
+        return programs.step(params, state, idx, jnp.ones(idx.shape, bool), cfg=cfg, choose=choose,
+                             attention=programs.attention("auto"), n=1)
 
     def codec(params, codec_params, state, codec_state, idx):
         b = idx.shape[0]

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qtts_jax import code_predictor, sampling, talker
+from qtts_jax import code_predictor, sampling, talker, transformer
 from qtts_jax.config import ModelConfig
 from qtts_jax.prompt import Prompt, embed_prompt
 from qtts_jax.request import Request
@@ -81,17 +81,19 @@ def frame_codes(params: dict, cfg: ModelConfig, state: RowState, s: RowSettings,
 
 def frame_step(
     params: dict, cfg: ModelConfig, state: RowState, cache: KVCache, slots: jax.Array, s: RowSettings,
-    k: jax.Array, row: jax.Array, choose=sampling.choose,
+    k: jax.Array, row: jax.Array, choose=sampling.choose, attention=transformer.gather_rows_attention,
 ):
     """Advance B rows by one frame each: row b is slot `slots[b]` of `cache`, at frame k[b], written at cache
-    row `row[b]`. Returns (state, cache, frame codes [B, 16]).
+    row `row[b]`. Returns (state, cache, frame codes [B, 16]). `choose` picks tokens and `attention` reads the
+    cache (the jnp references by default, or the Pallas kernels of the same signatures).
 
     The codes of a frame are chosen per row (`frame_codes`, `vmap`-ed); the talker step that follows is one
     batched call against the shared cache. Nothing mixes rows, so a row's codes do not depend on the batch.
     """
     frame, x, done = jax.vmap(partial(frame_codes, params, cfg, choose=choose))(state, s, k)
     key_valid = state.key_valid.at[jnp.arange(row.shape[0]), row].set(True)
-    logits, hidden, cache = talker.decode_rows(params, cfg, x, cache, slots, row, s.position0 + k, key_valid)
+    logits, hidden, cache = talker.decode_rows(params, cfg, x, cache, slots, row, s.position0 + k, key_valid,
+                                               attention)
     seen = state.seen.at[jnp.arange(row.shape[0]), frame[:, 0]].set(True)
     return RowState(key_valid, logits, hidden, seen, done), cache, frame
 

@@ -53,8 +53,10 @@ def decode_rows(
     rows: jax.Array,
     positions: jax.Array,
     key_valid: jax.Array,
+    attention=transformer.gather_rows_attention,
 ) -> tuple[jax.Array, jax.Array, KVCache]:
     """One input vector per sequence, x [B, H], for B sequences in a shared slot-major cache: sequence b is
     slot `slots[b]`, written at cache row `rows[b]` with RoPE `positions[b]` (see `transformer.forward_rows`)."""
-    h, cache = transformer.forward_rows(params["talker"], cfg.talker, x, positions, cache, slots, rows, key_valid)
+    h, cache = transformer.forward_rows(params["talker"], cfg.talker, x, positions, cache, slots, rows, key_valid,
+                                        attention)
     return (h @ params["codec_head"]).astype(jnp.float32), h, cache

@@ -76,6 +76,15 @@ def _row_attention(q, k, v, mask, scale):
     return jnp.einsum("bkgs,bksd->bkgd", probs, v).reshape(b, h * d)
 
 
+def gather_rows_attention(q, cache_k, cache_v, layer, slots, lengths, mask, *, scale: float):
+    """Attention of one query per row against its slot of a shared cache [layers, slots, KVH, S, D]: the whole
+    slot gathered (indices past the end read the last slot: padding rows), then `_row_attention` under `mask`
+    [B, S]. The reference of `kernels.attention.rows_attention`, which reads only the rows below `lengths`."""
+    del lengths  # the mask already ends each row at its length
+    keys, values = cache_k.at[layer, slots].get(mode="clip"), cache_v.at[layer, slots].get(mode="clip")
+    return _row_attention(q, keys, values, mask, scale)
+
+
 def rows_layout(cache: KVCache) -> KVCache:
     """Per-sequence caches of B sequences, [B, layers, S, KVH, D], in the shared layout that `forward_rows`
     reads: [layers, B, KVH, S, D]. Each head's rows are contiguous, so a row's keys are one matrix for the
@@ -153,12 +162,15 @@ def forward_rows(
     slots: jax.Array,
     rows: jax.Array,
     key_valid: jax.Array,
+    attention=gather_rows_attention,
 ) -> tuple[jax.Array, KVCache]:
     """One new token for each of B sequences that live in a shared, slot-major cache.
 
     x [B, hidden]; positions [B] RoPE positions; cache k/v [layers, slots, kv_heads, capacity, head_dim];
     sequence b is slot `slots[b]` and writes its key/value at row `rows[b]`; key_valid [B, capacity].
-    A slot index past the cache's end marks a padding row: its writes are dropped.
+    A slot index past the cache's end marks a padding row: its writes are dropped. `attention` reads each row's
+    keys and values (`gather_rows_attention`, or the kernel `kernels.attention.rows_attention` of the same
+    signature).
 
     Each row's arithmetic is `forward`'s for T = 1 (the same projections, norms and softmax, per row), so
     rows stay independent. Written batched rather than `vmap`-ed so that the cache is touched only where it
@@ -175,9 +187,6 @@ def forward_rows(
             cache.k.at[i, slots, :, rows].set(k.astype(cache.k.dtype), mode="drop"),
             cache.v.at[i, slots, :, rows].set(v.astype(cache.v.dtype), mode="drop"),
         )
-        # one gather from the whole cache: [B, KVH, S, D], only these rows are read
-        keys = cache.k.at[i, slots].get(mode="clip")
-        values = cache.v.at[i, slots].get(mode="clip")
-        return _row_attention(q, keys, values, mask, scale), cache
+        return attention(q, cache.k, cache.v, i, slots, rows + 1, mask, scale=scale), cache
 
     return _layers(params, cfg, x, cos, sin, cache, attend)

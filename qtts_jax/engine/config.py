@@ -38,6 +38,10 @@ class EngineConfig:
     # "pallas" (the kernel; 2-6.7x faster than the reference on the H200, bench/results/sampling-h200.json),
     # "jnp" (the reference), or "auto": the kernel on GPU, the reference elsewhere (no Triton on CPU).
     sampler: str = "auto"
+    # How the talker reads each row's keys and values: "pallas" (a kernel that reads a row's slot where it lies and
+    # only the rows it has written), "jnp" (the reference: the whole slot gathered, then masked), or "auto": the
+    # kernel on GPU, the reference elsewhere.
+    attention: str = "auto"
     cached_voices: int = 64  # ICL voices whose primed codec state stays on the device (LRU)
     # Live-batch ladder of the step and the codec: `min_batch` times powers of 4 up to `slots`, or explicit
     # sizes. Each rung compiles the step and the codec at every size (minutes at 256 rows on the H200), and

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qtts_jax import sampling, talker
+from qtts_jax import sampling, talker, transformer
 from qtts_jax.codec import streaming as codec_streaming
 from qtts_jax.engine.config import EngineConfig
 from qtts_jax.generate import RowSettings, RowState, frame_step
@@ -112,20 +112,41 @@ def insert(params, state: EngineState, slots, text, codec, frames, speaker_row, 
     return EngineState(rows, big, settings, k, row0), logits[:, 0]
 
 
-def chooser(name: str):
-    """The per-row token chooser the frame step uses."""
+def _kernel_or_reference(name: str, what: str, reference, kernel):
+    """`reference` ("jnp"), the Pallas `kernel()` ("pallas"; interpreted on CPU, for tests), or "auto": the
+    kernel on GPU, the reference elsewhere (no Triton on CPU)."""
     if name == "auto":
         name = "pallas" if jax.default_backend() == "gpu" else "jnp"
     if name == "jnp":
-        return sampling.choose
+        return reference
     if name == "pallas":
+        return partial(kernel(), interpret=jax.default_backend() == "cpu")
+    raise ValueError(f"unknown {what} {name!r} (jnp, pallas or auto)")
+
+
+def chooser(name: str):
+    """The per-row token chooser the frame step uses."""
+
+    def kernel():
         from qtts_jax.kernels.sampling import choose_row
 
-        return partial(choose_row, interpret=jax.default_backend() == "cpu")
-    raise ValueError(f"unknown sampler {name!r} (jnp or pallas)")
+        return choose_row
+
+    return _kernel_or_reference(name, "sampler", sampling.choose, kernel)
 
 
-def step(params, state: EngineState, idx, live, *, cfg, choose, n: int):
+def attention(name: str):
+    """How the frame step's talker reads each row's keys and values from the shared cache."""
+
+    def kernel():
+        from qtts_jax.kernels.attention import rows_attention
+
+        return rows_attention
+
+    return _kernel_or_reference(name, "attention", transformer.gather_rows_attention, kernel)
+
+
+def step(params, state: EngineState, idx, live, *, cfg, choose, attention, n: int):
     """`n` frames for the rows of slots `idx` [B] (padding rows aimed past the last slot, `live` false) in one
     scan. Only those rows are read and written. Returns frames [n, B, 16] and valid [n, B]."""
     rows = take_rows(state.rows, idx)
@@ -134,7 +155,8 @@ def step(params, state: EngineState, idx, live, *, cfg, choose, n: int):
 
     def body(carry, _):
         rows, cache, k = carry
-        new_rows, cache, frame = frame_step(params, cfg, rows, cache, idx, settings, k, row0 + k, choose)
+        new_rows, cache, frame = frame_step(params, cfg, rows, cache, idx, settings, k, row0 + k, choose,
+                                                 attention)
         k = jnp.where(rows.done, k, k + 1)
         return (new_rows, cache, k), (frame, ~new_rows.done)
 
@@ -142,11 +164,12 @@ def step(params, state: EngineState, idx, live, *, cfg, choose, n: int):
     return state._replace(rows=put_rows(state.rows, idx, rows), cache=cache, k=put_rows(state.k, idx, k)), out
 
 
-def first(params, codec_params, state: EngineState, codec_state, idx, live, fresh, decode, *, cfg, codec_cfg, choose):
+def first(params, codec_params, state: EngineState, codec_state, idx, live, fresh, decode, *, cfg, codec_cfg, choose,
+          attention):
     """Newcomers' first frame and its audio in one program, so their first chunk is ready before the longer
     step of the playing streams that is queued behind it. Row j decodes its frame where `decode[j]` (its
     schedule starts with a one-frame chunk) and the frame is valid; `fresh[j]` starts its codec state at zero."""
-    state, (frames, valid) = step(params, state, idx, live, cfg=cfg, choose=choose, n=1)
+    state, (frames, valid) = step(params, state, idx, live, cfg=cfg, choose=choose, attention=attention, n=1)
     count = (decode & valid[0]).astype(jnp.int32)
     audio, codec_state = codec(codec_params, codec_state, idx, fresh, jnp.moveaxis(frames, 0, 1), count,
                                 cfg=codec_cfg)
