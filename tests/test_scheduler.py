@@ -111,3 +111,12 @@ def test_newcomer_guard_setting_reaches_the_engine_config():
 
     assert Settings().engine_config().guard_newcomers is True
     assert Settings(newcomer_guard=False).engine_config().guard_newcomers is False
+
+
+def test_the_wait_until_audio_is_handed_out_shortens_the_step_it_follows():
+    """An iteration's audio goes out only after the next iteration's admission and dispatch: 30 ms measured
+    there come out of a newcomer's one frame of audio and out of a playing stream's headroom."""
+    assert step_frames(COSTS, np.array([2.0]), FRAME_SECONDS, 0.0, 0.01, 0.2).frames == 2
+    assert step_frames(COSTS, np.array([2.0]), FRAME_SECONDS, 0.0, 0.01, 0.2, delivery_s=0.03).frames == 1
+    assert step_frames(COSTS, np.array([0.12]), None, 0.0, 0.01, 0.2).frames == 4
+    assert step_frames(COSTS, np.array([0.12]), None, 0.0, 0.01, 0.2, delivery_s=0.03).frames == 2

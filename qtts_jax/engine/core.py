@@ -17,8 +17,9 @@ One iteration of the loop (`run_once`); its decisions are `scheduler`'s pure fun
    most frames whose measured cost leaves every stream's playback headroom (audio handed out minus audio a
    zero-buffer listener has played) above the margin, a newcomer's one frame of audio included, short
    enough that a request arriving meanwhile does not wait long unless only a longer step keeps up;
-4. while those run on the device, the host hands out the audio of the previous codec call, then the
-   newcomers' first chunks;
+4. before the step is dispatched (its call holds the host while the device runs its loop trips) the host hands
+   out the previous codec call's audio, the newcomers' programs running meanwhile, then the newcomers' first
+   chunks; how long into an iteration that hand-out comes is measured and counted in every deadline above;
 5. each stream's new frames become audio in ONE codec call for all rows with a chunk due, each row with its
    own frame count: until a stream has built its lead (`lead_s` of audio in hand) every frame goes out in the
    iteration that made it; past it, chunks follow its schedule (1, 2, 4, 8 ... frames).
@@ -113,6 +114,7 @@ class Engine:
         self.prefill_costs: dict = {}  # requests -> seconds, measured
         self.first_costs: dict = {}  # rung -> seconds of newcomers' first frame and its audio, measured
         self._iteration_s = 0.0
+        self._delivery_s = 0.0  # iteration start -> the previous iteration's audio handed out, measured (EMA)
         self._recent_frame_s: collections.deque[float] = collections.deque(maxlen=64)
         self._profile = _IterationProfile()
         self.jitter = Jitter(c.min_margin_s)  # lateness beyond plan: iterations, and delivery to the listener
@@ -192,6 +194,7 @@ class Engine:
         iteration times measured by the old clock are dropped."""
         self.clock = clock
         self._iteration_s = 0.0
+        self._delivery_s = 0.0
         self.jitter = Jitter(self.config.min_margin_s)
 
     def observe_delivery_lag(self, seconds: float) -> None:
@@ -224,6 +227,11 @@ class Engine:
         new = [self.slots[i] for i in live if not self.slots[i].codes]  # at most max(first_sizes): see _admit
         playing = [self.slots[i] for i in live if self.slots[i].codes]
         first = self._dispatch_first(new) if new else None
+        parts.mark("dispatch")
+        # the previous codec call's audio goes out before the step is dispatched, whose call holds the host for
+        # its loop trips; the newcomers' programs run on the device meanwhile
+        self._hand_out_audio(t0)
+        parts.mark("hand_out")
         extra = self._newcomers_s(len(joined), len(new))
         # newcomers join the playing streams' step right after their first frame: their next audio comes with it
         stepping = playing + new
@@ -234,8 +242,6 @@ class Engine:
             self.state, out = self._program("step", b, plan.frames)(self.model.params, self.state,
                                                                     *self._rows(stepping, b))
         parts.mark("dispatch")
-        self._hand_out_audio()  # the programs above run on the device meanwhile
-        parts.mark("hand_out")
         if prefill_done is not None:
             np.asarray(prefill_done)
             now = self.clock()
@@ -323,7 +329,8 @@ class Engine:
         headroom = np.array([h for s in playing if (h := s.buffered(now)) is not None], float)
         newcomer_audio = FRAME_SECONDS if first is not None and first[1].any() else None
         costs = {n: self.step_costs.get((b, n), 0.0) for n in c.step_sizes}
-        return step_frames(costs, headroom, newcomer_audio, extra_s, self._margin_s, c.max_step_s)
+        return step_frames(costs, headroom, newcomer_audio, extra_s, self._margin_s, c.max_step_s,
+                           self._delivery_s)
 
     def _rows(self, streams: list[Stream], b: int) -> tuple[np.ndarray, np.ndarray]:
         """Slot indices of a call of `b` rows (padding aimed past the last slot) and which rows are live."""
@@ -430,7 +437,7 @@ class Engine:
         live = sum(s is not None and not s.lm_done for s in self.slots)
 
         def iteration_s(m: int) -> float:
-            return self._newcomers_s(m, m) + self.step_costs[rung(c.ladder, live + m), 1]
+            return self._newcomers_s(m, m) + self.step_costs[rung(c.ladder, live + m), 1] + self._delivery_s
 
         return newcomers_that_fit(waiting, min(heads, default=None), self._margin_s, iteration_s)
 
@@ -570,7 +577,8 @@ class Engine:
             pending=np.array([s.pending for s in waiting]), want=np.array([s.next_chunk_frames() for s in waiting]),
             lm_done=np.array([s.lm_done for s in waiting]),
             headroom=np.array([np.nan if (h := s.buffered(now)) is None else h for s in waiting]),
-            lead_s=c.lead_s, horizon_s=self._iteration_s + self._margin_s, most=max(c.codec_sizes))
+            lead_s=c.lead_s, horizon_s=self._iteration_s + self._delivery_s + self._margin_s,
+            most=max(c.codec_sizes))
         due = [(s, int(f)) for s, f in zip(waiting, counts) if f]
         if not due:
             return
@@ -591,14 +599,21 @@ class Engine:
                                                      count)
         self._audio = (audio, due)
 
-    def _hand_out_audio(self) -> None:
-        """Chunks of the codec call in flight, to their streams; streams with nothing left finish."""
+    def _hand_out_audio(self, t0: float) -> None:
+        """Chunks of the codec call in flight, to their streams; streams with nothing left finish. How long after
+        the iteration's start `t0` they went out is the delivery delay the step planner adds to an iteration (its
+        variation goes to the jitter)."""
         if self._audio is None:
             return
         audio, due = self._audio
         self._audio = None
         audio = np.asarray(audio)
         now = self.clock()
+        if self._delivery_s:  # the first measurement sets it; later ones vary around it
+            self.jitter.add(now - t0 - self._delivery_s)
+            self._delivery_s = 0.8 * self._delivery_s + 0.2 * (now - t0)
+        else:
+            self._delivery_s = now - t0
         for j, (s, f) in enumerate(due):
             s.inflight = 0
             if s.finished:  # cancelled while its audio was in the codec

@@ -8,9 +8,9 @@ the first byte. A stream's *headroom* is the audio it has handed out minus what 
 - **Lead.** Until a stream's headroom reaches `lead_s`, every frame it has goes to the codec in the iteration that
   made it (a lead builds at the rate the engine outpaces playback); past the lead, chunks follow the stream's
   schedule (fewer, larger codec calls).
-- **Step size.** The most frames whose predicted iteration leaves every stream's headroom above the margin, where
-  newcomers, joining the step right after their one-frame first chunk, must get their next audio before that
-  frame has played; and no longer than `max_step_s` (a request arriving meanwhile waits for it) unless only a
+- **Step size.** The most frames whose predicted iteration, and the wait until its audio is handed out, leave
+  every stream's headroom above the margin, where newcomers, joining the step right after their one-frame first
+  chunk, must get their next audio before that frame has played; and no longer than `max_step_s` (a request arriving meanwhile waits for it) unless only a
   longer step keeps up with playback.
 - **Newcomers.** An iteration starts only as many waiting requests as the playing streams' headroom pays for:
   their prefill and first frame run before the playing streams' next frame, so a burst of arrivals waits an
@@ -40,19 +40,21 @@ class StepPlan:
 
 
 def step_frames(costs: dict[int, float], headroom: np.ndarray, newcomer_audio_s: float | None, extra_s: float,
-                margin_s: float, max_step_s: float) -> StepPlan:
+                margin_s: float, max_step_s: float, delivery_s: float = 0.0) -> StepPlan:
     """Frames to step, from `costs` (frames -> seconds of a step iteration at this batch, the codec included):
 
     - `headroom` [N]: seconds of audio each playing stream with audio has in hand now;
     - `newcomer_audio_s`: the audio newcomers get from their first-frame program this iteration (None: none do);
-      their next audio comes at the end of this step, so the step must not outlast it;
-    - `extra_s`: the newcomers' prefill and first-frame programs, which run before the step.
+      their next audio comes with this step's, so the step must not outlast it;
+    - `extra_s`: the newcomers' prefill and first-frame programs, which run before the step;
+    - `delivery_s`: from the end of the iteration to its audio being handed out (the next iteration's admission
+      and dispatch come first), measured: the audio of this step reaches its streams that much after it.
     """
     budget = math.inf
     if len(headroom):
-        budget = float(np.min(headroom)) - margin_s - extra_s
+        budget = float(np.min(headroom)) - margin_s - extra_s - delivery_s
     if newcomer_audio_s is not None:
-        budget = min(budget, newcomer_audio_s - margin_s)
+        budget = min(budget, newcomer_audio_s - margin_s - delivery_s)
     sizes = sorted(costs)
     fits = [n for n in sizes if costs[n] <= budget]
     brief = [n for n in fits if costs[n] <= max_step_s and costs[n] + extra_s <= n * FRAME_SECONDS]
