@@ -13,7 +13,8 @@ size, and of a prefill per batch of requests. A request is refused (429 + Retry-
   n x 80 ms of audio it gives each stream, or every playing stream would drain (by more than the `starvation_s`
   a stream may lose over the frames it has left: 0 by default, the zero-underrun contract); or a playing stream
   is already further behind than that; or the requests already waiting, prefilled together once, would take
-  longer than the playing streams' headroom (plus `starvation_s`).
+  longer than the playing streams' headroom (plus `starvation_s`). Every such deadline counts the engine's
+  measured delay between an iteration's end and its audio going out.
 
 Below both limits nothing is refused; an idle engine always admits (its costs are measured at start-up).
 Each open stream is also tracked here as the client hears it (headroom when each chunk leaves), for metrics.
@@ -113,7 +114,9 @@ class Scheduler:
         # steady state: each iteration takes a newcomer (prefill, first frame) before the step it joins, of as
         # many frames as its one frame of audio outlasts
         newcomer = st.prefill_cost(1) + st.first_cost(1)
-        sizes = [n for n in st.step_sizes if st.step_cost(batch, n) <= FRAME_SECONDS - st.headroom_margin_s] or [1]
+        # its audio goes out only after the next iteration's admission and dispatch (the engine's delivery_s)
+        sizes = [n for n in st.step_sizes
+                 if st.step_cost(batch, n) + st.delivery_s <= FRAME_SECONDS - st.headroom_margin_s] or [1]
         frame_s = min((newcomer + st.step_cost(batch, n)) / n for n in sizes)
         free_at = [0.0] * (st.slots - st.live) + [left * frame_s for left in st.frames_left]
         heapq.heapify(free_at)
@@ -148,7 +151,7 @@ class Scheduler:
             raise ApiError(429, "overloaded", "a playing stream is already behind its listener",
                            retry_after=self._retry(-st.min_headroom_s))
         # a burst is paid once, out of every playing stream's headroom
-        if st.min_headroom_s is not None and burst > st.min_headroom_s + c.starvation_s:
+        if st.min_headroom_s is not None and burst + st.delivery_s > st.min_headroom_s + c.starvation_s:
             raise ApiError(429, "overloaded", f"prefilling the {st.queued + 1} waiting requests ({burst * 1000:.0f} "
                            "ms) would let playing streams run dry", retry_after=self._retry(burst))
         if ttfa > c.ttfa_target_s:

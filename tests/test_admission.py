@@ -125,6 +125,18 @@ def test_a_waiting_burst_is_paid_once_not_per_frame():
     assert ready_scheduler(tight, ttfa_target_s=10.0, starvation_s=0.1).admit() > 0  # within a tolerated stall
 
 
+def test_the_engines_delivery_delay_counts_against_the_headroom():
+    """The playing streams' audio goes out only after the engine's next admission and dispatch: a burst that fits
+    the headroom with 5 ms to spare is refused once the engine reports 10 ms between an iteration and its audio."""
+    st = snapshot(live=[40] * 20, queued=[48] * 40)
+    burst = st.prefill_cost(41) + st.first_cost(41)
+    spare = dataclasses.replace(st, min_headroom_s=burst + 0.005)
+    assert ready_scheduler(spare, ttfa_target_s=10.0).admit() > 0
+    with pytest.raises(ApiError) as err:
+        ready_scheduler(dataclasses.replace(spare, delivery_s=0.010), ttfa_target_s=10.0).admit()
+    assert err.value.status == 429 and "waiting requests" in err.value.message
+
+
 def test_a_stream_already_behind_its_listener_stops_admission():
     """By default (the zero-underrun contract) any playing stream behind its listener stops admission; with a
     tolerated underrun, only one behind by more than that."""

@@ -318,7 +318,7 @@ class Engine:
             headroom_margin_s=self._margin_s, lead_s=c.lead_s, late_chunks=self.late_chunks,
             step_costs=dict(self.step_costs), prefill_costs=dict(self.prefill_costs), first_costs=dict(self.first_costs),
             iteration_s=self._iteration_s, min_headroom_s=min(headrooms) if headrooms else None,
-            iterations=self.iterations, recent_frame_s=tuple(self._recent_frame_s),
+            iterations=self.iterations, recent_frame_s=tuple(self._recent_frame_s), delivery_s=self._delivery_s,
         )
 
     def _plan_step(self, playing: list[Stream], first, extra_s: float, now: float) -> StepPlan:

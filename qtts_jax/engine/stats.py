@@ -30,6 +30,7 @@ class EngineStats:
     recent_frame_s: tuple[float, ...]  # seconds per frame of recent step calls (for histograms)
     lead_s: float = 1.0  # the playback lead each stream builds
     late_chunks: int = 0  # chunks the engine handed out after its stream's listener ran dry, since start
+    delivery_s: float = 0.0  # from an iteration's start to the previous iteration's audio going out (measured)
 
     def step_cost(self, live: int, frames: int) -> float:
         return self.step_costs[(rung(self.ladder, max(live, 1)), frames)]
