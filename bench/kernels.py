@@ -107,11 +107,14 @@ def main() -> None:
                    help='engine configurations side by side: "name=field=value,...;name2=..." (EngineConfig fields)')
     p.add_argument("--calls", type=int, default=5, help="profiled calls per program")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--hlo", action="store_true",
+                   help="also write each program's optimized HLO beside --out (what a kernel's name belongs to)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
     import jax
 
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     first = engine_for(args)
     engines = {name: engine_for(args, first.model, **overrides) for name, overrides in variants(args.variants).items()}
     del first
@@ -138,12 +141,13 @@ def main() -> None:
                 trace = json.load(f)
         events, lines = device_events(trace)
         name = ":".join(map(str, (variant, *key)))
+        if args.hlo:
+            Path(args.out).with_suffix(f".{name.replace(':', '-')}.hlo.txt").write_text(exe.as_text())
         result["programs"][name] = {"wall_ms": round(statistics.median(walls) * 1e3, 3), "trace_lines_s": lines,
                                     **{kind: summarise(e, args.calls, args.top) for kind, e in events.items()}}
         print(name, result["programs"][name]["wall_ms"],
               {kind: (s["busy_ms_per_call"], s["kernels_per_call"]) for kind, s in
                ((kind, result["programs"][name][kind]) for kind in events)}, flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 
 
