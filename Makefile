@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALL := $(PY) -m pip install --quiet --no-compile
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: help setup setup-gpu test synth serve study explore lab clean
+.PHONY: help setup setup-gpu browser test synth serve study explore lab clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 12
@@ -42,10 +42,19 @@ setup: $(VENV)/.dev  ## everything the tests need (the package, the reference, P
 
 setup-gpu: $(VENV)/.cuda  ## JAX's CUDA build (the cuda extra), for an NVIDIA GPU
 
+# Debian's chromium and chromedriver for tests/test_page.py, installed when missing and we are root (as in CI and
+# containers); otherwise it says what to install, and the browser tests skip outside CI (in CI they must run).
+browser:  ## chromium + chromedriver for the page's browser tests (apt-get, as root)
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			chromium chromium-driver >/dev/null; \
+	else echo "make browser: install chromium and chromium-driver (Debian) to run the page's browser tests"; fi
+
 # The slowest tests are listed at the end, so a slow one is seen before the suite outgrows CI.
 # Two workers (a 2-core CI machine; more only where there are cores), each taking whole files (module fixtures
 # are built once), in the order tests/conftest.py gives them (slowest first).
-test: setup  ## the test suite (2 workers; the 15 slowest listed at the end)
+test: setup browser  ## the test suite (2 workers; the 15 slowest listed at the end)
 	$(PY) -m pytest -q --durations=15 -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 # MODEL=DIR|tiny-random; without MAX_FRAMES a real model ends on its own and random weights (which rarely end)
