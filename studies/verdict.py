@@ -174,7 +174,8 @@ def machine_text(summary: dict) -> str:
     return (f"**Warning: the machine was busy.** While this study measured, other processes used "
             f"{load['other_cpu_s']:g} CPU-seconds in {load['wall_s']:g} s (on average {load['other_cores']:g} of its "
             f"{load['cpu_count']} CPUs; a quiet machine uses under {load['busy_cores']:g}), load average "
-            f"{avg[0]:.2f} at the end" + (f"; busy during the sweep of {', '.join(busy)}" if busy else "")
+            f"{avg[0]:.2f} at the end"
+            + (f"; busy during the sweep of {' and '.join(map(repr, busy))}" if busy else "")
             + ". They compete with the servers and clients measured, so these verdicts may be worse than the "
             "servers' own: run again on a quiet machine before relying on them.")
 

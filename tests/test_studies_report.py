@@ -160,7 +160,7 @@ def test_a_busy_machine_is_named_in_the_report_and_the_last_line():
     warning = machine_text(s)
     assert warning.startswith("**Warning: the machine was busy.** While this study measured, other processes used "
                               "80 CPU-seconds in 100 s (on average 0.8 of its 2 CPUs")
-    assert "busy during the sweep of a." in warning and "run again on a quiet machine" in warning
+    assert "busy during the sweep of 'a'." in warning and "run again on a quiet machine" in warning
     assert "(busy machine: see the warning); report: r.html" in last_line(s, "r.html")
     calm = {**s, "provenance": {"machine_load": quiet}}
     assert machine_text(calm) == "" and "busy" not in last_line(calm, "r.html")
