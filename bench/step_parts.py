@@ -58,7 +58,7 @@ def parts(cfg, codec_cfg, sampler: str) -> dict:
 
     def step(params, codec_params, state, codec_state, idx):
         return programs.step(params, state, idx, jnp.ones(idx.shape, bool), cfg=cfg, choose=choose,
-                             attention=programs.attention("auto"), n=1)
+                             attention=programs.attender("auto"), n=1)
 
     def codec(params, codec_params, state, codec_state, idx):
         b = idx.shape[0]

@@ -80,7 +80,7 @@ class Engine:
         if max(c.prompt_buckets) >= c.context:
             raise ValueError("the largest prompt bucket must leave room for frames in the context")
         codec_cfg = model.codec_cfg
-        choose, attention = programs.chooser(c.sampler), programs.attention(c.attention)
+        choose, attention = programs.chooser(c.sampler), programs.attender(c.attention)
         self._jit_insert = jax.jit(partial(programs.insert, cfg=cfg), donate_argnums=(1,))
         self._jit_step = jax.jit(partial(programs.step, cfg=cfg, choose=choose, attention=attention),
                                  donate_argnums=(1,), static_argnames="n")

@@ -135,7 +135,7 @@ def chooser(name: str):
     return _kernel_or_reference(name, "sampler", sampling.choose, kernel)
 
 
-def attention(name: str):
+def attender(name: str):
     """How the frame step's talker reads each row's keys and values from the shared cache."""
 
     def kernel():
@@ -156,7 +156,7 @@ def step(params, state: EngineState, idx, live, *, cfg, choose, attention, n: in
     def body(carry, _):
         rows, cache, k = carry
         new_rows, cache, frame = frame_step(params, cfg, rows, cache, idx, settings, k, row0 + k, choose,
-                                                 attention)
+                                            attention)
         k = jnp.where(rows.done, k, k + 1)
         return (new_rows, cache, k), (frame, ~new_rows.done)
 
