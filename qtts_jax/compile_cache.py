@@ -43,10 +43,12 @@ def enable(where: str) -> Path | None:
 
 
 def summary() -> str:
-    """What the cache did so far in this process, for the start-up log."""
+    """What the cache did so far in this process, for the start-up log: XLA programs (an engine program may be
+    several) loaded from the cache and compiled, in one line, so a warm restart reads as "0 compiled"."""
     if _dir is None:
         return "compilation cache off"
-    return f"{_counts[_HIT]} of {_counts[_REQUEST]} compiled programs loaded from the compilation cache {_dir}"
+    hits, total = _counts[_HIT], _counts[_REQUEST]
+    return f"{total} XLA programs: {hits} loaded from the compilation cache {_dir}, {total - hits} compiled"
 
 
 def _count(event: str, **_) -> None:

@@ -152,8 +152,9 @@ def test_a_second_start_loads_every_program_from_the_compile_cache(tmp_path):
     entries = len(list(cache.iterdir()))
     code2, log2, ready2 = start_and_stop(tmp_path, *args)
     assert code1 == code2 == 0
-    (total,) = re.findall(rf"ready after .* 0 of (\d+) compiled programs loaded from the compilation cache {cache}",
-                          log1)
+    (total,) = re.findall(rf"ready after .*; (\d+) XLA programs: 0 loaded from the compilation cache {cache}, "
+                          r"\1 compiled", log1)
     assert entries == int(total) > 0  # one file per program
-    assert re.search(rf"ready after .* {total} of {total} compiled programs loaded from the compilation cache", log2)
+    assert re.search(rf"ready after .*; {total} XLA programs: {total} loaded from the compilation cache {cache}, "
+                     "0 compiled", log2)
     assert ready2 < ready1
