@@ -83,13 +83,14 @@ def _parser(prog: str = "python -m studies") -> argparse.ArgumentParser:
                    help="corpus name or .txt path, one paragraph per line")
     s.add_argument("--processed-corpus", default="sustained_processed",
                    help="corpus name or .txt path, two turns per line separated by ' | '")
-    s.add_argument("--protocol", default="http", choices=["http", "ws"])
+    s.add_argument("--protocol", default="http", choices=["http", "ws"],
+                   help="http: streamed POST /v1/audio/speech; ws: one WebSocket utterance per request")
     s.add_argument("--concurrency", type=int, default=4, help="clients, each replacing its item when it completes")
     s.add_argument("--fill-s", type=float, default=10.0,
                    help="load before timing starts (and at least until every client's warm-up item is done)")
     s.add_argument("--window-s", type=float, default=90.0, help="steady window per pass")
     s.add_argument("--max-frames", type=int, help="cap per request (default: the model's own end)")
-    s.add_argument("--voice", default="ryan")
+    s.add_argument("--voice", default="ryan", help="a speaker, an OpenAI voice name or a registered voice")
     s.add_argument("--seed", type=int, default=7, help="fixed seed: every response must match its golden")
     s.add_argument("--pause-ms", type=float, default=120.0, help="processed: silence between the turns")
     s.add_argument("--no-gpu", action="store_true", help="do not sample nvidia-smi")

@@ -69,3 +69,18 @@ def test_fleet_says_when_its_price_is_the_placeholder(capsys):
     assert main(["study", "fleet", "--safe-capacity", "2", "--target", "10", "--price-per-hour", "2"]) == 0
     out = capsys.readouterr().out
     assert "7 replicas, $14.00/h" in out and "placeholder" not in out
+
+
+def test_every_flag_of_every_command_has_help():
+    from qtts_cli.main import _parser
+    from studies.cli import _parser as study_parser
+
+    def missing(parser, name):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, p in action.choices.items():
+                    yield from missing(p, f"{name} {sub}")
+            elif action.dest != "help" and not action.help:
+                yield f"{name} {'/'.join(action.option_strings) or action.dest}"
+
+    assert not [*missing(_parser(), "qtts-jax"), *missing(study_parser(), "qtts-jax study")]
