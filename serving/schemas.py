@@ -21,7 +21,6 @@ from serving.resample import RATES
 
 MAX_SEED = 2**32 - 1
 OPENAI_MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
-# ISO 639-1 codes (and xx-YY locales) -> the model's language names, for clients of the batched Rust server
 # vLLM-Omni's task types <-> the checkpoint kinds they need
 TASK_TYPES = {"CustomVoice": "custom_voice", "VoiceDesign": "voice_design", "Base": "base"}
 # fields only vLLM-Omni's clients send: a body with one of them gets vLLM-Omni's defaults (see `speech_options`)
@@ -29,6 +28,7 @@ OMNI_FIELDS = frozenset({"task_type", "non_streaming_mode", "max_new_tokens", "i
                          "x_vector_only_mode"})
 _HF_SIZES = {"0b6": "0.6B", "1b7": "1.7B"}
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+# ISO 639-1 codes (and xx-YY locales) -> the model's language names, for clients of the batched Rust server
 LANGUAGE_CODES = {"zh": "chinese", "en": "english", "de": "german", "it": "italian", "pt": "portuguese",
                   "es": "spanish", "ja": "japanese", "ko": "korean", "fr": "french", "ru": "russian"}
 
