@@ -79,7 +79,8 @@ def browser():
     options.binary_location = chromium
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                 "--autoplay-policy=no-user-gesture-required", "--mute-audio", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update"):
+                "--disable-background-networking", "--disable-component-update",
+                "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream"):  # a microphone that beeps
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     b = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver))
@@ -180,6 +181,18 @@ def test_voice_registration_uploads_the_file_and_shows_the_servers_answer(url, b
     _wait(browser, "window.qttsPage.error", 30)
     error = browser.find_element("id", "error").text
     assert error.startswith("400: voice cloning needs a Base checkpoint"), error
+    browser.get(url + "/")  # again from the microphone: record about a second, stop, register
+    _wait(browser, "window.qttsPage && window.qttsPage.phase === 'idle'")
+    browser.execute_script("document.getElementById('register').hidden = false")
+    browser.find_element("id", "record").click()
+    _wait(browser, "document.getElementById('rec-status').textContent.startsWith('recording')", 10)
+    time.sleep(1)
+    browser.find_element("id", "record").click()
+    _wait(browser, "document.getElementById('rec-status').textContent.startsWith('recorded')", 10)
+    browser.find_element("id", "reg-name").send_keys("bob")
+    browser.find_element("id", "reg-submit").click()
+    _wait(browser, "window.qttsPage.error", 30)
+    assert browser.find_element("id", "error").text.startswith("400: voice cloning needs a Base checkpoint")
 
 
 def test_docs_render_every_operation_of_the_openapi_document(url, browser):
