@@ -92,6 +92,7 @@ def test_same_seed_same_audio_different_seed_different(tiny_model):
 
 def test_info_describes_checkpoint(reference_checkpoint, capsys):
     _, directory = reference_checkpoint("custom_voice")
+    capsys.readouterr()  # building it may import the reference package, which prints a warning on first import
     assert cli.main(["info", "--model", str(directory)]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["kind"] == "custom_voice" and info["size"] == "1b7"
