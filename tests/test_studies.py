@@ -4,6 +4,7 @@ contract, fleet sizing."""
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 import math
 import struct
@@ -407,9 +408,13 @@ def _fake_nvidia_smi(tmp_path, body: str):
 def test_gpu_sampler_absent_failing_and_present(tmp_path, monkeypatch):
     from studies.gpu import GpuSampler, parse_sample
 
-    async def sample(sampler, seconds=0.3):
+    async def sample(sampler, seconds=0.3, samples=0):
+        """Samples for `seconds`, and on until `samples` were taken (a loaded machine starts the fake slowly)."""
         async with sampler:
             await asyncio.sleep(seconds)
+            deadline = time.monotonic() + 60
+            while len(sampler.samples) < samples and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
         return sampler.result()
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi anywhere: null fields, no crash
@@ -420,7 +425,7 @@ def test_gpu_sampler_absent_failing_and_present(tmp_path, monkeypatch):
     broken = asyncio.run(sample(GpuSampler(exe=_fake_nvidia_smi(tmp_path, "echo 'No devices' >&2; exit 9"))))
     assert broken["gpu_util_mean_pct"] is None and "exit 9: No devices" in broken["gpu_error"]
     two_gpus = _fake_nvidia_smi(tmp_path, "printf '30, 1000\\n50, 2000\\n'")
-    present = asyncio.run(sample(GpuSampler(exe=two_gpus, interval_s=0.05)))
+    present = asyncio.run(sample(GpuSampler(exe=two_gpus, interval_s=0.05), samples=2))
     assert present["gpu_util_mean_pct"] == 40 and present["gpu_mem_peak_mib"] == 3000  # mean of GPUs, summed memory
     assert present["gpu_samples"] >= 2 and present["gpu_error"] is None
     assert parse_sample("7, 512\n") == [(7.0, 512.0)]
