@@ -55,9 +55,8 @@ def call(engine, kind: str, a: int, b: int, exe):
         engine.state, engine.codec_state, out = exe(engine.model.params, engine.codec_params, engine.state,
                                                     engine.codec_state, idx, zeros, zeros, zeros)
     elif kind == "codec":
-        codes = np.zeros((a, b, cfg.num_code_groups), np.int32)
-        out, engine.codec_state = exe(engine.codec_params, engine.codec_state, idx, zeros, codes,
-                                      np.full(a, b, np.int32))
+        out, engine.codec_state = exe(engine.codec_params, engine.codec_state, engine.state.codes, idx, zeros,
+                                      np.zeros(a, np.int32), np.full(a, b, np.int32))
     else:
         engine.state, out = exe(engine.model.params, engine.state, *engine._dummy_inserts(a, b))
     return out

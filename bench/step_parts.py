@@ -63,8 +63,8 @@ def parts(cfg, codec_cfg, sampler: str) -> dict:
     def codec(params, codec_params, state, codec_state, idx):
         b = idx.shape[0]
         codes = jnp.zeros((b, 1, cfg.num_code_groups), jnp.int32)
-        return programs.codec(codec_params, codec_state, idx, jnp.zeros(b, bool), codes, jnp.ones(b, jnp.int32),
-                      cfg=codec_cfg)
+        return programs.decode_frames(codec_params, codec_state, idx, jnp.zeros(b, bool), codes,
+                                      jnp.ones(b, jnp.int32), cfg=codec_cfg)
 
     return {"codes": codes, "predictor": predictor, "talker": talker_decode, "step": step, "codec": codec}
 

@@ -2,7 +2,8 @@
 
 A fixed number of slots holds the per-stream state (one donated pytree): the talker KV cache, slot-major
 [layers, slots, kv heads, rows, head dim], and per-slot logits/hidden state, seen-code mask, done flag,
-sampling settings, trailing text vectors, frame counter and cache offset. Cost follows the live load:
+sampling settings, trailing text vectors, frame counter, cache offset and the frames made so far (the codes
+ring the codec reads). Cost follows the live load:
 every program is compiled for a ladder of batch sizes, and each call takes only the live slots' rows
 (gathered by index, padded to the next rung with rows whose writes are dropped), so a large engine with
 few live streams steps as fast as a small one, and the cache is only touched where it is read and written.
@@ -22,7 +23,11 @@ One iteration of the loop (`run_once`); its decisions are `scheduler`'s pure fun
    chunks; how long into an iteration that hand-out comes is measured and counted in every deadline above;
 5. each stream's new frames become audio in ONE codec call for all rows with a chunk due, each row with its
    own frame count: until a stream has built its lead (`lead_s` of audio in hand) every frame goes out in the
-   iteration that made it; past it, chunks follow its schedule (1, 2, 4, 8 ... frames).
+   iteration that made it; past it, chunks follow its schedule (1, 2, 4, 8 ... frames). The call is queued
+   right behind the step, before the host reads the step's outputs: it reads the frames from the codes ring
+   where the step writes them (counting on the step's frames; a stream that ended early decodes only those it
+   made), so the device goes from step to codec without waiting for the host, and no codes cross to the host
+   and back.
 The margin is measured, not guessed: iterations that overran their prediction and chunks that reached the
 listener's event loop late (`observe_delivery_lag`) feed `scheduler.Jitter`.
 
@@ -84,7 +89,7 @@ class Engine:
         self._jit_insert = jax.jit(partial(programs.insert, cfg=cfg), donate_argnums=(1,))
         self._jit_step = jax.jit(partial(programs.step, cfg=cfg, choose=choose, attention=attention),
                                  donate_argnums=(1,), static_argnames="n")
-        self._jit_codec = jax.jit(partial(programs.codec, cfg=codec_cfg), donate_argnums=(1,))
+        self._jit_codec = jax.jit(partial(programs.codec, cfg=codec_cfg), donate_argnums=(1,), static_argnames="n")
         self._jit_first = jax.jit(partial(programs.first, cfg=cfg, codec_cfg=codec_cfg, choose=choose,
                                           attention=attention),
                                   donate_argnums=(2, 3))
@@ -250,15 +255,18 @@ class Engine:
         if first is not None:
             self._take_first(new, *first)
             parts.mark("first")
+        # the codec call is queued right behind the step, counting on the frames it makes (they are read from
+        # where the step writes them), and corrected once the step's outputs are read
+        self._decode_audio(self.clock(), [s for s in stepping if not s.lm_done], plan.frames if plan else 0)
+        parts.mark("codec_dispatch")
         if out is not None:
             frames, valid = np.asarray(out[0]), np.asarray(out[1])  # the one host sync per step call
             parts.mark("device_wait")
             now = self.clock()
             self._recent_frame_s.append((now - t0) / plan.frames)
             self._record(stepping, frames, valid, now)
+            self._settle_audio()
         parts.mark("bookkeeping")
-        self._decode_audio(self.clock())
-        parts.mark("codec_dispatch")
         self._profile.add(parts, live=len(live), new=len(new), frames=plan.frames if plan else 0)
         elapsed = self.clock() - t0
         self._iteration_s = elapsed if not self.iterations else 0.8 * self._iteration_s + 0.2 * elapsed
@@ -486,8 +494,9 @@ class Engine:
         if kind == "step":
             return self._jit_step.lower(self.model.params, self.state, idx, zeros, n=b)
         codes = np.zeros((a, b, cfg.num_code_groups), np.int32)
-        return self._jit_codec.lower(self.codec_params, self.codec_state, idx, zeros, codes,
-                                     np.zeros(a, np.int32))
+        counts = np.zeros(a, np.int32)
+        return self._jit_codec.lower(self.codec_params, self.codec_state, self.state.codes, idx, zeros, counts,
+                                     counts, n=b)
 
     def _program(self, kind: str, a: int, b: int):
         """A compiled program; `warmup` compiles them all, and an engine used without it compiles on demand."""
@@ -514,9 +523,9 @@ class Engine:
 
         def codec(b, n):
             idx, zeros = np.full(b, c.slots, np.int32), np.zeros(b, bool)
-            codes = np.zeros((b, n, cfg.num_code_groups), np.int32)
-            audio, self.codec_state = self._program("codec", b, n)(self.codec_params, self.codec_state, idx, zeros,
-                                                         codes, np.full(b, n, np.int32))
+            audio, self.codec_state = self._program("codec", b, n)(
+                self.codec_params, self.codec_state, self.state.codes, idx, zeros, np.zeros(b, np.int32),
+                np.full(b, n, np.int32))
             return audio
 
         def first(b):
@@ -566,15 +575,19 @@ class Engine:
             start += n
         return state
 
-    def _decode_audio(self, now: float) -> None:
+    def _decode_audio(self, now: float, stepping: list[Stream], frames: int) -> None:
         """Hand every stream's due frames (`scheduler.chunks_due`: below its lead, all it has; past it, its
-        schedule's next size) to ONE codec call, each row with its own frame count."""
+        schedule's next size) to ONE codec call, each row with its own frame count. `stepping` are the streams
+        whose `frames` more are being made by the step queued ahead of this call: they count as made (a stream
+        that ends early makes fewer; `_settle_audio` corrects the counts once the step is read)."""
         c = self.config
-        waiting = [s for s in self.slots if s is not None and s.pending]
+        coming = dict.fromkeys(stepping, frames)
+        waiting = [s for s in self.slots if s is not None and s.pending + coming.get(s, 0) > 0]
         if not waiting:
             return
         counts = chunks_due(
-            pending=np.array([s.pending for s in waiting]), want=np.array([s.next_chunk_frames() for s in waiting]),
+            pending=np.array([s.pending + coming.get(s, 0) for s in waiting]),
+            want=np.array([s.next_chunk_frames() for s in waiting]),
             lm_done=np.array([s.lm_done for s in waiting]),
             headroom=np.array([np.nan if (h := s.buffered(now)) is None else h for s in waiting]),
             lead_s=c.lead_s, horizon_s=self._iteration_s + self._delivery_s + self._margin_s,
@@ -586,18 +599,28 @@ class Engine:
         n = rung(c.codec_sizes, max(f for _, f in due))
         idx = np.full(b, c.slots, np.int32)
         fresh = np.zeros(b, bool)
-        count = np.zeros(b, np.int32)
-        codes = np.zeros((b, n, self.model.cfg.num_code_groups), np.int32)
+        start, count = np.zeros(b, np.int32), np.zeros(b, np.int32)
         for j, (s, f) in enumerate(due):
-            idx[j], fresh[j], count[j] = s.slot, s.fresh_codec, f
-            codes[j, :f] = np.stack(s.codes[s.decoded : s.decoded + f])
+            idx[j], fresh[j], start[j], count[j] = s.slot, s.fresh_codec, s.decoded, f
             s.fresh_codec = False
             s.decoded += f
             s.pending -= f
             s.inflight = f
-        audio, self.codec_state = self._program("codec", b, n)(self.codec_params, self.codec_state, idx, fresh, codes,
-                                                     count)
+        audio, self.codec_state = self._program("codec", b, n)(self.codec_params, self.codec_state, self.state.codes,
+                                                               idx, fresh, start, count)
         self._audio = (audio, due)
+
+    def _settle_audio(self) -> None:
+        """Once the step is read: a stream that made fewer frames than the codec call counted on (it ended) had
+        only those decoded (the call reads which frames exist); its counts follow."""
+        if self._audio is None:
+            return
+        for j, (s, f) in enumerate(self._audio[1]):
+            if s.pending < 0:  # counted frames that were never made
+                short, s.pending = -s.pending, 0
+                s.decoded -= short
+                s.inflight = f - short
+                self._audio[1][j] = (s, f - short)
 
     def _hand_out_audio(self, t0: float) -> None:
         """Chunks of the codec call in flight, to their streams; streams with nothing left finish. How long after
@@ -618,9 +641,11 @@ class Engine:
             s.inflight = 0
             if s.finished:  # cancelled while its audio was in the codec
                 continue
-            if (h := s.buffered(now)) is not None and h - f * FRAME_SECONDS < 0:  # its listener ran dry first
-                self.late_chunks += 1
-            s.emit(Chunk(pcm=audio[j, : f * SAMPLES_PER_FRAME], first_frame=s.decoded - f, frames=f, sent_at=now))
+            if f:  # none: the frames it was counted on were never made
+                if (h := s.buffered(now)) is not None and h - f * FRAME_SECONDS < 0:  # its listener ran dry first
+                    self.late_chunks += 1
+                s.emit(Chunk(pcm=audio[j, : f * SAMPLES_PER_FRAME], first_frame=s.decoded - f, frames=f,
+                             sent_at=now))
             if s.lm_done and s.pending == 0:
                 self._finish(s)
 

@@ -1,6 +1,6 @@
 """The engine's compiled programs, as pure functions of (params, state, inputs): the state layout every slot
-shares, prefill into slots, a step of n frames for some rows, the newcomers' first frame with its audio, and one
-streaming-codec call. The loop (`core.Engine`) jits them once per ladder rung and donates the state.
+shares, prefill into slots, a step of n frames for some rows (which also writes them into the state's codes ring),
+the newcomers' first frame with its audio, and one streaming-codec call that reads its frames from that ring. The loop (`core.Engine`) jits them once per ladder rung and donates the state.
 
 Rows are slots gathered by index; a row aimed past the last slot is padding: it reads the last slot (clipped) and
 its writes are dropped, so one compiled size serves any number of live rows up to it."""
@@ -28,6 +28,7 @@ class EngineState(NamedTuple):
     settings: RowSettings  # each leaf [slots, ...]
     k: jax.Array  # [slots] frames produced so far
     row0: jax.Array  # [slots] cache row of frame 0 (= the slot's prompt bucket)
+    codes: jax.Array  # [slots, context, 16] each slot's frames by index, where the codec reads them (-1: none)
 
 
 def take_rows(tree, idx):
@@ -75,7 +76,8 @@ def init_state(model: Model, c: EngineConfig) -> EngineState:
         max_frames=jnp.zeros(b, jnp.int32), position0=jnp.zeros(b, jnp.int32),
         trailing=jnp.zeros((b, c.max_trailing + 1, h), dtype),
     )
-    return EngineState(rows, cache, settings, jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32))
+    return EngineState(rows, cache, settings, jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32),
+                       jnp.zeros((b, c.context, cfg.num_code_groups), jnp.int32))
 
 
 def insert(params, state: EngineState, slots, text, codec, frames, speaker_row, speaker, valid, trailing, knobs,
@@ -109,7 +111,7 @@ def insert(params, state: EngineState, slots, text, codec, frames, speaker_row, 
     settings = put_rows(state.settings, slots, jax.vmap(row_settings)(knobs, ints, trailing))
     k = state.k.at[slots].set(0, mode="drop")
     row0 = state.row0.at[slots].set(bucket, mode="drop")
-    return EngineState(rows, big, settings, k, row0), logits[:, 0]
+    return state._replace(rows=rows, cache=big, settings=settings, k=k, row0=row0), logits[:, 0]
 
 
 def _kernel_or_reference(name: str, what: str, reference, kernel):
@@ -154,14 +156,16 @@ def step(params, state: EngineState, idx, live, *, cfg, choose, attention, n: in
     settings, k0, row0 = take_rows(state.settings, idx), take_rows(state.k, idx), take_rows(state.row0, idx)
 
     def body(carry, _):
-        rows, cache, k = carry
+        rows, cache, k, codes = carry
         new_rows, cache, frame = frame_step(params, cfg, rows, cache, idx, settings, k, row0 + k, choose,
                                             attention)
+        codes = codes.at[idx, k].set(jnp.where(new_rows.done[:, None], -1, frame), mode="drop")
         k = jnp.where(rows.done, k, k + 1)
-        return (new_rows, cache, k), (frame, ~new_rows.done)
+        return (new_rows, cache, k, codes), (frame, ~new_rows.done)
 
-    (rows, cache, k), out = jax.lax.scan(body, (rows, state.cache, k0), None, length=n)
-    return state._replace(rows=put_rows(state.rows, idx, rows), cache=cache, k=put_rows(state.k, idx, k)), out
+    (rows, cache, k, codes), out = jax.lax.scan(body, (rows, state.cache, k0, state.codes), None, length=n)
+    return state._replace(rows=put_rows(state.rows, idx, rows), cache=cache, k=put_rows(state.k, idx, k),
+                          codes=codes), out
 
 
 def first(params, codec_params, state: EngineState, codec_state, idx, live, fresh, decode, *, cfg, codec_cfg, choose,
@@ -171,14 +175,24 @@ def first(params, codec_params, state: EngineState, codec_state, idx, live, fres
     schedule starts with a one-frame chunk) and the frame is valid; `fresh[j]` starts its codec state at zero."""
     state, (frames, valid) = step(params, state, idx, live, cfg=cfg, choose=choose, attention=attention, n=1)
     count = (decode & valid[0]).astype(jnp.int32)
-    audio, codec_state = codec(codec_params, codec_state, idx, fresh, jnp.moveaxis(frames, 0, 1), count,
-                                cfg=codec_cfg)
+    audio, codec_state = decode_frames(codec_params, codec_state, idx, fresh, jnp.moveaxis(frames, 0, 1), count,
+                                       cfg=codec_cfg)
     return state, codec_state, (frames, valid, audio)
 
 
-def codec(params, state: codec_streaming.StreamState, idx, fresh, codes, count, *, cfg):
-    """One streaming-codec call for the slots `idx` [B]: row j decodes its first `count[j]` frames of
-    `codes[j]`, from a zero state where `fresh[j]` (a new stream). Only those slots' state is touched."""
+def codec(params, state: codec_streaming.StreamState, ring, idx, fresh, start, count, *, cfg, n: int):
+    """One streaming-codec call for the slots `idx` [B], reading their frames where the step wrote them (`ring`,
+    the engine state's `codes`): row j decodes frames start[j] .. start[j] + count[j] - 1 (at most `n`), fewer
+    where the ring says a frame was never made (its stream ended first). So the loop can queue this call right
+    behind the step that makes the frames, before it has read them."""
+    codes = ring.at[idx[:, None], start[:, None] + jnp.arange(n)].get(mode="clip")  # [B, n, 16]
+    made = jnp.cumprod(codes[..., 0] >= 0, axis=1).sum(axis=1)  # a stream's frames are a prefix
+    return decode_frames(params, state, idx, fresh, jnp.maximum(codes, 0), jnp.minimum(count, made), cfg=cfg)
+
+
+def decode_frames(params, state: codec_streaming.StreamState, idx, fresh, codes, count, *, cfg):
+    """The streaming codec for the slots `idx` [B]: row j decodes its first `count[j]` frames of `codes[j]`,
+    from a zero state where `fresh[j]` (a new stream). Only those slots' state is touched."""
     rows = take_rows(state, idx)
     rows = jax.tree.map(lambda a: jnp.where(fresh.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.zeros_like(a), a), rows)
     audio, rows = codec_streaming.decode_step(params, cfg, rows, codes, count)
