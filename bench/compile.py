@@ -27,20 +27,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 REMAT = re.compile(r"[Cc]an't reduce memory use below ([\d.]+)([KMGT]i?B)")
 
 
+def model_for(args):
+    """The random-weight model of --model at --dtype."""
+    import jax.numpy as jnp
+
+    from qtts_jax.model import load_model
+
+    return load_model(args.model, dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
+
+
 def engine_for(args, model=None, **overrides):
     """The engine `qtts-jax serve` builds for these slots and context (on `model`, else one loaded here), with
     `overrides` of its EngineConfig."""
     import dataclasses
 
-    import jax.numpy as jnp
-
     from qtts_jax.engine import Engine
-    from qtts_jax.model import load_model
     from serving.settings import Settings
 
-    model = model or load_model(args.model, dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
-    return Engine(model, dataclasses.replace(Settings(slots=args.slots, context=args.context).engine_config(),
-                                             **overrides))
+    return Engine(model or model_for(args),
+                  dataclasses.replace(Settings(slots=args.slots, context=args.context).engine_config(), **overrides))
 
 
 def call(engine, kind: str, a: int, b: int, exe):

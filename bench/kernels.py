@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.compile import call, engine_for  # noqa: E402
+from bench.compile import call, engine_for, model_for  # noqa: E402
 
 
 def device_events(trace: dict) -> tuple[dict[str, list[dict]], dict]:
@@ -115,9 +115,8 @@ def main() -> None:
     import jax
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    first = engine_for(args)
-    engines = {name: engine_for(args, first.model, **overrides) for name, overrides in variants(args.variants).items()}
-    del first
+    model = model_for(args)
+    engines = {name: engine_for(args, model, **overrides) for name, overrides in variants(args.variants).items()}
     keys = [(kind, int(a), int(b)) for kind, a, b in (x.split(":") for x in args.programs.split(","))]
     jobs = [(name, engine, key) for name, engine in engines.items() for key in keys]
     lowered = [engine._lower(*key) for _, engine, key in jobs]

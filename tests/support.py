@@ -9,12 +9,13 @@ loads its programs from the session's compilation cache (conftest.py) instead of
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import wave
 
 import numpy as np
 
-from qtts_jax.engine import EngineConfig
+from qtts_jax.engine import Engine, EngineConfig
 
 # The streaming engine's behaviours (the default chunk schedule, several prompt buckets, multi-frame steps,
 # joins while others play): test_engine, test_engine_clone, test_server_voices.
@@ -57,6 +58,18 @@ def run(engine, plan, max_iters=500):
         if not busy and all(o is not None and o[1].final for o in out):
             return out
     raise AssertionError("engine did not finish")
+
+
+def run_small(model, reqs, **overrides):
+    """`reqs` submitted together to a SMALL engine with `overrides` of its configuration, run to the end: how a
+    kernel or a precision is compared with the reference it replaces."""
+    return run(Engine(model, dataclasses.replace(SMALL, **overrides)), [(0, r) for r in reqs])
+
+
+def assert_same_codes(got, expected):
+    """Two `run` results of the same requests produced the same codes, stream by stream."""
+    for (stream, _), (reference, _) in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(np.stack(stream.codes), np.stack(reference.codes))
 
 
 async def wait_ready(client, timeout=60.0):

@@ -3,17 +3,14 @@ and the engine with it generates what it generates without it."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qtts_jax.engine import Engine
 from qtts_jax.kernels.attention import rows_attention
 from qtts_jax.request import Request
 from qtts_jax.transformer import gather_rows_attention
-from support import GREEDY, SMALL, run
+from support import GREEDY, assert_same_codes, run_small
 
 
 @pytest.mark.parametrize("capacity, group", [(128, 2), (96, 1), (64, 4)])
@@ -41,9 +38,4 @@ def test_engine_with_the_kernel_generates_the_same_codes(tiny_model):
     """Greedy and seeded requests, side by side in one engine: the same codes with the kernel as without."""
     reqs = [Request("Attention straight from the cache.", speaker="ryan", max_frames=7, **GREEDY),
             Request("Seeded beside it.", speaker="eric", seed=11, max_frames=5)]
-    codes = {}
-    for name in ("jnp", "pallas"):
-        got = run(Engine(tiny_model, dataclasses.replace(SMALL, attention=name)), [(0, r) for r in reqs])
-        codes[name] = [np.stack(s.codes) for s, _ in got]
-    for a, b in zip(codes["jnp"], codes["pallas"]):
-        np.testing.assert_array_equal(a, b)
+    assert_same_codes(run_small(tiny_model, reqs, attention="pallas"), run_small(tiny_model, reqs, attention="jnp"))

@@ -13,7 +13,7 @@ import pytest
 from qtts_jax.bridge import AsyncEngine
 from qtts_jax.engine import Engine, PromptTooLong
 from qtts_jax.request import Request
-from support import GREEDY, SMALL, STREAMING, Collector, run
+from support import GREEDY, STREAMING, Collector, assert_same_codes, run, run_small
 
 CONFIG = STREAMING
 
@@ -206,12 +206,7 @@ def test_pallas_sampler_makes_the_same_choices(model):
     """The engine with the Pallas sampling kernel (interpreted on CPU) picks what the jnp reference picks."""
     reqs = [Request("Pallas or not.", speaker="ryan", seed=5, max_frames=4),
             Request("Greedy too.", speaker="eric", max_frames=3, **GREEDY)]
-    codes = {}
-    for sampler in ("jnp", "pallas"):
-        got = run(Engine(model, dataclasses.replace(SMALL, sampler=sampler)), [(0, r) for r in reqs])
-        codes[sampler] = [np.stack(s.codes) for s, _ in got]
-    for a, b in zip(codes["jnp"], codes["pallas"]):
-        np.testing.assert_array_equal(a, b)
+    assert_same_codes(run_small(model, reqs, sampler="pallas"), run_small(model, reqs, sampler="jnp"))
 
 
 def test_newcomer_gets_its_first_chunk_at_once_and_joins_the_long_step_of_the_playing_streams(engine, clock,
@@ -293,11 +288,9 @@ def test_bfloat16_codec_keeps_the_codes_and_the_audio_it_decodes(model):
     fp32 codec's within bf16 rounding (the choice `serve --codec-dtype bfloat16` offers for speed)."""
     reqs = [Request("The codec in half precision.", speaker="ryan", max_frames=8, **GREEDY),
             Request("A second stream.", speaker="eric", seed=3, max_frames=6)]
-    got = {}
-    for dtype in ("float32", "bfloat16"):
-        got[dtype] = run(Engine(model, dataclasses.replace(SMALL, codec_dtype=dtype)), [(0, r) for r in reqs])
-    for (s32, c32), (s16, c16) in zip(got["float32"], got["bfloat16"]):
-        np.testing.assert_array_equal(np.stack(s32.codes), np.stack(s16.codes))
+    fp32, bf16 = run_small(model, reqs, codec_dtype="float32"), run_small(model, reqs, codec_dtype="bfloat16")
+    assert_same_codes(bf16, fp32)
+    for (_, c32), (_, c16) in zip(fp32, bf16):
         assert c16.final.error is None and c16.audio.dtype == np.float32 and len(c16.audio) == len(c32.audio)
         error = np.linalg.norm(c16.audio - c32.audio) / np.linalg.norm(c32.audio)
         assert 0 < error < 0.1  # bf16 keeps 8 bits a value, rounded through some 40 layers: 6% on CPU here

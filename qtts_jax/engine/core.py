@@ -567,7 +567,7 @@ class Engine:
 
     def _prime(self, codes: np.ndarray) -> codec_streaming.StreamState:
         """Decode ``codes`` [T, 16] through a fresh one-slot state, in chunks of the compiled sizes."""
-        state = codec_streaming.init_state(self.model.codec_cfg, 1, jnp.dtype(self.config.codec_dtype))
+        state = codec_streaming.init_state(self.model.codec_cfg, 1, self.codec_state.keys.dtype)
         start, sizes = 0, sorted(self.config.codec_sizes, reverse=True)
         while start < len(codes):
             n = next(n for n in sizes if n <= len(codes) - start)
