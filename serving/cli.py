@@ -16,6 +16,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                        description="Every flag can also be set by an environment variable QTTS_<NAME>, "
                                    "e.g. QTTS_SLOTS=16 or QTTS_TTFA_TARGET_MS=250.",
                        epilog="Settings with no flag, by environment variable only: " + ", ".join(ENV_ONLY) + ".")
+    return add_server_flags(s)
+
+
+def add_server_flags(s: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The server's settings as flags: `serve`'s, and each replica's of `qtts-jax cluster`."""
     s.add_argument("--model", help="checkpoint directory, tiny-random or tiny-random-base (QTTS_MODEL; default tiny-random)")
     s.add_argument("--host", help="bind address (QTTS_HOST; default 127.0.0.1)")
     s.add_argument("--port", type=int, help="port (QTTS_PORT; default 8000)")
@@ -72,12 +77,18 @@ def _slots(text: str) -> int | str:
     raise argparse.ArgumentTypeError(f"expected a positive count or auto, got {text!r}")
 
 
-def serve(args) -> int:
-    from serving.app import Settings, run
+def settings_from_args(args):
+    """Settings: the flags of `add_server_flags`, over QTTS_* environment variables, over the defaults."""
+    from serving.settings import Settings
 
     keys = ("model", "host", "port", "slots", "context", "frames_per_step", "lead_ms", "max_step_ms", "dtype",
             "codec_dtype", "ttfa_target_ms", "newcomer_guard",
             "starvation_ms", "max_queue", "max_input_chars", "drain_timeout_s", "voices_dir", "compile_cache")
     keys += ("header_timeout_s", "idle_timeout_s", "max_connections", "voice_aliases")
-    settings = Settings.from_env(**{k: getattr(args, k) for k in keys})
-    return run(settings)
+    return Settings.from_env(**{k: getattr(args, k) for k in keys})
+
+
+def serve(args) -> int:
+    from serving.app import run
+
+    return run(settings_from_args(args))
