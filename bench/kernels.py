@@ -2,7 +2,8 @@
 profiler, and the trace is reduced to, per call, the wall time, the time some kernel ran (the rest is the device
 waiting for the host to launch the next one), the number of kernels launched, and the kernels (and the HLO ops they
 come from) that take the most time. The evidence for where a frame's 40-60 ms at 256 rows go. With
---variants, each program is profiled once per engine configuration, side by side in one run. Writes JSON.
+--variants, each program is profiled once per engine configuration, side by side in one run; compile seconds are
+beside each (all programs compile at once, so they are comparable within a run only). Writes JSON.
 
     python bench/kernels.py --model 0.6b --slots 256 --programs step:256:1,codec:256:1,first:16:1 \
         --variants "fp32=;bf16=codec_dtype=bfloat16" --out runs/kernels-0.6b.json
@@ -120,11 +121,16 @@ def main() -> None:
     keys = [(kind, int(a), int(b)) for kind, a, b in (x.split(":") for x in args.programs.split(","))]
     jobs = [(name, engine, key) for name, engine in engines.items() for key in keys]
     lowered = [engine._lower(*key) for _, engine, key in jobs]
+
+    def compile_one(low):
+        t0 = time.perf_counter()
+        return low.compile(), time.perf_counter() - t0
+
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        compiled = list(pool.map(lambda low: low.compile(), lowered))
+        compiled = list(pool.map(compile_one, lowered))
     result = {"model": args.model, "dtype": args.dtype, "slots": args.slots, "context": args.context,
               "device": str(jax.devices()[0]), "command": " ".join(sys.argv), "programs": {}}
-    for (variant, engine, key), exe in zip(jobs, compiled):
+    for (variant, engine, key), (exe, compile_s) in zip(jobs, compiled):
         for _ in range(2):  # the first call of an executable pays its one-off set-up
             jax.block_until_ready(call(engine, *key, exe))
         walls = []
@@ -142,7 +148,8 @@ def main() -> None:
         name = ":".join(map(str, (variant, *key)))
         if args.hlo:
             Path(args.out).with_suffix(f".{name.replace(':', '-')}.hlo.txt").write_text(exe.as_text())
-        result["programs"][name] = {"wall_ms": round(statistics.median(walls) * 1e3, 3), "trace_lines_s": lines,
+        result["programs"][name] = {"wall_ms": round(statistics.median(walls) * 1e3, 3),
+                                    "compile_s": round(compile_s, 2), "trace_lines_s": lines,
                                     **{kind: summarise(e, args.calls, args.top) for kind, e in events.items()}}
         print(name, result["programs"][name]["wall_ms"],
               {kind: (s["busy_ms_per_call"], s["kernels_per_call"]) for kind, s in

@@ -9,7 +9,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from qtts_jax import presets
+from qtts_jax import presets, xla_flags
 from qtts_jax.clone import VoiceEncoders
 from qtts_jax.codec import decoder as codec_decoder
 from qtts_jax.codec.config import SAMPLE_RATE, CodecConfig, released_config_dict, tiny_config_dict
@@ -118,8 +118,10 @@ def load_model(path_or_preset: str | Path, dtype=jnp.float32, seed: int = 0) -> 
     """A Hugging Face-layout checkpoint directory, or a random-weight preset (see `PRESETS`; the ``-base``
     ones are Base models that clone voices).
 
-    Never touches the network: a directory is read as it is, and a missing file is an error naming it.
+    Never touches the network: a directory is read as it is, and a missing file is an error naming it. Sets the
+    XLA flags the programs are fastest under (`xla_flags`), which take effect where no backend has started yet.
     """
+    xla_flags.apply()
     name = str(path_or_preset)
     if name in PRESETS:
         return _preset(name, dtype, seed)
