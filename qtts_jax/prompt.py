@@ -129,6 +129,13 @@ def _icl(b: _Builder, cfg: ModelConfig, text: list[int], ref_codes: np.ndarray, 
     return text[len(codec_rows):]
 
 
+def text_entry_frames(prompt: Prompt, n_text: int) -> np.ndarray:
+    """The frame at whose step each of the request's `n_text` text tokens first reaches the talker: 0 for those in
+    the prompt (all of them in the non-streaming layout); in the streaming layouts the last ones come in
+    `trailing` (before its tts_eos), one per frame from frame 1."""
+    return np.maximum(0, np.arange(n_text) + len(prompt.trailing) - n_text)
+
+
 def embed_prompt(params: dict, text, codec, frames, speaker_row, speaker) -> jax.Array:
     """x [T, H] for one (padded) prompt: sum of the parts present at each position; pads give zeros."""
     x = jnp.where((text >= 0)[:, None], talker.embed_text(params, jnp.maximum(text, 0)), 0)

@@ -28,6 +28,10 @@ class TextTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def offsets(self, text: str) -> list[tuple[int, int]]:
+        """Each token of `encode(text)` as the (start, end) characters of `text` it covers."""
+        return self._tok.encode(text, add_special_tokens=False).offsets
+
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
