@@ -11,6 +11,9 @@ Client -> server (JSON text):
 Server -> client, per utterance (one `input.done`) and per sentence in it:
   {"type": "audio.start", "utterance_index", "sentence_index", "sentence_text", "format", "sample_rate", "channels"}
   binary messages: the audio (one whole file, or chunks as they are made with stream_audio true)
+  {"type": "audio.words", "utterance_index", "sentence_index", "words": [{"word", "start", "end"}]}
+                                                     with word_timestamps: estimated, seconds from the sentence's
+                                                     start (serving/word_timings.py)
   {"type": "audio.done", "utterance_index", "sentence_index", "total_bytes", "error": bool}
   {"type": "session.done", "utterance_index", "total_sentences"}
   {"type": "error", "message", "code", "param"}      the socket stays open
@@ -30,12 +33,12 @@ import uuid
 import numpy as np
 from aiohttp import web
 
-from serving import voice_routes
-from serving.audio_encoders import SAMPLES_PER_FRAME
+from serving import script, ssml, voice_routes
 from serving.audio_out import StreamOut, output_rate, whole
 from serving.errors import ApiError, bad
 from serving.keys import ALIASES, ENGINE, MODEL, SERVED_NAMES, SETTINGS, VOICES
-from serving.schemas import Field, build_job, check_text, parse_options, speech_fields, speech_options, task_type
+from serving.schemas import Field, check_text, parse_options, speech_fields, speech_options, task_type
+from serving.script import Script
 from serving.sentences import GRANULARITIES, split_units
 from serving.utterance import Utterance
 
@@ -96,8 +99,9 @@ class OmniSession:
             check_text("text", text)
             if len(self.buffer) + len(text) > self.settings.max_input_chars:
                 raise bad("text", f"the utterance would exceed {self.settings.max_input_chars} characters", "too_long")
-            self.buffer += text
-            units, self.buffer = split_units(self.buffer, self.config.get("split_granularity", "none"))
+            self.buffer += text  # an SSML document is spoken whole, at input.done
+            units, self.buffer = split_units(self.buffer, "none" if ssml.is_input(self.buffer, self.config) else
+                                             self.config.get("split_granularity", "none"))
             for unit in units:
                 await self._queue_unit(unit)
         else:  # input.done
@@ -128,13 +132,13 @@ class OmniSession:
         if "ref_audio" in opts:
             ref_text = None if opts.get("x_vector_only_mode") else opts.get("ref_text")
             prompt = await voice_routes.inline_voice(self.app, opts["ref_audio"], ref_text)
-        self._job("check", opts, prompt)  # model-level refusals now, not at the first input.done
+        self._script("check", opts, prompt)  # model-level refusals now, not at the first input.done
         self.config, self.prompt = opts, prompt
 
-    def _job(self, text: str, opts: dict, prompt):
-        return build_job({**{k: v for k, v in opts.items() if k not in ("ref_audio", "ref_text")}, "input": text},
-                         engine=self.app[ENGINE], served_names=self.app[SERVED_NAMES], voices=self.app.get(VOICES),
-                         aliases=self.app[ALIASES], prompt=prompt)
+    def _script(self, text: str, opts: dict, prompt) -> Script:
+        return script.build({**{k: v for k, v in opts.items() if k not in ("ref_audio", "ref_text")}, "input": text},
+                            engine=self.app[ENGINE], served_names=self.app[SERVED_NAMES],
+                            voices=self.app.get(VOICES), aliases=self.app[ALIASES], prompt=prompt)
 
     async def _run(self) -> None:
         while True:
@@ -161,8 +165,9 @@ class OmniSession:
                          "channels": 1})
         sent, failed = 0, False
         try:
-            job = self._job(text, config, prompt)
-            u = Utterance(self.app, job, uuid.uuid4().hex, "/v1/audio/speech/stream", speed=speed, rate=rate)
+            speech = self._script(text, config, prompt)
+            u = Utterance(self.app, speech, uuid.uuid4().hex, "/v1/audio/speech/stream", speed=speed, rate=rate,
+                          words=config.get("word_timestamps", False))
         except ApiError as err:
             await self.error(err, **where)
             await self.send({"type": "audio.done", **where, "total_bytes": 0, "error": True})
@@ -170,9 +175,10 @@ class OmniSession:
         self.current = u
         try:
             if config.get("stream_audio"):
-                out = StreamOut(fmt, rate, speed, job.frames_cap * SAMPLES_PER_FRAME)
+                out = StreamOut(fmt, rate, speed, speech.max_samples(speed))
                 async for pcm in u.chunks():
                     sent += await self._send_bytes(out.encode(pcm))
+                    await self._words(u, where)
                 if u.error is None:
                     sent += await self._send_bytes(out.finish())
             else:
@@ -180,6 +186,7 @@ class OmniSession:
                 if u.error is None:
                     audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
                     sent += await self._send_bytes(whole(fmt, audio, rate, speed))
+            await self._words(u, where)
             if u.error is not None:
                 failed = True
                 await self.error(ApiError(500, "engine_error", f"generation failed: {u.error}"), **where,
@@ -189,6 +196,10 @@ class OmniSession:
             u.close()
             self.current = None
 
+    async def _words(self, u: Utterance, where: dict) -> None:
+        if words := u.take_words():
+            await self.send({"type": "audio.words", **where, "words": words})
+
     async def _send_bytes(self, data: bytes) -> int:
         if data and not self.ws.closed:
             await self.ws.send_bytes(data)
@@ -196,7 +207,7 @@ class OmniSession:
 
     async def shutdown(self) -> None:
         if self.current is not None:
-            self.current.stream.cancel()
+            self.current.cancel()
         self.runner.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self.runner

@@ -18,8 +18,8 @@ import numpy as np
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from serving import voice_routes
-from serving.audio_encoders import CONTENT_TYPES, SAMPLE_FORMATS, SAMPLES_PER_FRAME
+from serving import script, voice_routes
+from serving.audio_encoders import CONTENT_TYPES, SAMPLE_FORMATS
 from serving.audio_out import StreamOut, whole
 from serving.errors import ApiError
 from serving.keys import (ALIASES, ENGINE, METRICS, MODEL, REQUEST_ID, SCHEDULER, SERVED_NAMES, SETTINGS, VOICES,
@@ -68,9 +68,12 @@ async def speech(request: web.Request) -> web.StreamResponse:
     if "ref_audio" in opts:
         ref_text = None if opts.get("x_vector_only_mode") else opts.get("ref_text")
         prompt = await voice_routes.inline_voice(app, opts["ref_audio"], ref_text)
-    p = parse_speech(opts, engine=app[ENGINE], served_names=app[SERVED_NAMES], voices=app.get(VOICES),
-                     aliases=app[ALIASES], prompt=prompt)
-    u = Utterance(app, p.job, rid, "/v1/audio/speech", started, speed=p.speed, rate=p.sample_rate)
+    s = script.build({k: v for k, v in opts.items() if k not in ("ref_audio", "ref_text", "_dialect")},
+                     engine=app[ENGINE], served_names=app[SERVED_NAMES], voices=app.get(VOICES), aliases=app[ALIASES],
+                     prompt=prompt)
+    p = parse_speech(opts)
+    u = Utterance(app, s, rid, "/v1/audio/speech", started, speed=p.speed, rate=p.sample_rate,
+                  words=p.word_timestamps and p.stream_format == "sse")
     try:
         if not p.stream:
             return await _whole(request, u, p)
@@ -116,7 +119,7 @@ async def _first(u: Utterance):
 
 def _usage(u: Utterance) -> dict:
     """Tokens as vLLM-Omni counts them: text in (characters here), codec frames out."""
-    chars = len(u.job.request.text)
+    chars = u.script.chars
     return {"input_tokens": chars, "output_tokens": u.frames, "total_tokens": chars + u.frames}
 
 
@@ -130,7 +133,7 @@ async def _chunked(request, u: Utterance, p: SpeechParams) -> web.StreamResponse
     resp = web.StreamResponse(headers=headers)
     resp.enable_chunked_encoding()
     await resp.prepare(request)
-    enc = StreamOut(p.response_format, p.sample_rate, p.speed, u.job.frames_cap * SAMPLES_PER_FRAME)
+    enc = StreamOut(p.response_format, p.sample_rate, p.speed, u.script.max_samples(p.speed))
     if first is not None:
         await _write(resp, enc.encode(first))
         async for pcm in it:
@@ -168,6 +171,8 @@ async def _sse(request, u: Utterance, p: SpeechParams) -> web.StreamResponse:
         if data:
             await resp.write(_sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode(),
                                          "response_format": p.response_format}))
+        if words := u.take_words():  # after the audio of the part they belong to
+            await resp.write(_sse_event({"type": "speech.words", "words": words}))
 
     if first is not None:
         await delta(enc.encode(first))

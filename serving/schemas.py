@@ -20,6 +20,7 @@ from serving.errors import ApiError, bad, from_request_error
 from serving.resample import RATES
 
 MAX_SEED = 2**32 - 1
+INPUT_FORMATS = ("auto", "text", "ssml")
 OPENAI_MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 # vLLM-Omni's task types <-> the checkpoint kinds they need
 TASK_TYPES = {"CustomVoice": "custom_voice", "VoiceDesign": "voice_design", "Base": "base"}
@@ -125,7 +126,13 @@ def speech_fields(max_input_chars: int = 4096, max_ref_audio_bytes: int = 16 * 1
     return {
         "model": Field("string", "Served model name (or an OpenAI alias tts-1, tts-1-hd, gpt-4o-mini-tts)",
                        max_length=256),
-        "input": Field("string", "Text to speak", required=True, max_length=max_input_chars),
+        "input": Field("string", "Text to speak, or an SSML <speak> document (see input_format); text longer than "
+                                 "one prompt is spoken in parts, back to back, in one stream", required=True,
+                       max_length=max_input_chars),
+        "input_format": Field("string", "text, ssml, or auto: SSML when the input starts with <speak (or <?xml)",
+                              enum=INPUT_FORMATS, default="auto"),
+        "word_timestamps": Field("boolean", "Stream events with the estimated start and end of every word (SSE and "
+                                            "the WebSockets; estimates from the prompt layout, no aligner)"),
         "voice": Field("voice", "Speaker name, an OpenAI voice name (alloy, ash, …: see aliases in "
                                 "/v1/audio/voices), a registered cloned voice on Base models, or {\"id\": name}. "
                                 "Optional for bodies that use text or ref_audio (the batched Rust server's clients)",
@@ -180,7 +187,7 @@ def _check(name: str, f: Field, v: Any) -> Any:
             raise bad(name, "must be a string", "invalid_type")
         check_text(name, v)
         if f.max_length is not None and len(v) > f.max_length:
-            raise bad(name, f"must be at most {f.max_length} characters", "too_long")
+            raise bad(name, f"is {len(v)} characters long; this server takes at most {f.max_length}", "too_long")
     elif f.kind == "boolean":
         if not isinstance(v, bool):
             raise bad(name, "must be a boolean", "invalid_type")
@@ -217,13 +224,15 @@ def _check(name: str, f: Field, v: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class SpeechParams:
-    job: Job  # what to synthesise, prepared by the engine (resolved once, its chunk schedule in it)
+    """How to send the audio (what to say is the request's `Script`: serving/script.py)."""
+
     response_format: str
     stream: bool
     stream_format: str
     rust_dialect: bool  # the body used `text`: a client of the batched Rust server (whole WAV by default)
     sample_rate: int = 24000  # of the audio sent
     speed: float = 1.0
+    word_timestamps: bool = False  # SSE: speech.audio.words events
 
 
 def parse_options(body: Any, fields: dict[str, Field], *, required: bool = True) -> dict:
@@ -281,11 +290,12 @@ def resolve_voice(voice: str | None, *, model, voices=None, aliases: dict[str, s
     raise bad("voice", f"a {cfg.model_type} model has no named voices")
 
 
-def build_job(opts: dict, *, engine, served_names: tuple[str, ...], voices=None,
-              aliases: dict[str, str] | None = None, prompt: VoicePrompt | None = None) -> Job:
-    """Checked options -> the engine's `Job` (`engine.prepare`: the request resolved, its prompt laid out and
-    bounded, once); model- and engine-level refusals are `ApiError` 400 naming the field. `prompt` is a voice
-    cloned for this request from its `ref_audio`."""
+def build_request(opts: dict, *, engine, served_names: tuple[str, ...], voices=None,
+                  aliases: dict[str, str] | None = None, prompt: VoicePrompt | None = None
+                  ) -> tuple[Request, tuple[int, ...] | None]:
+    """Checked options -> the `Request` (its text the whole input) and chunk schedule for `Engine.prepare`;
+    refusals that need no prompt layout are `ApiError` 400 naming the field. `prompt` is a voice cloned for this
+    request from its `ref_audio`."""
     if "model" in opts and opts["model"] not in served_names + OPENAI_MODEL_ALIASES:
         raise bad("model", f"{opts['model']!r} is not served here; use one of {list(served_names)}", "model_not_found")
     if "input" in opts and not opts["input"].strip():
@@ -326,6 +336,13 @@ def build_job(opts: dict, *, engine, served_names: tuple[str, ...], voices=None,
                                                     "codec is compiled for) or 0", "unsupported")
         schedule = (first, *engine.config.schedule[1:]) if len(engine.config.schedule) > 1 else (
             first, *engine.config.schedule)
+    return req, schedule
+
+
+def build_job(opts: dict, *, engine, **kw) -> Job:
+    """Checked options -> the engine's `Job` for the whole input as one request (`engine.prepare`: resolved, its
+    prompt laid out and bounded, once); refusals are `ApiError` 400 naming the field."""
+    req, schedule = build_request(opts, engine=engine, **kw)
     try:
         return engine.prepare(req, schedule)
     except RequestError as exc:
@@ -370,12 +387,9 @@ def speech_options(body: Any, *, model, max_input_chars: int, max_ref_audio_byte
     return opts
 
 
-def parse_speech(opts: dict, *, engine, served_names, voices=None, aliases=None,
-                 prompt: VoicePrompt | None = None) -> SpeechParams:
-    """Options from `speech_options` -> what to synthesise (the engine's `Job`) and how to send it."""
+def parse_speech(opts: dict) -> SpeechParams:
+    """Options from `speech_options` -> how to send the audio."""
     rust, omni = opts.get("_dialect") == "rust", opts.get("_dialect") == "omni"
-    job = build_job({k: v for k, v in opts.items() if k not in ("ref_audio", "ref_text", "_dialect")},
-                    engine=engine, served_names=served_names, voices=voices, aliases=aliases, prompt=prompt)
     fmt = opts.get("response_format", "wav" if rust or omni else "mp3")
     rate = output_rate(fmt, opts.get("sample_rate"))
     stream_format = opts.get("stream_format", "audio")
@@ -384,9 +398,9 @@ def parse_speech(opts: dict, *, engine, served_names, voices=None, aliases=None,
         stream, stream_format = stream_format is not None, stream_format or "audio"
     else:
         stream = opts.get("stream", False if rust else fmt in STREAM_BY_DEFAULT)
-    return SpeechParams(job=job, response_format=fmt, stream=stream or stream_format == "sse",
+    return SpeechParams(response_format=fmt, stream=stream or stream_format == "sse",
                         stream_format=stream_format, rust_dialect=rust, sample_rate=rate,
-                        speed=opts.get("speed", 1.0))
+                        speed=opts.get("speed", 1.0), word_timestamps=opts.get("word_timestamps", False))
 
 
 def speech_schema(max_input_chars: int = 4096, max_ref_audio_bytes: int = 16 * 1024 * 1024) -> dict:

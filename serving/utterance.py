@@ -1,70 +1,123 @@
-"""One admitted request on its way out, the same for HTTP and the WebSocket: admission, the engine stream,
-the client's playback tracking and the request's metrics."""
+"""One admitted request on its way out, the same for HTTP and both WebSockets: admission, the engine streams of
+its script's parts spoken as one stream, the client's playback tracking and the request's metrics."""
 
 from __future__ import annotations
 
 import time
 
-from qtts_jax.job import Job
+import numpy as np
+
+from serving import word_timings
 from serving.audio_encoders import SAMPLE_RATE
-from serving.keys import BRIDGE, METRICS, SCHEDULER
+from serving.keys import BRIDGE, METRICS, MODEL, SCHEDULER
+from serving.prosody import ProsodyAudio
+from serving.script import Script
 
 
 class Utterance:
-    """A prepared `Job`, admitted (or refused with 429/503) and submitted as it is made."""
+    """A `Script`, admitted once (or refused with 429/503) and spoken part by part. The next part is submitted
+    when the one before has finished generating: generation runs faster than real time, so the client still has
+    that part's audio to play while the next one is prefilled. It is not admitted again (the request was
+    admitted whole), and it keeps the request's voice, seed and settings (they are in its job). Pauses are
+    silence; the playback track and the metrics see one stream."""
 
-    def __init__(self, app, job: Job, rid: str, endpoint: str, started: float | None = None, speed: float = 1.0,
-                 rate: int = SAMPLE_RATE):
-        self.app, self.job, self.rid, self.endpoint = app, job, rid, endpoint
+    def __init__(self, app, script: Script, rid: str, endpoint: str, started: float | None = None,
+                 speed: float = 1.0, rate: int = SAMPLE_RATE, words: bool = False):
+        self.app, self.script, self.rid, self.endpoint = app, script, rid, endpoint
         self.speed, self.rate = speed, rate  # of the audio the client gets: it plays 1/speed s per model second
         self.started = time.perf_counter() if started is None else started
         sched = app[SCHEDULER]
         self.predicted_ttfa = sched.admit()  # raises 429/503
-        self.stream = app[BRIDGE].submit(job)
-        self.track = sched.open(rid, job.frames_cap)
+        self._jobs = iter(script.jobs)
+        self.streams = [app[BRIDGE].submit(next(self._jobs))]
+        self.track = sched.open(rid, script.frames_cap)
         self.frames = 0
-        self.samples = 0
-        self.first = True
+        self.samples = 0  # model-rate samples after prosody, pauses included
         self.done = False
+        self._first = True
         self.error: str | None = None
+        self._words = [] if words else None  # estimates of the parts spoken, until taken
+
+    @property
+    def stream(self):
+        """The part being generated (or the last one)."""
+        return self.streams[-1]
+
+    def cancel(self) -> None:
+        """Stop the part in flight (within one engine step) and every part after it."""
+        self.stream.cancel()
 
     async def chunks(self):
         """Yields non-empty PCM arrays; records playback headroom, late chunks and the TTFA breakdown."""
-        metrics, sched = self.app[METRICS], self.app[SCHEDULER]
-        async for chunk in self.stream:
-            if chunk.final:
-                self.done = True
-                self.error = chunk.error
-            if len(chunk.pcm):
-                if self.first:
-                    self.first = False
-                    metrics.observe_first_chunk(self.stream.timings)
-                    sched.observe(self.stream.timings)
-                headroom = self.track.on_audio(len(chunk.pcm) / SAMPLE_RATE / self.speed)
-                if headroom is not None:
-                    metrics.headroom.observe(headroom)
-                    if headroom < 0:
-                        metrics.late_chunks.inc()
+        for part in self.script.parts:
+            if part.job is None:
+                if samples := part.max_samples(self.speed):
+                    yield self._out(np.zeros(samples, np.float32))
+                continue
+            stream, shape = self.stream, ProsodyAudio(part.prosody)
+            start, frames = self.samples, 0
+            async for chunk in stream:
+                if chunk.final and chunk.error is None and (job := next(self._jobs, None)) is not None:
+                    self.streams.append(self.app[BRIDGE].submit(job))  # prefilled while this part plays
+                self.error = self.error or chunk.error
+                frames += chunk.frames
                 self.frames += chunk.frames
-                self.samples += len(chunk.pcm)
-                metrics.audio_seconds.inc(len(chunk.pcm) / SAMPLE_RATE / self.speed)
-                yield chunk.pcm
-        metrics.collect_steps()
+                if len(chunk.pcm):
+                    if self._first:
+                        self._first = False
+                        self.app[METRICS].observe_first_chunk(stream.timings)
+                        self.app[SCHEDULER].observe(stream.timings)
+                    if len(pcm := shape.process(chunk.pcm)):
+                        yield self._out(pcm)
+            if self.error is not None:
+                break
+            if len(pcm := shape.finish()):
+                yield self._out(pcm)
+            if self._words is not None:
+                self._words += word_timings.estimate(part.job, self.app[MODEL].tokenizer, frames,
+                                                     self._seconds(start), self._seconds(self.samples - start))
+        self.done = True
+        self.app[METRICS].collect_steps()
+
+    def _out(self, pcm: np.ndarray) -> np.ndarray:
+        metrics = self.app[METRICS]
+        headroom = self.track.on_audio(self._seconds(len(pcm)))
+        if headroom is not None:
+            metrics.headroom.observe(headroom)
+            if headroom < 0:
+                metrics.late_chunks.inc()
+        self.samples += len(pcm)
+        metrics.audio_seconds.inc(self._seconds(len(pcm)))
+        return pcm
+
+    def _seconds(self, samples: int) -> float:
+        return samples / SAMPLE_RATE / self.speed
+
+    def take_words(self) -> list[dict]:
+        """Word timings estimated since the last call (serving/word_timings.py); none unless asked for."""
+        if self._words is None:
+            return []
+        out, self._words = self._words, []
+        return out
 
     def close(self, outcome: str | None = None) -> None:
         if not self.done:
-            self.stream.cancel()
+            self.cancel()
             outcome = outcome or "cancelled"
         elif outcome is None:
             outcome = "ok" if self.error is None else ("cancelled" if self.error == "cancelled" else "error")
         self.app[SCHEDULER].close(self.track)
         metrics = self.app[METRICS]
         metrics.requests.labels(self.endpoint, outcome).inc()
-        metrics.observe_request(self.endpoint, time.perf_counter() - self.started, len(self.job.request.text),
+        metrics.observe_request(self.endpoint, time.perf_counter() - self.started, self.script.chars,
                                 self.audio_seconds)
 
     def timings(self) -> dict:
-        t = self.stream.timings.as_dict()
+        first, last = self.streams[0].timings, self.stream.timings
+        t = first.as_dict()
+        if last.finished is not None:  # the whole response, over every part
+            t["total_ms"] = round((last.finished - first.submitted) * 1000, 3)
+        t["parts"] = len(self.streams)
         t["predicted_ttfa_ms"] = round(self.predicted_ttfa * 1000, 3)
         t["late_chunks"] = self.track.late_chunks
         t["worst_headroom_ms"] = None if self.track.worst_headroom is None else round(
@@ -74,7 +127,7 @@ class Utterance:
     @property
     def audio_seconds(self) -> float:
         """Seconds of audio the client plays so far (the model's, stretched by 1/speed)."""
-        return self.samples / SAMPLE_RATE / self.speed
+        return self._seconds(self.samples)
 
     def summary(self) -> dict:
         return {"request_id": self.rid, "frames": self.frames, "audio_seconds": round(self.audio_seconds, 4),

@@ -8,9 +8,11 @@ Client -> server (JSON text messages):
   {"type": "session.update", "session": {voice, language, instructions, seed, temperature, top_k, top_p,
                                          repetition_penalty, max_frames, greedy, chunk_schedule,
                                          speed, sample_rate, response_format (pcm | ulaw | alaw),
-                                         split_granularity (none | sentence | clause)}}
+                                         split_granularity (none | sentence | clause),
+                                         input_format (auto | text | ssml), word_timestamps}}
   {"type": "input_text.append", "text": "..."}     add text to the buffer; with split_granularity, each
                                                    complete sentence (clause) is committed as it arrives
+                                                   (an SSML document waits for the commit)
   {"type": "input_text.commit"}  (alias "flush")   speak the buffered text as one utterance
   {"type": "cancel"}                               stop the utterance in flight (within one engine step),
                                                    drop queued ones and the text buffer
@@ -20,11 +22,15 @@ Server -> client:
    "format": "pcm_s16le"|"g711_ulaw"|"g711_alaw"}
   {"type": "utterance.queued"|"utterance.started", "utterance_id": n, "request_id": ...}
   binary messages: the utterance in flight, raw mono at the session's rate (PCM s16le, or G.711 bytes)
+  {"type": "utterance.words", "utterance_id": n, "words": [{"word", "start", "end"}]}  with word_timestamps,
+                                                   after each part's audio: estimates, seconds from the
+                                                   utterance's start (serving/word_timings.py)
   {"type": "utterance.done", "utterance_id": n, "cancelled": bool, "frames", "audio_seconds", "timings"}
   {"type": "error", "error": {"code", "message", "param"}, "utterance_id"?}  (the socket stays open,
   except for flooding: too many messages per second closes it with 1008)
 
-Utterances of one socket play in order, one at a time, each admitted by the scheduler when it starts.
+Utterances of one socket play in order, one at a time, each admitted by the scheduler when it starts; a long
+one is spoken in parts, as one stream (serving/utterance.py).
 """
 
 from __future__ import annotations
@@ -38,20 +44,21 @@ import uuid
 
 from aiohttp import WSMsgType, web
 
-from qtts_jax.job import Job
-from serving import omni_ws
+from serving import omni_ws, script, ssml
 from serving.audio_encoders import SAMPLE_RATE
 from serving.audio_out import StreamOut, output_rate
 from serving.errors import ApiError, bad
 from serving.keys import ALIASES, ENGINE, SCHEDULER, SERVED_NAMES, SETTINGS, SOCKETS, VOICES
-from serving.schemas import Field, base64_chars, build_job, check_text, parse_options, speech_fields
+from serving.schemas import Field, base64_chars, check_text, parse_options, speech_fields
+from serving.script import Script
 from serving.sentences import GRANULARITIES, split_units
 from serving.utterance import Utterance
 
 log = logging.getLogger(__name__)
 
 SESSION_FIELDS = ("voice", "language", "instructions", "seed", "temperature", "top_k", "top_p",
-                  "repetition_penalty", "max_frames", "greedy", "chunk_schedule", "speed", "sample_rate")
+                  "repetition_penalty", "max_frames", "greedy", "chunk_schedule", "speed", "sample_rate",
+                  "input_format", "word_timestamps")
 RAW_FORMATS = {"pcm": "pcm_s16le", "ulaw": "g711_ulaw", "alaw": "g711_alaw"}  # what a binary message carries
 GREETING_WAIT_S = 0.25  # how long a silent client waits for session.created (a vLLM-Omni client speaks first)
 
@@ -95,11 +102,11 @@ class Session:
         return {"type": kind, "session": self.options, "format": RAW_FORMATS[fmt],
                 "sample_rate": output_rate(fmt, self.options.get("sample_rate"))}
 
-    def _job(self, text: str) -> Job:
+    def _script(self, text: str) -> Script:
         """The session's options and `text`, prepared by the engine (400 naming the field if it cannot be)."""
-        return build_job({**self.options, "input": text}, engine=self.app[ENGINE],
-                         served_names=self.app[SERVED_NAMES], voices=self.app.get(VOICES),
-                         aliases=self.app[ALIASES])
+        return script.build({**self.options, "input": text}, engine=self.app[ENGINE],
+                            served_names=self.app[SERVED_NAMES], voices=self.app.get(VOICES),
+                            aliases=self.app[ALIASES])
 
     async def handle(self, msg: dict) -> None:
         kind = msg.get("type")
@@ -111,7 +118,7 @@ class Session:
             output_rate(opts.get("response_format", "pcm"), opts.get("sample_rate"))  # G.711 is 8 kHz only
             saved, self.options = self.options, opts
             try:
-                self._job("check")  # model-level checks (voice, language, instructions) now, not later
+                self._script("check")  # model-level checks (voice, language, instructions) now, not later
             except ApiError:
                 self.options = saved
                 raise
@@ -124,7 +131,9 @@ class Session:
             if len(self.buffer) + len(text) > self.settings.max_input_chars:
                 raise bad("text", f"the text buffer would exceed {self.settings.max_input_chars} characters",
                           "too_long")
-            units, self.buffer = split_units(self.buffer + text, self.options.get("split_granularity", "none"))
+            text = self.buffer + text  # an SSML document is spoken whole, at commit
+            units, self.buffer = split_units(text, "none" if ssml.is_input(text, self.options) else
+                                             self.options.get("split_granularity", "none"))
             for unit in units:
                 await self._commit(unit)
         elif kind in ("input_text.commit", "flush"):
@@ -136,7 +145,7 @@ class Session:
             self.generation += 1
             self.buffer = ""
             if self.current is not None:
-                self.current.stream.cancel()
+                self.current.cancel()
         elif kind == "close":
             self.closing = True
             await self.pending.put(None)
@@ -151,10 +160,10 @@ class Session:
         if self.pending.qsize() >= self.settings.ws_max_pending_utterances:
             raise ApiError(429, "too_many_utterances",
                            f"at most {self.settings.ws_max_pending_utterances} utterances may wait", "text")
-        job = self._job(text)
+        speech = self._script(text)
         uid = self.next_id
         self.next_id += 1
-        await self.pending.put((uid, self.generation, job, dict(self.options)))
+        await self.pending.put((uid, self.generation, speech, dict(self.options)))
         await self.send({"type": "utterance.queued", "utterance_id": uid})
 
     async def _run(self) -> None:
@@ -163,12 +172,12 @@ class Session:
             if item is None:
                 await self.ws.close(code=1000, message=b"bye")
                 return
-            uid, gen, job, options = item
+            uid, gen, speech, options = item
             if gen != self.generation:
                 await self.send({"type": "utterance.done", "utterance_id": uid, "cancelled": True, "frames": 0})
                 continue
             try:
-                await self._speak(uid, gen, job, options)
+                await self._speak(uid, gen, speech, options)
             except ApiError as err:
                 await self.error(err, uid)
             except ConnectionError:  # the client is gone: nothing is left to tell it
@@ -177,11 +186,12 @@ class Session:
                 log.exception("websocket utterance %d failed", uid)
                 await self.error(ApiError(500, "internal_error", "the utterance failed; the server logged why"), uid)
 
-    async def _speak(self, uid: int, gen: int, job: Job, options: dict) -> None:
+    async def _speak(self, uid: int, gen: int, speech: Script, options: dict) -> None:
         rid = f"{uuid.uuid4().hex}"
         fmt, speed = options.get("response_format", "pcm"), options.get("speed", 1.0)
         rate = output_rate(fmt, options.get("sample_rate"))
-        u = Utterance(self.app, job, rid, "/v1/audio/speech/stream", speed=speed, rate=rate)
+        u = Utterance(self.app, speech, rid, "/v1/audio/speech/stream", speed=speed, rate=rate,
+                      words=options.get("word_timestamps", False))
         out = StreamOut(fmt, rate, speed)
         self.current, self.current_id = u, uid
         try:
@@ -190,9 +200,11 @@ class Session:
                 data = out.encode(pcm)
                 if data and gen == self.generation and not self.ws.closed:
                     await self.ws.send_bytes(data)
+                await self._words(uid, u)
             data = out.finish() if u.error is None else b""
             if data and gen == self.generation and not self.ws.closed:
                 await self.ws.send_bytes(data)
+            await self._words(uid, u)
             done = {"type": "utterance.done", "utterance_id": uid,
                     "cancelled": u.error == "cancelled" or gen != self.generation}
             done.update(u.summary())
@@ -202,6 +214,10 @@ class Session:
         finally:
             u.close()
             self.current = None
+
+    async def _words(self, uid: int, u: Utterance) -> None:
+        if words := u.take_words():  # after the audio of the part they belong to
+            await self.send({"type": "utterance.words", "utterance_id": uid, "words": words})
 
     def _runner_done(self, task: asyncio.Task) -> None:
         """The session's utterances run in this task: if it dies, say so in the log and end the session
@@ -215,7 +231,7 @@ class Session:
     async def shutdown(self) -> None:
         self.generation += 1
         if self.current is not None:
-            self.current.stream.cancel()
+            self.current.cancel()
         self.runner.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self.runner
