@@ -39,6 +39,7 @@ from studies.slo import SLO, Contract, safe_capacity, zero_underrun_capacity  # 
 from studies.sweep import run_sync, sweep  # noqa: E402
 
 READY_LINE = re.compile(r"ready after ([\d.]+) s \(slots=(\d+); (.*)\)")
+FULL_LINE = re.compile(r"every rung compiled and timed after ([\d.]+) s")
 SIZING_LINE = re.compile(r"slots: \d+ \((.*)\)")
 COLUMNS = ("success_rate", "rejected_429", "ttfa_p50_ms", "ttfa_p95_ms", "starvation_p95_ms", "underruns_mean",
            "underrun_requests", "underrun_share", "throughput_rps", "audio_s_per_s")
@@ -60,11 +61,12 @@ def start(args, out: Path, name: str, serialised: bool, policy: tuple[str, ...] 
 
 def server_log(path: Path) -> dict:
     """The server's own log lines: how its slots were sized, and at "ready after" its warm-up seconds, slots
-    and what came from the compilation cache."""
+    and what came from the compilation cache, then when its background warm-up had every rung (seconds from the
+    start of its warm-up; None with a single rung)."""
     text = path.read_text()
-    sizing, ready = SIZING_LINE.search(text), READY_LINE.search(text)
+    sizing, ready, full = SIZING_LINE.search(text), READY_LINE.search(text), FULL_LINE.search(text)
     return {"sizing": sizing and sizing[1], "warmup_s": ready and float(ready[1]), "slots": ready and int(ready[2]),
-            "compile_cache": ready and ready[3]}
+            "compile_cache": ready and ready[3], "every_rung_s": float(full[1]) if full else None}
 
 
 def requests_for(args, mode: str, load: float) -> int:

@@ -12,6 +12,7 @@ import asyncio
 import threading
 import time
 import weakref
+from functools import partial
 
 from qtts_jax.engine import Engine
 from qtts_jax.job import Job
@@ -86,8 +87,9 @@ class AsyncEngine:
         self._outboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its outbox
 
     async def start(self, warmup: bool = True) -> None:
+        """Start the loop, after the warm-up that lets it serve (the larger rungs compile on in the background)."""
         if warmup:
-            await asyncio.get_running_loop().run_in_executor(None, self.engine.warmup)
+            await asyncio.get_running_loop().run_in_executor(None, partial(self.engine.warmup, background=True))
         self.engine.start()
 
     async def stop(self) -> None:

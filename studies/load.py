@@ -39,7 +39,8 @@ def condition_name(mode: str, load: float) -> str:
 
 
 async def wait_ready(url: str, timeout_s: float = 180.0, idle: bool = False) -> dict:
-    """Polls GET /ready until 200 (and, with `idle`, no active or queued streams); returns its JSON."""
+    """Polls GET /ready until 200 (and, with `idle`, no active or queued streams and nothing left compiling: a
+    measurement starts on a server at its full size); returns its JSON."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     async with aiohttp.ClientSession() as s:
@@ -48,7 +49,7 @@ async def wait_ready(url: str, timeout_s: float = 180.0, idle: bool = False) -> 
                 async with s.get(f"{url}/ready", timeout=aiohttp.ClientTimeout(total=5)) as r:
                     body = await r.json(content_type=None)
                     last = f"HTTP {r.status} {body}"
-                    if r.status == 200 and (not idle or (body.get("active", 0) == 0 and body.get("queued", 0) == 0)):
+                    if r.status == 200 and (not idle or not any(body.get(k, 0) for k in ("active", "queued", "compiling"))):
                         return body
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 last = repr(exc)

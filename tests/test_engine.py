@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 
 import jax
@@ -13,7 +14,7 @@ import pytest
 from qtts_jax.bridge import AsyncEngine
 from qtts_jax.engine import Engine, PromptTooLong
 from qtts_jax.request import Request
-from support import GREEDY, STREAMING, Collector, assert_same_codes, run, run_small
+from support import GREEDY, SMALL, STREAMING, Collector, assert_same_codes, run, run_small
 
 CONFIG = STREAMING
 
@@ -207,6 +208,31 @@ def test_pallas_sampler_makes_the_same_choices(model):
     reqs = [Request("Pallas or not.", speaker="ryan", seed=5, max_frames=4),
             Request("Greedy too.", speaker="eric", max_frames=3, **GREEDY)]
     assert_same_codes(run_small(model, reqs, sampler="pallas"), run_small(model, reqs, sampler="jnp"))
+
+
+def test_background_warmup_serves_its_smallest_rung_at_once_then_grows_to_every_slot(model, monkeypatch):
+    """`warmup(background=True)` returns with the smallest rung compiled and timed: the engine serves that many
+    streams (the next waits for a free one) and says so in its stats; once the larger rungs are compiled and timed
+    on their own thread, every slot serves, side by side, and the codes are the same."""
+    engine = Engine(model, dataclasses.replace(SMALL, batch_sizes=(1,)))
+    gate, rest = threading.Event(), engine._warm_rest
+    monkeypatch.setattr(engine, "_warm_rest", lambda *args: gate.wait() and rest(*args))
+    engine.warmup(background=True)
+    st = engine.stats()
+    assert (st.slots, st.ladder, st.compiling) == (1, (1,), 3)  # rung 2's step, codec and first frame
+    reqs = [Request("One at a time.", speaker="ryan", seed=3, max_frames=4),
+            Request("Then me.", speaker="eric", seed=4, max_frames=3)]
+    alone = run(engine, [(0, r) for r in reqs])
+    assert alone[1][0].timings.admitted >= alone[0][0].timings.finished
+    gate.set()
+    deadline = time.monotonic() + 300
+    while engine.stats().compiling and time.monotonic() < deadline:
+        time.sleep(0.05)
+    st = engine.stats()
+    assert (st.slots, st.ladder, st.compiling) == (2, (1, 2), 0) and (2, 1) in st.step_costs and 2 in st.first_costs
+    together = run(engine, [(0, r) for r in reqs])
+    assert together[0][0].timings.admitted == together[1][0].timings.admitted
+    assert_same_codes(together, alone)
 
 
 def test_newcomer_gets_its_first_chunk_at_once_and_joins_the_long_step_of_the_playing_streams(engine, clock,

@@ -12,7 +12,7 @@ from qtts_jax.engine.config import rung
 class EngineStats:
     """What the engine publishes after every iteration (under its lock) for admission and metrics."""
 
-    slots: int
+    slots: int  # streams it holds at most now: every slot, once a background warm-up has compiled every rung
     live: int  # streams holding a slot
     queued: int  # requests waiting for one
     oldest_wait_s: float  # how long the first of them has waited
@@ -31,6 +31,7 @@ class EngineStats:
     lead_s: float = 1.0  # the playback lead each stream builds
     late_chunks: int = 0  # chunks the engine handed out after its stream's listener ran dry, since start
     delivery_s: float = 0.0  # from an iteration's start to the previous iteration's audio going out (measured)
+    compiling: int = 0  # programs a background warm-up has still to compile and time (the slots grow after them)
 
     def step_cost(self, live: int, frames: int) -> float:
         return self.step_costs[(rung(self.ladder, max(live, 1)), frames)]
