@@ -202,7 +202,7 @@ async def ready(request):
     if sched.accepting:
         stats = app[ENGINE].stats()  # the engine's published snapshot: its slots and queue are its thread's
         return web.json_response({"status": "ready", "slots": stats.slots, "active": stats.live,
-                                  "queued": stats.queued})
+                                  "queued": stats.queued, "compiling": stats.compiling})
     status = "draining" if sched.draining else ("failed" if app[WARMUP_ERROR] else "warming")
     body = {"status": status}
     if app[WARMUP_ERROR]:
