@@ -16,8 +16,8 @@
 # build, the order reversed on the second). Each pass fills the server before timing, counts only items
 # that finish inside the steady window (the final drain is excluded), and is valid only if no request
 # failed and every response after each client's warm-up matched the golden recording made alone on A
-# with the same seed. Workloads: *plain* (one paragraph per request) and *processed* (two turns joined
-# with a pause and peak-normalised as one recording).
+# with the same seed. Workloads: *plain* (one paragraph per request) and *processed* (two turns as one SSML
+# request, a pause and prosody done by the server, peak-normalised as one recording).
 
 # %% tags=["parameters"]
 url_a = "http://127.0.0.1:8000"

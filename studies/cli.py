@@ -77,7 +77,8 @@ def _parser(prog: str = "python -m studies") -> argparse.ArgumentParser:
                    help="local server: KV rows per slot (prompts up to a quarter of it: paragraphs need room)")
     s.add_argument("--model", default="tiny-random", help="local server: checkpoint directory or tiny-random")
     s.add_argument("--workload", nargs="+", choices=["plain", "processed"], default=["plain", "processed"],
-                   help="plain: one paragraph per request; processed: two turns, a 120 ms pause, normalised")
+                   help="plain: one paragraph per request; processed: two turns as one SSML request (a "
+                        "120 ms break, prosody), normalised")
     s.add_argument("--items", type=int, default=0, help="items per workload from its corpus (0: all)")
     s.add_argument("--plain-corpus", default="sustained_plain",
                    help="corpus name or .txt path, one paragraph per line")

@@ -11,9 +11,10 @@ second, to cancel drift.
 
 Workloads (one *item* is what a client asks for and waits for):
 - *plain*: one paragraph, one request; the recording is the streamed audio.
-- *processed*: two turns requested one after the other, joined with a 120 ms pause, and the whole
-  recording peak-normalised to -1 dBFS (the client does the processing: it is the same on both builds,
-  and the golden check is on what a listener would get). Rate/pitch/volume markup comes later.
+- *processed*: two turns sent as one SSML request (`ssml`): a 120 ms `break` between them and the second turn's
+  rate, pitch and volume changed by `prosody`, all done by the server; the recording is then peak-normalised
+  to -1 dBFS as a whole on the client (a stream cannot be normalised before its end; the golden check is on
+  what a listener would get).
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ import dataclasses
 import math
 import time
 import uuid
+from xml.sax.saxutils import escape
 
 import aiohttp
 import numpy as np
 
-from qtts_jax.codec.config import SAMPLE_RATE
 from studies.corpora import load_corpus
 from studies.gpu import GpuSampler
 from studies.load import speak, wait_ready
@@ -39,6 +40,7 @@ WORKLOADS = ("plain", "processed")
 PAUSE_MS = 120.0
 PEAK = 10 ** (-1 / 20)  # -1 dBFS
 TURN_SEPARATOR = " | "  # between the turns of one processed item in a corpus line
+SECOND_TURN = '<prosody rate="110%" pitch="+1st" volume="-3dB">'  # processed: how the second turn is said
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,16 +83,17 @@ def _check_items(workload: str, items: list[tuple[str, ...]]) -> None:
             raise ValueError(f"a processed item has two turns (separated by {TURN_SEPARATOR!r}), got {item!r}")
 
 
-def process(turns: list[bytes], pause_ms: float = PAUSE_MS) -> tuple[np.ndarray, float]:
-    """Turns of s16le PCM -> (one int16 recording: the turns with `pause_ms` of silence between them,
-    peak-normalised to -1 dBFS as a whole; the gain applied). Silence stays silence (gain 1)."""
-    pause = np.zeros(round(SAMPLE_RATE * pause_ms / 1000), np.float32)
-    parts = []
-    for n, t in enumerate(turns):
-        if n:
-            parts.append(pause)
-        parts.append(np.frombuffer(t, "<i2").astype(np.float32) / 32768.0)
-    audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+def document(turns: tuple[str, ...], pause_ms: float = PAUSE_MS) -> str:
+    """A processed item as one SSML document: the turns with a `pause_ms` break between them, every turn after
+    the first said with SECOND_TURN's prosody."""
+    said = [escape(t) if n == 0 else f"{SECOND_TURN}{escape(t)}</prosody>" for n, t in enumerate(turns)]
+    return "<speak>" + f'<break time="{pause_ms:g}ms"/>'.join(said) + "</speak>"
+
+
+def normalise(pcm: bytes) -> tuple[np.ndarray, float]:
+    """s16le PCM -> (the int16 recording peak-normalised to -1 dBFS as a whole, the gain applied). Silence stays
+    silence (gain 1)."""
+    audio = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0
     peak = float(np.max(np.abs(audio))) if len(audio) else 0.0
     gain = PEAK / peak if peak > 0 else 1.0
     return np.round(np.clip(audio * gain, -1.0, 1.0) * 32767.0).astype("<i2"), gain
@@ -120,27 +123,23 @@ class Item:
 async def run_item(session: aiohttp.ClientSession, url: str, workload: str, k: int, turns: tuple[str, ...],
                    options: dict, t0: float, timeout_s: float, condition: str, load: float,
                    protocol: str = "http", pause_ms: float = PAUSE_MS) -> Item:
-    """Requests the turns one after the other (stopping at the first failure) and builds the recording."""
-    records, pcm = [], []
-    for turn in turns:
-        audio: dict = {}
-        r = await speak(session, url, _new(k, turn, condition, load), options, t0, timeout_s, audio,
-                        protocol=protocol)
-        records.append(r)
-        if not r.ok:
-            return Item(records, None)
-        pcm.append(audio[r.request_id])
+    """Requests the item (a processed one as its SSML document) and builds the recording."""
+    audio: dict = {}
+    text = turns[0] if workload == "plain" else document(turns, pause_ms)
+    r = await speak(session, url, _new(k, text, condition, load), options, t0, timeout_s, audio, protocol=protocol)
+    if not r.ok:
+        return Item([r], None)
     if workload == "plain":
-        return Item(records, pcm[0])
-    recording, gain = process(pcm, pause_ms)
-    return Item(records, recording.tobytes(), gain)
+        return Item([r], audio[r.request_id])
+    recording, gain = normalise(audio[r.request_id])
+    return Item([r], recording.tobytes(), gain)
 
 
 async def record_golden(url: str, items, options: dict, timeout_s: float, workload: str = "plain",
                         protocol: str = "http", pause_ms: float = PAUSE_MS, retries: int = 5) -> list[Golden]:
-    """Each item's recording, requested alone, one at a time, once the server is idle. A processed recording may differ from its
-    golden by the gain times the one-step rounding allowed per turn, plus the gain's own wobble, plus one
-    step of final rounding: tolerance ceil(2 × gain) + 1."""
+    """Each item's recording, requested alone, one at a time, once the server is idle. A processed recording may
+    differ from its golden by the gain times the one-step rounding of a stream, twice for the gain's own wobble,
+    plus one step of final rounding: tolerance ceil(2 × gain) + 1."""
     items = _as_items(workload, items)
     out = []
     await wait_ready(url, timeout_s, idle=True)

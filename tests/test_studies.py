@@ -368,18 +368,19 @@ def test_sustained_cli_refuses_bad_arguments_before_starting_anything(capsys, tm
     assert not list(tmp_path.iterdir())  # no run directory, no server
 
 
-def test_processed_recording_joins_turns_with_a_pause_and_normalises_the_whole():
-    from studies.sustained import PEAK, process
+def test_processed_item_is_one_ssml_document_and_its_recording_is_normalised_whole():
+    from serving.ssml import Pause, Speech, parse
+    from studies.sustained import PEAK, document, normalise
 
-    loud, quiet = s16(16384, -8192), s16(4096, 0, -4096)
-    rec, gain = process([loud, quiet], pause_ms=120)
-    assert len(rec) == 2 + 2880 + 3  # 120 ms at 24 kHz between the turns
-    assert np.all(rec[2:2 + 2880] == 0)
+    pieces = parse(document(("Hi & welcome.", "How can I help?"), pause_ms=120))
+    assert [type(p) for p in pieces] == [Speech, Pause, Speech] and pieces[1].seconds == 0.12
+    assert pieces[0].text == "Hi & welcome." and pieces[2].prosody.rate == 1.1 and pieces[2].prosody.gain_db == -3
+    rec, gain = normalise(s16(16384, -8192, 4096))
     assert gain == pytest.approx(PEAK / 0.5)  # the loudest sample of the whole recording reaches -1 dBFS
     assert rec[0] == round(0.5 * gain * 32767) and abs(rec).max() == round(PEAK * 32767)
-    assert rec[-1] == -round(0.125 * gain * 32767)  # the quiet turn keeps its level relative to the loud one
-    silent, g = process([s16(0, 0), s16(0)])
-    assert g == 1.0 and not silent.any() and len(silent) == 3 + 2880
+    assert rec[-1] == round(0.125 * gain * 32767)  # quieter samples keep their level relative to the loudest
+    silent, g = normalise(s16(0, 0))
+    assert g == 1.0 and not silent.any()
 
 
 def test_workload_items_and_golden_tolerance():
