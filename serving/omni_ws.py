@@ -132,7 +132,7 @@ class OmniSession:
         if "ref_audio" in opts:
             ref_text = None if opts.get("x_vector_only_mode") else opts.get("ref_text")
             prompt = await voice_routes.inline_voice(self.app, opts["ref_audio"], ref_text)
-        self._script("check", opts, prompt)  # model-level refusals now, not at the first input.done
+        self._script(script.CHECK, opts, prompt)  # model-level refusals now, not at the first input.done
         self.config, self.prompt = opts, prompt
 
     def _script(self, text: str, opts: dict, prompt) -> Script:

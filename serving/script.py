@@ -19,6 +19,7 @@ from serving.schemas import build_request
 # Frames of speech per text token that a part is sized for when a long input is cut (prompt.py: real speech runs
 # about 3-4), so the context left after its prompt holds its speech; an input one request takes is one part.
 SPEECH_FRAMES_PER_TOKEN = 4
+CHECK = "<speak>check</speak>"  # an input of every input_format: what a WebSocket session's options are tried with
 
 
 @dataclasses.dataclass(frozen=True)

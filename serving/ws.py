@@ -118,7 +118,7 @@ class Session:
             output_rate(opts.get("response_format", "pcm"), opts.get("sample_rate"))  # G.711 is 8 kHz only
             saved, self.options = self.options, opts
             try:
-                self._script("check")  # model-level checks (voice, language, instructions) now, not later
+                self._script(script.CHECK)  # model-level checks (voice, language, instructions) now, not later
             except ApiError:
                 self.options = saved
                 raise

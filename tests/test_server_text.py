@@ -168,8 +168,8 @@ async def test_word_timings_and_ssml_on_our_websocket(client):
     """SSML waits for the commit even with sentence splitting on; word events come after each part's audio and
     count the pause."""
     async with client.ws_connect("/v1/audio/speech/stream") as ws:
-        await ws.send_json({"type": "session.update", "session": {
-            "voice": "ryan", "seed": 3, "max_frames": 6, "word_timestamps": True, "split_granularity": "sentence"}})
+        await ws.send_json({"type": "session.update", "session": {"voice": "ryan", "seed": 3, "max_frames": 6,
+                            "word_timestamps": True, "split_granularity": "sentence", "input_format": "ssml"}})
         await ws.send_json({"type": "input_text.append", "text": "<speak>Hello there. <break time='300ms'/>"})
         await ws.send_json({"type": "input_text.append", "text": "Bye now.</speak>"})
         await ws.send_json({"type": "input_text.commit"})
