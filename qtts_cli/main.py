@@ -1,5 +1,5 @@
 """`qtts-jax` command line: `synth` (text -> WAV) and `info` (what a checkpoint is) from the library, `serve`
-from `serving.cli` and `study` from `studies.cli`."""
+from `serving.cli`, `cluster` from `fleet.cli` and `study` from `studies.cli`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from fleet.cli import add_cluster_parser, cluster
 from qtts_jax.checkpoint import CheckpointError
 from qtts_jax.request import Request, RequestError
 from serving.aliases import DEFAULT as VOICE_ALIASES
@@ -55,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--model", default="tiny-random",
                    help="checkpoint directory, tiny-random or tiny-random-base (default tiny-random)")
     add_serve_parser(sub)
+    add_cluster_parser(sub)
     sub.add_parser("study", help="capacity studies of a server: `qtts-jax study {capacity,sustained,fleet} --help`",
                    add_help=False)
     return p
@@ -71,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         # JAX probes for a TPU on every start and logs the missing libtpu.so, which reads as an error on CPU/GPU
         logging.getLogger("jax._src.xla_bridge").addFilter(lambda r: "libtpu.so" not in r.getMessage())
         return serve(args)
+    if args.command == "cluster":
+        return cluster(args)
     import jax.numpy as jnp
 
     from qtts_jax.audio import write_wav

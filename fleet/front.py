@@ -1,0 +1,237 @@
+"""The fleet's HTTP and WebSocket entry (the Ray Serve ingress): relays each request to an engine replica through a
+deployment handle and adds `X-Replica` to each response.
+
+It decides nothing about a request itself, except where it goes and what a dead replica's stream ends with:
+- a speech request refused by a replica (429, or 503 while that replica warms up or drains) is tried on the others
+  (the router excludes those already tried); the client gets the refusal only when every replica refused it;
+- a replica that dies before answering is skipped the same way; one that dies mid-stream ends an SSE stream with an
+  `error` event, aborts a raw audio stream (a truncated transfer) and sends a WebSocket `error` event and closes;
+- /ready, /health and /metrics sum up or label every replica's own answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from fleet import router
+from serving.errors import ApiError
+from serving.schemas import base64_chars
+from serving.settings import Settings
+
+log = logging.getLogger("fleet")
+
+GONE = (RayActorError, ActorUnavailableError)  # the replica died or cannot be reached: another one may answer
+REFUSED = {429, 503}  # the replica's admission said no (or it warms up, or drains): another one may say yes
+BROADCAST_TIMEOUT_S = 2.0
+
+
+class Front:
+    """ASGI app over the engine deployment's handle (`__serve_build_asgi_app__`, see fleet/app.py)."""
+
+    async def __init__(self, engine, settings: Settings, deployment: str):
+        self.deployment = deployment
+        # what a speech body may hold (a Base model's inline ref_audio): larger is the server's 413 to give
+        self.max_body = settings.max_body_bytes + base64_chars(settings.max_voice_upload_bytes)
+        # the handle's first call starts its router; the copies `options` makes after it share that one router
+        # (made before it, each would start its own, which waits for the replica list and counts apart)
+        await engine.remote()
+        self.calls = {name: engine.options(method_name=name, stream=name in ("http", "ws_open"))
+                      for name in ("http", "ws_open", "ws_send", "stats", "metrics_text")}
+
+    def __serve_build_asgi_app__(self):
+        async def app(scope, receive, send):  # a plain coroutine function: what ASGI servers recognise as ASGI 3
+            if scope["type"] == "http":
+                await self.http(scope, receive, send)
+            elif scope["type"] == "websocket":
+                await self.websocket(scope, receive, send)
+            elif scope["type"] == "lifespan":
+                while (msg := await receive())["type"] != "lifespan.shutdown":
+                    await send({"type": "lifespan.startup.complete"})
+                await send({"type": "lifespan.shutdown.complete"})
+        return app
+
+    # ---- HTTP ---------------------------------------------------------------------------------------------
+
+    async def http(self, scope, receive, send) -> None:
+        path, method = scope["path"], scope["method"]
+        try:
+            body = await _body(receive, self.max_body)
+        except ApiError as err:
+            return await _json(send, err.status, err.body())
+        if path in ("/ready", "/health") and method == "GET":
+            return await self.readiness(send, path)
+        if path == "/metrics" and method == "GET":
+            return await self.metrics(send)
+        full = path + (f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else "")
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+        stream = path == "/v1/audio/speech" and method == "POST"
+        tried: set[str] = set()
+        while True:
+            gen = self.calls["http"].remote(
+                method, full, headers, body, route={"stream": stream, "exclude": sorted(tried)})
+            try:
+                head = await gen.__anext__()
+            except GONE as exc:
+                if not stream or len(tried) >= len(self._replicas()):
+                    return await _json(send, 503, ApiError(503, "no_replica", f"no replica answered: {exc}",
+                                                           retry_after=1).body(), retry_after=1)
+                log.warning("replica gone before answering; trying another: %s", exc)
+                continue
+            retry = stream and head["status"] in REFUSED and head["replica"] not in tried
+            tried.add(head["replica"])
+            if retry and len(tried) < len(self._replicas()):
+                gen.cancel()
+                continue
+            return await self._relay(gen, head, send)
+
+    async def _relay(self, gen, head: dict, send) -> None:
+        """The replica's response as it comes; if the replica fails mid-stream, the end its format allows."""
+        headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in head["headers"]]  # ASGI: lower case
+        headers.append((b"x-replica", head["replica"].encode()))
+        sse = any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+        await send({"type": "http.response.start", "status": head["status"], "headers": headers})
+        try:
+            async for data in gen:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+        except Exception as exc:
+            log.warning("replica %s failed mid-stream: %s", head["replica"], exc)
+            if not sse:
+                raise  # the client sees a truncated transfer, never a silently short file
+            event = {"type": "error", "error": {"code": "replica_failed",
+                                                "message": f"replica {head['replica']} failed: {type(exc).__name__}"}}
+            await send({"type": "http.response.body", "body": _sse(event), "more_body": True})
+        finally:
+            gen.cancel()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _replicas(self) -> list[str]:
+        return router.KNOWN.get(self.deployment, [])
+
+    async def each(self, method: str, *args) -> dict[str, object]:
+        """`method` on every replica this front's router knows (dead or slow ones left out), one after another:
+        Ray Serve gives the calls a request makes its own request id, so calls pending at once would collide."""
+        out = {}
+        for i in self._replicas():
+            try:
+                out[i] = await asyncio.wait_for(_result(self.calls[method].remote(*args, route={"pin": i})),
+                                                BROADCAST_TIMEOUT_S)
+            except (asyncio.TimeoutError, *GONE) as exc:
+                log.warning("replica %s did not answer %s: %r", i, method, exc)
+        return out
+
+    async def readiness(self, send, path: str) -> None:
+        """/ready: 200 while any replica admits work, with slots, active and queued streams summed (what the studies
+        read); /health: liveness with the same sums in the batched Rust server's fields."""
+        stats = list((await self.each("stats")).values())
+        slots, active, queued = (sum(s[k] for s in stats) for k in ("slots", "active", "queued"))
+        replicas = [{k: s[k] for k in ("replica", "ready", "slots", "active", "queued")} for s in stats]
+        if path == "/health":
+            return await _json(send, 200, {"status": "ok", "queue_depth": queued, "max_batch": slots,
+                                           "active": active, "replicas": replicas})
+        if any(s["ready"] for s in stats):
+            return await _json(send, 200, {"status": "ready", "slots": slots, "active": active, "queued": queued,
+                                           "replicas": replicas})
+        return await _json(send, 503, {"status": "warming" if not stats else "draining", "replicas": replicas},
+                           retry_after=5)
+
+    async def metrics(self, send) -> None:
+        """Every replica's Prometheus metrics, each sample labelled with its `replica`."""
+        texts = await self.each("metrics_text")
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Labelled(texts))
+        await _send_whole(send, 200, generate_latest(registry), b"text/plain; version=0.0.4; charset=utf-8")
+
+    # ---- WebSocket ----------------------------------------------------------------------------------------
+
+    async def websocket(self, scope, receive, send) -> None:
+        """The server's WebSocket on one replica (chosen like a stream); its messages both ways, in order."""
+        if (await receive())["type"] != "websocket.connect":
+            return
+        sid = uuid.uuid4().hex
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+        gen = self.calls["ws_open"].remote(sid, scope["path"], headers, route={"stream": True})
+        try:
+            replica = (await gen.__anext__())["replica"]
+        except GONE:
+            return await send({"type": "websocket.close", "code": 1013})
+        await send({"type": "websocket.accept", "headers": [(b"x-replica", replica.encode())]})
+        pump = asyncio.ensure_future(self._client_to_replica(sid, replica, receive))
+        try:
+            async for kind, data in gen:
+                if kind == "close":
+                    return await send({"type": "websocket.close", "code": data})
+                await send({"type": "websocket.send", "text" if kind == "text" else "bytes": data})
+        except Exception as exc:
+            log.warning("replica %s failed mid-session: %s", replica, exc)
+            event = {"type": "error", "error": {"code": "replica_failed", "message": f"replica {replica} failed: "
+                                                f"{type(exc).__name__}", "param": None}}
+            await send({"type": "websocket.send", "text": json.dumps(event)})
+            await send({"type": "websocket.close", "code": 1011})
+        finally:
+            pump.cancel()
+            gen.cancel()
+
+    async def _client_to_replica(self, sid: str, replica: str, receive) -> None:
+        route = {"pin": replica}
+        while True:
+            msg = await receive()
+            if msg["type"] == "websocket.disconnect":
+                await self.calls["ws_send"].remote(sid, "close", msg.get("code"), route=route)
+                return
+            kind, data = ("text", msg["text"]) if msg.get("text") is not None else ("bytes", msg.get("bytes"))
+            if not await self.calls["ws_send"].remote(sid, kind, data, route=route):
+                return
+
+
+class _Labelled:
+    """A Prometheus collector of parsed exposition texts, each sample labelled with the replica it came from."""
+
+    def __init__(self, texts: dict[str, str]):
+        self.texts = texts
+
+    def collect(self):
+        for replica, text in self.texts.items():
+            for family in text_string_to_metric_families(text):
+                family.samples = [s._replace(labels={**s.labels, "replica": replica}) for s in family.samples]
+                yield family
+
+
+async def _result(response):
+    return await response
+
+
+async def _body(receive, limit: int) -> bytes:
+    chunks, size = [], 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ApiError(400, "disconnected", "the client went away", "body")
+        chunks.append(msg.get("body", b""))
+        size += len(chunks[-1])
+        if size > limit:
+            raise ApiError(413, "body_too_large", f"request body too large: more than {limit} bytes", "body")
+        if not msg.get("more_body"):
+            return b"".join(chunks)
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _json(send, status: int, obj: dict, retry_after: int | None = None) -> None:
+    await _send_whole(send, status, json.dumps(obj).encode(), b"application/json", retry_after)
+
+
+async def _send_whole(send, status: int, body: bytes, ctype: bytes, retry_after: int | None = None) -> None:
+    headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

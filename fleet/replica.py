@@ -1,0 +1,134 @@
+"""One engine replica: the speech server's own aiohttp app (serving.app.create_app), listening on a Unix socket
+inside the replica, with its HTTP responses and WebSocket messages streamed out through Ray deployment handles.
+
+Running the server itself, not a copy of its routes, keeps request validation, admission, encoding, SSE and error
+bodies exactly the server's. Every method takes a `route` keyword that only the router reads (fleet/router.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+
+import aiohttp
+from aiohttp import web
+
+from serving.errors import ApiError
+from serving.settings import Settings
+
+# hop-by-hop headers (the front frames its own response) and those Ray Serve's proxy sets itself (it passes the
+# request id on to the server, which echoes it)
+HOP_HEADERS = frozenset(("connection", "keep-alive", "transfer-encoding", "upgrade", "date", "server", "x-request-id"))
+
+
+class Replica:
+    """A Ray Serve deployment class (wrapped by `fleet.app.build`); ready only once the engine has warmed up, so
+    the router never sees a replica that would answer 503."""
+
+    async def __init__(self, settings: Settings):
+        from qtts_jax import compile_cache
+        from serving.app import create_app
+        from serving.keys import WARMUP_ERROR, WARMUP_TASK
+
+        self.id = _replica_id()
+        # a shared compilation cache turns a new replica's minutes of XLA into seconds
+        compile_cache.enable(settings.compile_cache)
+        self.app = create_app(settings)
+        self.dir = tempfile.mkdtemp(prefix="qtts-replica-")
+        self.sock = os.path.join(self.dir, "server.sock")
+        self.runner = web.AppRunner(self.app, handler_cancellation=True)
+        await self.runner.setup()
+        await web.UnixSite(self.runner, self.sock).start()
+        await asyncio.shield(self.app[WARMUP_TASK])
+        if self.app[WARMUP_ERROR]:
+            raise RuntimeError(f"warm-up failed: {self.app[WARMUP_ERROR][0]}")
+        self.client = aiohttp.ClientSession(connector=aiohttp.UnixConnector(self.sock, limit=0),
+                                            timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
+        self.sockets: dict[str, aiohttp.ClientWebSocketResponse] = {}
+
+    async def http(self, method: str, path: str, headers: list, body: bytes, route: dict | None = None):
+        """The server's answer to one HTTP request: first {"status", "headers", "replica"}, then the body's bytes as
+        they come. A response the server aborts (a raw audio stream whose engine failed) raises here, so the front
+        aborts its own."""
+        headers = [(k, v) for k, v in headers if k.lower() not in HOP_HEADERS - {"x-request-id"} | {"host"}]
+        async with self.client.request(method, f"http://replica{path}", headers=headers, data=body,
+                                       allow_redirects=False) as r:
+            yield {"status": r.status, "replica": self.id,
+                   "headers": [(k, v) for k, v in r.headers.items() if k.lower() not in HOP_HEADERS]}
+            async for data in r.content.iter_any():
+                yield data
+
+    async def ws_open(self, sid: str, path: str, headers: list, route: dict | None = None):
+        """A WebSocket to the server: first {"replica"}, then ("text" | "bytes", data) per server message and
+        ("close", code) at the end. The front sends the client's messages with `ws_send(sid, ...)`."""
+        headers = [(k, v) for k, v in headers if k.lower() in ("user-agent", "x-request-id")]
+        async with self.client.ws_connect(f"http://replica{path}", headers=headers, autoping=True,
+                                          max_msg_size=0) as ws:
+            self.sockets[sid] = ws
+            try:
+                yield {"replica": self.id}
+                async for msg in ws:
+                    if msg.type == aiohttp.WSMsgType.TEXT:
+                        yield ("text", msg.data)
+                    elif msg.type == aiohttp.WSMsgType.BINARY:
+                        yield ("bytes", msg.data)
+                    else:
+                        break
+                yield ("close", ws.close_code or 1000)
+            finally:
+                self.sockets.pop(sid, None)
+
+    async def ws_send(self, sid: str, kind: str, data, route: dict | None = None) -> bool:
+        """Forward one client message ("text", "bytes" or "close") to the session's server socket; False when the
+        session is gone (it ended, or this is not its replica)."""
+        ws = self.sockets.get(sid)
+        if ws is None or ws.closed:
+            return False
+        if kind == "text":
+            await ws.send_str(data)
+        elif kind == "bytes":
+            await ws.send_bytes(data)
+        else:
+            await ws.close(code=int(data or 1000))
+        return True
+
+    def stats(self, route: dict | None = None) -> dict:
+        """What routing and the front's /ready need, from the engine's stats snapshot and the server's own
+        admission (`Scheduler.admit` only reads the snapshot: asking changes nothing)."""
+        from serving.keys import ENGINE, SCHEDULER
+
+        sched, st = self.app[SCHEDULER], self.app[ENGINE].stats()
+        try:
+            ttfa, admit = sched.admit(), True
+        except ApiError:
+            ttfa, admit = None, False
+        return {"replica": self.id, "ready": sched.accepting, "admit": admit, "ttfa_s": ttfa, "slots": st.slots,
+                "active": st.live, "queued": st.queued, "streams": len(sched.streams), "at": time.time()}
+
+    async def metrics_text(self, route: dict | None = None) -> str:
+        """The server's own /metrics (the front labels each replica's samples)."""
+        async with self.client.get("http://replica/metrics") as r:
+            return await r.text()
+
+    __call__ = stats  # the handle's plain call (the front's first, which starts the router every call shares)
+
+    def record_routing_stats(self) -> dict:
+        """Ray Serve pulls this every `request_routing_stats_period_s` for the router."""
+        return self.stats()
+
+    async def __del__(self):
+        """Ray calls this once its graceful shutdown has waited for the open streams: stop the server and engine."""
+        await self.client.close()
+        await self.runner.cleanup()
+
+
+def _replica_id() -> str:
+    """Ray Serve's id of this replica (what `X-Replica` says); the process id outside Serve."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - not inside a Serve replica (a unit test)
+        return f"pid{os.getpid()}"
