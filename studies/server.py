@@ -30,7 +30,8 @@ def free_port() -> int:
 def local_server(model: str = "tiny-random", slots: int | str = 4, context: int = 256, frames_per_step: int = 1,
                  serialised: bool = False, log_path: str | Path | None = None, ready_timeout_s: float = 300.0,
                  extra_args: tuple[str, ...] = ()):
-    """Yields the base URL of a ready server on 127.0.0.1; SIGTERM (then kill) on exit. `slots` may be "auto"."""
+    """Yields the base URL of a ready server on 127.0.0.1, at its full size (nothing left compiling in the
+    background); SIGTERM (then kill) on exit. `slots` may be "auto"."""
     port = free_port()
     args = [sys.executable, "-m", "qtts_cli", "serve", "--model", model, "--host", "127.0.0.1",
             "--port", str(port), "--slots", str(1 if serialised else slots), "--context", str(context),
@@ -56,7 +57,7 @@ def local_server(model: str = "tiny-random", slots: int | str = 4, context: int 
 
 
 async def _ready_or_died(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
-    ready = asyncio.ensure_future(wait_ready(url, timeout_s))
+    ready = asyncio.ensure_future(wait_ready(url, timeout_s, idle=True))
     with bar(None, f"warming up {url}", "s") as progress:  # compiling takes minutes on a CPU
         while not ready.done():
             if proc.poll() is not None:

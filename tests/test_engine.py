@@ -211,15 +211,17 @@ def test_pallas_sampler_makes_the_same_choices(model):
 
 
 def test_background_warmup_serves_its_smallest_rung_at_once_then_grows_to_every_slot(model, monkeypatch):
-    """`warmup(background=True)` returns with the smallest rung compiled and timed: the engine serves that many
-    streams (the next waits for a free one) and says so in its stats; once the larger rungs are compiled and timed
-    on their own thread, every slot serves, side by side, and the codes are the same."""
-    engine = Engine(model, dataclasses.replace(SMALL, batch_sizes=(1,)))
+    """`warmup(background=True)` returns with the least that serves compiled and timed: the smallest rung, one
+    frame a step: the engine serves that many streams (the next waits for a free one) and says so in its stats;
+    once the rest is compiled and timed on its own thread, every slot and step size serves, and the codes are the
+    same."""
+    engine = Engine(model, dataclasses.replace(SMALL, batch_sizes=(1,), frames_per_step=2, schedule=(1, 2)))
     gate, rest = threading.Event(), engine._warm_rest
     monkeypatch.setattr(engine, "_warm_rest", lambda *args: gate.wait() and rest(*args))
     engine.warmup(background=True)
     st = engine.stats()
-    assert (st.slots, st.ladder, st.compiling) == (1, (1,), 3)  # rung 2's step, codec and first frame
+    # to come: a prefill of 2 and rung 1's 2-frame step and codec; rung 2's steps, codecs and first frame
+    assert (st.slots, st.ladder, st.step_sizes, st.compiling) == (1, (1,), (1,), 8)
     reqs = [Request("One at a time.", speaker="ryan", seed=3, max_frames=4),
             Request("Then me.", speaker="eric", seed=4, max_frames=3)]
     alone = run(engine, [(0, r) for r in reqs])
@@ -229,7 +231,8 @@ def test_background_warmup_serves_its_smallest_rung_at_once_then_grows_to_every_
     while engine.stats().compiling and time.monotonic() < deadline:
         time.sleep(0.05)
     st = engine.stats()
-    assert (st.slots, st.ladder, st.compiling) == (2, (1, 2), 0) and (2, 1) in st.step_costs and 2 in st.first_costs
+    assert (st.slots, st.ladder, st.step_sizes, st.compiling) == (2, (1, 2), (1, 2), 0)
+    assert {(2, 1), (2, 2)} <= set(st.step_costs) and 2 in st.first_costs and 2 in st.prefill_costs
     together = run(engine, [(0, r) for r in reqs])
     assert together[0][0].timings.admitted == together[1][0].timings.admitted
     assert_same_codes(together, alone)

@@ -113,9 +113,11 @@ class Engine:
         # what programs are lowered on: the states' shapes, never their buffers (the loop donates those)
         self._specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                                    (self.state, self.codec_state))
-        # the rungs the loop may use: the whole ladder, but while `warmup(background=True)` compiles the larger
-        # rungs only those compiled and timed so far; the slots in use never exceed the largest
-        self._ladder, self._first_sizes = c.ladder, c.first_sizes
+        # the sizes the loop may use: all of them, but while `warmup(background=True)` compiles only those compiled
+        # and timed so far (`_use`); the slots in use never exceed the largest rung
+        self._ladder, self._first_sizes, self._step_sizes = c.ladder, c.first_sizes, c.step_sizes
+        self._codec_sizes, self._prefill_sizes = c.codec_sizes, c.prefill_sizes
+        self._ready: set = set()  # programs warmed up (compiled and timed), by key
         self._compiling = 0  # programs the background warm-up has still to compile and time
         self.slots: list[Stream | None] = [None] * c.slots
         self.queue: collections.deque[Stream] = collections.deque()
@@ -171,33 +173,36 @@ class Engine:
         """Compile every program the loop calls (in parallel: XLA compiles off the GIL), then time each once
         on the idle engine: those costs seed the step-size choice and admission until live ones replace them.
 
-        With `background`, return once the prefill programs and the smallest rung's are compiled and timed: the
-        engine then serves that many streams while a thread compiles the larger rungs, each joining the ladder
-        (and the slots in use growing to it) as soon as its programs are compiled and timed on a scratch state, so
-        a cold server is ready after a fraction of its programs."""
+        With `background`, return once the least that serves is compiled and timed (`_stages`): the engine then
+        serves as many streams as the smallest rung holds, one frame a step, while a thread compiles the rest
+        stage by stage, each stage's sizes (and the slots in use) joining the loop's as soon as they are compiled
+        and timed on a scratch state; a cold server is ready after a handful of its programs."""
         c, cfg = self.config, self.model.cfg
         t0 = time.perf_counter()
-        first, rest = (c.ladder[:1], c.ladder[1:]) if background else (c.ladder, ())
-        keys = [("insert", bucket, r) for bucket in c.prompt_buckets for r in c.prefill_sizes]
-        keys += [key for b in first for key in self._rung_keys(b)]
+        stages = self._stages()
+        now, later = (stages[:1], stages[1:]) if background else (stages, [])
+        keys = [key for stage in now for key in stage]
         self._compile(keys)
         if cfg.model_type == "base":  # ICL voices: one-slot priming at every chunk size, and loading
             primed = self._prime(np.zeros((sum(c.codec_sizes), cfg.num_code_groups), np.int32))
             self.codec_state = self._codec_load(self.codec_state, primed, np.int32(0))
         log.info("compiled %d engine programs in %.1f s", len(keys), time.perf_counter() - t0)
-        for r in c.prefill_sizes:
-            self.prefill_costs[r], self.state = self._time_insert(r, self.state)
-        for b in first:
-            steps, firsts, self.state, self.codec_state = self._time_rung(b, self.state, self.codec_state)
-            self.step_costs.update(steps)
-            self.first_costs.update(firsts)
+        self.state, self.codec_state = self._use(keys, self.state, self.codec_state, left=sum(map(len, later)))
         log.info("step costs (rows, frames) -> ms: %s", {k: round(v * 1e3, 1) for k, v in self.step_costs.items()})
-        with self._lock:
-            self._ladder, self._first_sizes = first, tuple(b for b in c.first_sizes if b in first)
-            self._compiling = sum(len(self._rung_keys(b)) for b in rest)
-            self._stats = self._snapshot()
-        if rest:
-            threading.Thread(target=self._warm_rest, args=(rest, t0), name="qtts-warmup", daemon=True).start()
+        if later:
+            threading.Thread(target=self._warm_rest, args=(later, t0), name="qtts-warmup", daemon=True).start()
+
+    def _stages(self) -> list[list[tuple]]:
+        """Every program, in the order a background warm-up makes them usable: first the least that serves (a
+        prefill of one request per prompt bucket, and the smallest rung's one-frame step, one-frame codec call and
+        first frame), then that rung's other step and codec sizes and the other prefill sizes, then each larger
+        rung whole."""
+        c = self.config
+        least = ([("insert", bucket, c.prefill_sizes[0]) for bucket in c.prompt_buckets]
+                 + [("step", c.ladder[0], 1), ("codec", c.ladder[0], 1), ("first", c.ladder[0], 1)])
+        prefills = [("insert", bucket, r) for bucket in c.prompt_buckets for r in c.prefill_sizes]
+        rest = [key for key in prefills + self._rung_keys(c.ladder[0]) if key not in least]
+        return [least, rest] + [self._rung_keys(b) for b in c.ladder[1:]]
 
     def _rung_keys(self, b: int) -> list[tuple]:
         """The programs of one ladder rung: its step and codec sizes, and its first-frame program if it has one."""
@@ -222,29 +227,59 @@ class Engine:
         log.info("slowest compiles (s, program, temp GiB): %s",
                  [(round(t, 1), k, round(m, 2)) for t, k, m in sorted(report, reverse=True)[:8]])
 
-    def _warm_rest(self, rungs: tuple[int, ...], t0: float) -> None:
-        """The background half of `warmup`: the larger rungs one after the other, each compiled, timed on a
-        scratch state of its own (the loop owns the real one) and added to the ladder in use."""
+    def _warm_rest(self, stages: list[list[tuple]], t0: float) -> None:
+        """The background half of `warmup`: stage after stage compiled, timed on a scratch state of its own (the
+        loop owns the real one) and added to what the loop may use."""
         try:
             state, codec_state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._specs)
-            for b in rungs:
-                self._compile(self._rung_keys(b))
-                steps, firsts, state, codec_state = self._time_rung(b, state, codec_state)
-                with self._lock:
-                    self.step_costs.update({k: v for k, v in steps.items() if k not in self.step_costs})
-                    self.first_costs.update({k: v for k, v in firsts.items() if k not in self.first_costs})
-                    self._ladder += (b,)
-                    self._first_sizes += tuple(firsts)
-                    self._compiling -= len(self._rung_keys(b))
-                    self._stats = dataclasses.replace(self._stats, step_costs=dict(self.step_costs),
-                                                      first_costs=dict(self.first_costs))
+            for i, keys in enumerate(stages):
+                self._compile(keys)
+                state, codec_state = self._use(keys, state, codec_state, left=sum(map(len, stages[i + 1:])))
             del state, codec_state
             log.info("every rung compiled and timed after %.1f s (slots=%d)", time.perf_counter() - t0,
                      self.config.slots)
-        except Exception:  # the rungs compiled so far keep serving
+        except Exception:  # what was compiled so far keeps serving
             log.exception("background warm-up failed; serving with rungs %s", self._ladder)
             with self._lock:
                 self._compiling = 0
+
+    def _use(self, keys: list[tuple], state, codec_state, left: int):
+        """Time the compiled programs `keys` once each on padding rows (writes dropped, so `state` and
+        `codec_state` keep their values; they are donated and returned), then let the loop use them (`left`:
+        programs still to come): a step's iteration cost is the step plus a codec call of as many rows, prefill
+        is timed at the largest bucket."""
+        c, params = self.config, self.model.params
+        ready = self._ready | set(keys)
+        codec_sizes = [n for n in c.codec_sizes if ("codec", c.ladder[0], n) in ready]
+        steps, firsts, prefills = {}, {}, {}
+        for kind, a, n in keys:
+            idx, zeros = np.full(a, c.slots, np.int32), np.zeros(a, bool)
+            if kind == "insert" and a == max(c.prompt_buckets):
+                state, prefills[n] = _timed(lambda st: self._program("insert", a, n)(
+                    params, st, *self._dummy_inserts(a, n)), state)
+            elif kind == "step":
+                chunk = min(s for s in codec_sizes if s >= min(max(c.schedule), n, max(codec_sizes)))
+                state, step_s = _timed(lambda st: self._program("step", a, n)(params, st, idx, zeros), state)
+                codec_state, codec_s = _timed(lambda st: self._program("codec", a, chunk)(
+                    self.codec_params, st, state.codes, idx, zeros, np.zeros(a, np.int32),
+                    np.full(a, chunk, np.int32))[::-1], codec_state)
+                steps[a, n] = step_s + codec_s
+            elif kind == "first":
+                (state, codec_state), firsts[a] = _timed(lambda sts: _split_last(self._program("first", a, 1)(
+                    params, self.codec_params, *sts, idx, zeros, zeros, zeros)), (state, codec_state))
+        with self._lock:
+            for costs, new in ((self.step_costs, steps), (self.first_costs, firsts), (self.prefill_costs, prefills)):
+                costs.update({k: v for k, v in new.items() if k not in costs})  # live measurements stay
+            self._ready = ready
+            self._ladder = tuple(b for b in c.ladder if {("step", b, 1), ("codec", b, 1)} <= ready)
+            self._first_sizes = tuple(b for b in c.first_sizes if ("first", b, 1) in ready)
+            self._step_sizes = tuple(n for n in c.step_sizes if ("step", c.ladder[0], n) in ready)
+            self._codec_sizes = tuple(codec_sizes)
+            self._prefill_sizes = tuple(r for r in c.prefill_sizes
+                                        if all(("insert", b, r) in ready for b in c.prompt_buckets))
+            self._compiling = left
+            self._stats = self._snapshot()
+        return state, codec_state
 
     def prepare_voice(self, ref_codes: np.ndarray) -> None:
         """Compute and cache the codec state after an ICL voice's reference codes (thread-safe; the server
@@ -379,7 +414,7 @@ class Engine:
             oldest_wait_s=now - queued[0].timings.submitted if queued else 0.0,
             frames_left=tuple(0 if s.lm_done else max(s.frames_cap - len(s.codes), 0) for s in in_slots),
             queued_frames=tuple(s.frames_cap for s in queued),
-            step_sizes=c.step_sizes,
+
             headroom_margin_s=self._margin_s, lead_s=c.lead_s, late_chunks=self.late_chunks,
             step_costs=dict(self.step_costs), prefill_costs=dict(self.prefill_costs), first_costs=dict(self.first_costs),
             iteration_s=self._iteration_s, min_headroom_s=min(headrooms) if headrooms else None,
@@ -388,7 +423,8 @@ class Engine:
 
     def _sizes(self) -> dict:
         """The stats' fields a background warm-up changes (read under the lock, which it takes to change them)."""
-        return dict(slots=max(self._ladder), ladder=self._ladder, compiling=self._compiling)
+        return dict(slots=max(self._ladder), ladder=self._ladder, step_sizes=self._step_sizes,
+                    compiling=self._compiling)
 
     def _plan_step(self, playing: list[Stream], first, extra_s: float, now: float) -> StepPlan:
         """The step's frames (`scheduler.step_frames`) from the playing streams' headroom, the newcomers' one
@@ -397,7 +433,7 @@ class Engine:
         b = rung(self._ladder, len(playing) + (len(first[1]) if first else 0))
         headroom = np.array([h for s in playing if (h := s.buffered(now)) is not None], float)
         newcomer_audio = FRAME_SECONDS if first is not None and first[1].any() else None
-        costs = {n: self.step_costs.get((b, n), 0.0) for n in c.step_sizes}
+        costs = {n: self.step_costs.get((b, n), 0.0) for n in self._step_sizes}
         return step_frames(costs, headroom, newcomer_audio, extra_s, self._margin_s, c.max_step_s,
                            self._delivery_s)
 
@@ -489,9 +525,10 @@ class Engine:
                 stream.fresh_codec = False
         done = None
         for bucket, streams in groups.items():
-            for at in range(0, len(streams), c.max_prefill):
-                part = streams[at : at + c.max_prefill]
-                r = rung(c.prefill_sizes, len(part))
+            most = max(self._prefill_sizes)
+            for at in range(0, len(streams), most):
+                part = streams[at : at + most]
+                r = rung(self._prefill_sizes, len(part))
                 args = self._insert_args([(s.slot, s.job) for s in part], r)
                 self.state, done = self._program("insert", bucket, r)(self.model.params, self.state, *args)
         return joined, done
@@ -566,40 +603,6 @@ class Engine:
             exe = self._programs[kind, a, b] = self._lower(kind, a, b).compile()
         return exe
 
-    def _time_rung(self, b: int, state, codec_state):
-        """Time rung b's programs once each on padding rows (writes dropped, so `state` and `codec_state` keep
-        their values; they are donated and returned): a step's iteration cost is the step plus a codec call of as
-        many rows, and the first-frame program where the rung has one. Returns (step costs, first-frame costs,
-        state, codec state)."""
-        c, params = self.config, self.model.params
-        idx, zeros = np.full(b, c.slots, np.int32), np.zeros(b, bool)
-        steps, firsts = {}, {}
-
-        def codec(st, chunk):
-            audio, st = self._program("codec", b, chunk)(self.codec_params, st, state.codes, idx, zeros,
-                                                         np.zeros(b, np.int32), np.full(b, chunk, np.int32))
-            return st, audio
-
-        def first(sts):
-            *sts, out = self._program("first", b, 1)(params, self.codec_params, *sts, idx, zeros, zeros, zeros)
-            return tuple(sts), out
-
-        for n in c.step_sizes:
-            chunk = min(s for s in c.codec_sizes if s >= min(max(c.schedule), n))
-            state, step_s = _timed(lambda st: self._program("step", b, n)(params, st, idx, zeros), state)
-            codec_state, codec_s = _timed(partial(codec, chunk=chunk), codec_state)
-            steps[b, n] = step_s + codec_s
-        if b in c.first_sizes:
-            (state, codec_state), firsts[b] = _timed(first, (state, codec_state))
-        return steps, firsts, state, codec_state
-
-    def _time_insert(self, r: int, state):
-        """Seconds of prefilling r requests of the largest prompt bucket (padding rows), and the state."""
-        bucket = max(self.config.prompt_buckets)
-        state, seconds = _timed(lambda st: self._program("insert", bucket, r)(
-            self.model.params, st, *self._dummy_inserts(bucket, r)), state)
-        return seconds, state
-
     def _primed_state(self, ref_codes: np.ndarray) -> codec_streaming.StreamState:
         """One slot's codec state after decoding ``ref_codes``, from a small LRU cache keyed by the codes."""
         codes = np.ascontiguousarray(ref_codes, np.int32)
@@ -641,12 +644,12 @@ class Engine:
             lm_done=np.array([s.lm_done for s in waiting]),
             headroom=np.array([np.nan if (h := s.buffered(now)) is None else h for s in waiting]),
             lead_s=c.lead_s, horizon_s=self._iteration_s + self._delivery_s + self._margin_s,
-            most=max(c.codec_sizes))
+            most=max(self._codec_sizes))
         due = [(s, int(f)) for s, f in zip(waiting, counts) if f]
         if not due:
             return
         b = rung(self._ladder, len(due))
-        n = rung(c.codec_sizes, max(f for _, f in due))
+        n = rung(self._codec_sizes, max(f for _, f in due))
         idx = np.full(b, c.slots, np.int32)
         fresh = np.zeros(b, bool)
         start, count = np.zeros(b, np.int32), np.zeros(b, np.int32)
@@ -725,6 +728,11 @@ class Engine:
             queued, self.queue = list(self.queue), collections.deque()
         for s in queued:
             self._finish(s, error=message)
+
+
+def _split_last(out: tuple) -> tuple:
+    """(a, b, ..., last) -> ((a, b, ...), last)."""
+    return tuple(out[:-1]), out[-1]
 
 
 def _timed(call, donated):
