@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALL := $(PY) -m pip install --quiet --no-compile
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: help setup setup-gpu browser test synth serve study explore lab clean
+.PHONY: help setup setup-gpu browser test test-fleet cluster synth serve study explore lab clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 12
@@ -32,6 +32,10 @@ $(VENV)/.lab: pyproject.toml | $(PY)
 	$(INSTALL) -e ".[study,lab]"
 	touch $@
 
+$(VENV)/.fleet: pyproject.toml $(VENV)/.dev
+	$(INSTALL) -e ".[dev,fleet]"
+	touch $@
+
 $(VENV)/.dev: pyproject.toml requirements-reference.txt | $(PY)
 	$(INSTALL) -e ".[dev]"
 	$(INSTALL) -r requirements-reference.txt
@@ -55,7 +59,12 @@ browser:  ## chromium + chromedriver for the page's browser tests (apt-get, as r
 # Two workers (a 2-core CI machine; more only where there are cores), each taking whole files (module fixtures
 # are built once), in the order tests/conftest.py gives them (slowest first).
 test: setup browser  ## the test suite (2 workers; the 15 slowest listed at the end)
-	$(PY) -m pytest -q --durations=15 -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q --durations=15 -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder -m "not fleet"
+
+# The Ray Serve fleet's tests (tests/test_fleet.py): two tiny-random CPU replicas in one local Ray instance, in one
+# process (Ray takes the cores); the fleet extra (ray[serve]) is installed only here
+test-fleet: $(VENV)/.fleet  ## the fleet's tests on CPU replicas (installs the fleet extra)
+	$(PY) -m pytest -q --durations=5 -m fleet tests/test_fleet.py
 
 # MODEL=DIR|tiny-random; without MAX_FRAMES a real model ends on its own and random weights (which rarely end)
 # stop after the CLI's 24 frames (1.9 s)
@@ -67,6 +76,11 @@ synth: $(VENV)/.core  ## one file: TEXT="..." OUT=runs/hello.wav [MODEL=DIR] [MA
 serve: $(VENV)/.core  ## the speech server and its page: http://127.0.0.1:8000/ [MODEL=DIR] [SLOTS=8|auto] [PORT] [DTYPE]
 	$(VENV)/bin/qtts-jax serve --model $(or $(MODEL),tiny-random) --host $(or $(HOST),127.0.0.1) --port $(or $(PORT),8000) \
 		--slots $(or $(SLOTS),8) $(if $(DTYPE),--dtype $(DTYPE))
+
+# The same API from a Ray Serve fleet of engine replicas (a local Ray instance); REPLICAS, MODEL, PORT, SLOTS
+cluster: $(VENV)/.fleet  ## a Ray Serve fleet: http://127.0.0.1:8000/ [REPLICAS=2] [MODEL=DIR] [SLOTS=8] [PORT]
+	$(VENV)/bin/qtts-jax cluster --model $(or $(MODEL),tiny-random) --replicas $(or $(REPLICAS),2) \
+		--host $(or $(HOST),127.0.0.1) --port $(or $(PORT),8000) --slots $(or $(SLOTS),8)
 
 # Capacity study: a batched (2 slots) and a serialised tiny-random server on 127.0.0.1 side by side (or URL=...);
 # runs/<id>/report.html. Unset LOADS/REQUESTS/MAX_FRAMES/SLOTS take the CLI's defaults (`qtts-jax study capacity --help`).

@@ -1,0 +1,311 @@
+"""The Ray Serve fleet (fleet/) on CPU: tiny-random replicas of 2 slots behind the front, in one local Ray instance.
+Its own job (`make test-fleet`, marked `fleet`): it needs the fleet extra and a few minutes of Ray."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import socket
+import threading
+import time
+
+import pytest
+import requests
+
+ray = pytest.importorskip("ray")  # the fleet extra; `make test` deselects this file, `make test-fleet` installs it
+from ray import serve  # noqa: E402
+
+from fleet.app import RAY_ENV, FleetConfig, build  # noqa: E402
+from fleet.router import rank  # noqa: E402
+from serving.settings import Settings  # noqa: E402
+
+pytestmark = pytest.mark.fleet
+
+FRAME_BYTES = 1920 * 2  # one 80 ms frame of s16le PCM
+APP = "qtts"
+
+
+def _snapshot(admit=True, active=0, queued=0, slots=2, at=100.0, ready=True, ttfa=0.05):
+    return {"ready": ready, "admit": admit, "active": active, "queued": queued, "slots": slots, "at": at,
+            "ttfa_s": ttfa}
+
+
+def test_rank_puts_a_refusing_replica_after_every_one_that_admits():
+    busy_but_admits = _snapshot(active=1)
+    refuses = _snapshot(admit=False)
+    assert rank([("a", refuses), ("b", busy_but_admits)], {"stream": True}, {}) == [["b"], ["a"]]
+    assert rank([("a", refuses), ("b", {})], {"stream": True}, {}) == [["b"], ["a"]]  # unknown before refusing
+
+
+def test_rank_prefers_headroom_and_counts_streams_sent_since_the_snapshot():
+    assert rank([("a", _snapshot(active=1)), ("b", _snapshot())], {"stream": True}, {}) == [["b"], ["a"]]
+    # b's snapshot is idle, but two streams went there after it: b is full, a has a slot
+    assert rank([("a", _snapshot(active=1)), ("b", _snapshot())], {"stream": True}, {"b": (2, 0)}) == [["a"], ["b"]]
+    # both refused at their snapshots (a stream each), but b's has ended since: b may admit again, a will not
+    refusing = _snapshot(admit=False, active=1)
+    assert rank([("a", refusing), ("b", refusing)], {"stream": True}, {"b": (0, 1)}) == [["b"], ["a"]]
+
+
+def test_rank_pins_excludes_and_leaves_other_calls_to_ray():
+    both = [("a", _snapshot()), ("b", _snapshot())]
+    assert rank(both, {"pin": "b"}, {}) == [["b"]]
+    assert rank(both, {"stream": True, "exclude": ["a"]}, {}) == [["b"]]
+    assert rank(both, {"stream": True, "exclude": ["a", "b"]}, {}) == [["a"], ["b"]]  # never an empty choice
+    assert rank(both, {}, {}) == [["a", "b"]]
+
+
+def test_autoscaling_aims_each_replica_at_its_safe_capacity_less_headroom():
+    settings = Settings(slots=8)
+    assert FleetConfig(replicas=2).autoscaling(settings) is None
+    cfg = FleetConfig(replicas=2, max_replicas=4, safe_capacity=14, headroom=0.4).autoscaling(settings)
+    assert (cfg["min_replicas"], cfg["max_replicas"], cfg["initial_replicas"]) == (1, 4, 2)
+    assert cfg["target_ongoing_requests"] == pytest.approx(10)
+    assert FleetConfig(min_replicas=1).autoscaling(settings)["target_ongoing_requests"] == pytest.approx(8 / 1.4)
+    with pytest.raises(ValueError, match="safe-capacity"):
+        FleetConfig(max_replicas=2).autoscaling(Settings(slots="auto"))
+    with pytest.raises(ValueError):
+        FleetConfig(min_replicas=3, max_replicas=2).autoscaling(settings)
+
+
+# ---- a running fleet -------------------------------------------------------------------------------------------
+
+
+def _settings(**overrides) -> Settings:
+    return Settings(model="tiny-random", slots=2, context=1024, frames_per_step=1, drain_timeout_s=60,
+                    compile_cache=os.environ["QTTS_TEST_COMPILE_CACHE"], **overrides)
+
+
+@pytest.fixture(scope="module")
+def url():
+    os.environ.update(RAY_ENV)
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _deploy(url: str, settings: Settings, fleet: FleetConfig) -> None:
+    serve.run(build(settings, fleet), name=APP, route_prefix="/")
+    _replicas(url, fleet.replicas)
+
+
+def _replicas(url: str, count: int, timeout_s: float = 240) -> list[str]:
+    """The replica ids /ready lists, once there are `count` of them."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = requests.get(f"{url}/ready", timeout=10)
+        ids = [x["replica"] for x in r.json()["replicas"] if x["ready"]]
+        if r.status_code == 200 and len(ids) == count:
+            return ids
+        time.sleep(0.5)
+    raise TimeoutError(f"/ready never listed {count} replicas (last: {r.json()})")
+
+
+def _speech(url: str, frames: int, **extra) -> requests.Response:
+    body = {"input": "Hello there.", "voice": "ryan", "response_format": "pcm", "stream": True,
+            "max_frames": frames, "chunk_schedule": [1], **extra}
+    return requests.post(f"{url}/v1/audio/speech", json=body, stream=True, timeout=120)
+
+
+class Stream(threading.Thread):
+    """A streamed request read in the background: its response, bytes, and the error that ended it, if any."""
+
+    def __init__(self, url: str, frames: int, **extra):
+        super().__init__(daemon=True)
+        self.url, self.frames, self.extra = url, frames, extra
+        self.started, self.body, self.error, self.response = threading.Event(), b"", None, None
+        self.start()
+
+    def run(self):
+        try:
+            self.response = _speech(self.url, self.frames, **self.extra)
+            self.started.set()
+            for data in self.response.iter_content(chunk_size=None):
+                self.body += data
+        except requests.RequestException as exc:
+            self.error = exc
+        finally:
+            self.started.set()
+
+    @property
+    def replica(self) -> str:
+        assert self.started.wait(60) and self.response is not None, self.error
+        return self.response.headers["X-Replica"]
+
+
+def _rejected(url: str) -> dict[str, float]:
+    """Speech requests each replica's own admission refused (from the fleet's /metrics, labelled by replica)."""
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    pattern = r'qtts_requests_total\{endpoint="/v1/audio/speech",outcome="rejected",replica="(\w+)"\} (\S+)'
+    return {m[0]: float(m[1]) for m in re.findall(pattern, text)}
+
+
+def _kill(replica: str) -> None:
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#Engine#{replica}", namespace="serve"), no_restart=True)
+
+
+@pytest.fixture(scope="module")
+def fleet_of_two(url):
+    """Two replicas whose admission takes a stream only when idle (a 1 ms TTFA target): a busy replica refuses."""
+    _deploy(url, _settings(ttfa_target_ms=1), FleetConfig(replicas=2, stats_period_s=0.2))
+    return url
+
+
+def test_the_fleet_serves_the_servers_api(fleet_of_two):
+    url = fleet_of_two
+    ids = _replicas(url, 2)
+    ready = requests.get(f"{url}/ready", timeout=10).json()
+    assert (ready["slots"], ready["active"], ready["queued"]) == (4, 0, 0)
+    r = _speech(url, 4)
+    assert r.status_code == 200 and r.headers["X-Replica"] in ids and "X-TTFA-Ms" in r.headers
+    assert len(r.content) == 4 * FRAME_BYTES
+    sse = _speech(url, 3, stream_format="sse")
+    events = [json.loads(line[6:]) for line in sse.iter_lines() if line.startswith(b"data: ")]
+    assert events[-1]["type"] == "speech.audio.done" and events[-1]["frames"] == 3
+    assert sum(len(base64.b64decode(e["audio"])) for e in events[:-1]) == 3 * FRAME_BYTES
+    bad = requests.post(f"{url}/v1/audio/speech", json={"input": "", "voice": "ryan"}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input" and bad.headers["X-Replica"] in ids
+    assert requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] == "tiny-random"
+    assert set(_rejected(url)) <= set(ids) and all(f'replica="{i}"' in requests.get(f"{url}/metrics").text
+                                                    for i in ids)
+
+
+def test_websocket_session_through_the_fleet(fleet_of_two):
+    import asyncio
+
+    import aiohttp
+
+    async def session():
+        async with aiohttp.ClientSession() as s, s.ws_connect(f"{fleet_of_two}/v1/audio/speech/stream") as ws:
+            for msg in ({"type": "session.update", "session": {"voice": "ryan", "max_frames": 3}},
+                        {"type": "input_text.append", "text": "Hello there."}, {"type": "input_text.commit"}):
+                await ws.send_str(json.dumps(msg))
+            audio, kinds = 0, []
+            async for msg in ws:
+                if msg.type == aiohttp.WSMsgType.BINARY:
+                    audio += len(msg.data)
+                    continue
+                kinds.append(json.loads(msg.data))
+                if kinds[-1]["type"] == "utterance.done":
+                    await ws.send_str(json.dumps({"type": "session.update", "session": {"voice": 5}}))
+                if kinds[-1]["type"] == "error":
+                    return audio, kinds
+
+    audio, events = asyncio.run(session())
+    assert audio == 3 * FRAME_BYTES and "utterance.done" in [e["type"] for e in events]
+    assert events[-1]["error"]["param"] == "voice"  # the server's own validation, through the relay
+
+
+def test_a_stream_never_goes_to_a_replica_that_refuses_while_another_has_headroom(fleet_of_two):
+    url = fleet_of_two
+    first = Stream(url, 200)
+    first.replica  # noqa: B018 - its response has started: the router has counted it
+    both = [first, Stream(url, 200)]
+    assert both[1].replica != first.replica  # the second went where the first was not
+    refused = _speech(url, 3)  # every replica now refuses: only then the client hears it
+    assert refused.status_code == 429 and "Retry-After" in refused.headers
+    assert refused.json()["error"]["code"] == "overloaded"
+    for s in both:
+        s.join(120)
+        assert s.error is None and len(s.body) == 200 * FRAME_BYTES
+    long = Stream(url, 200)
+    busy = long.replica
+    time.sleep(0.4)  # the router's snapshots now show `busy` refusing (a 1 ms TTFA target and a live stream)
+    before = _rejected(url)
+    for _ in range(2):
+        r = _speech(url, 3)
+        assert r.status_code == 200 and r.headers["X-Replica"] != busy
+        assert len(r.content) == 3 * FRAME_BYTES
+    assert long.is_alive()  # `busy` refused all along
+    assert _rejected(url).get(busy, 0) == before.get(busy, 0)  # routing never even tried it
+    long.join(120)
+
+
+def test_a_replica_killed_mid_stream_ends_its_streams_with_an_error_and_the_rest_go_to_survivors(fleet_of_two):
+    url = fleet_of_two
+    for fmt in ("sse", "pcm"):
+        ids = _replicas(url, 2)  # Ray has replaced the replica killed in the round before
+        doomed = Stream(url, 200, **({"stream_format": "sse"} if fmt == "sse" else {}))
+        victim = doomed.replica
+        while len(doomed.body) < 4 * FRAME_BYTES and doomed.is_alive():
+            time.sleep(0.05)
+        _kill(victim)
+        doomed.join(60)
+        if fmt == "sse":  # the stream ends with an error event, not speech.audio.done
+            events = re.findall(rb"^data: (.*)$", doomed.body, re.M)
+            assert events, (doomed.error, doomed.body[:300])
+            last = json.loads(events[-1])
+            assert doomed.error is None and last["type"] == "error" and last["error"]["code"] == "replica_failed"
+        else:  # a truncated transfer, never a silently short file
+            assert isinstance(doomed.error, requests.exceptions.ChunkedEncodingError)
+            assert len(doomed.body) < 200 * FRAME_BYTES
+        for _ in range(4):
+            r = _speech(url, 3)
+            assert r.status_code == 200 and r.headers["X-Replica"] in set(ids) - {victim}, r.content
+            assert len(r.content) == 3 * FRAME_BYTES
+        assert victim not in _replicas(url, 2)  # and Ray started a new one in its place
+
+
+UTTERANCES = 10
+
+
+def test_scale_down_during_streams_cuts_none(url):
+    """Autoscaling at one stream a replica: streams on the first replica bring up a second, a WebSocket session of
+    ten utterances starts there (the replica with headroom), the other streams end, and Ray removes the newest
+    replica, the second, mid-session; it takes no new work and stops only after the session has played all ten."""
+    import asyncio
+
+    import aiohttp
+
+    _deploy(url, _settings(), FleetConfig(replicas=1, min_replicas=1, max_replicas=2, safe_capacity=1, headroom=0,
+                                          upscale_delay_s=1, downscale_delay_s=1, look_back_period_s=1,
+                                          stats_period_s=0.2))
+    (first,) = _replicas(url, 1)
+    stop = threading.Event()
+
+    def keep_busy():  # closed loop of long streams on the first replica until the second is up
+        while not stop.is_set():
+            _speech(url, 200).content
+
+    busy = [threading.Thread(target=keep_busy, daemon=True) for _ in range(2)]
+    for t in busy:
+        t.start()
+    (second,) = set(_replicas(url, 2)) - {first}
+    time.sleep(1.0)  # the router has the new replica's first stats snapshot (until then it ranks after known ones)
+
+    async def session():  # every message up front: none can reach a replica once it drains
+        seen, audio, scaled = [], 0, None
+        async with aiohttp.ClientSession() as s, s.ws_connect(f"{url}/v1/audio/speech/stream") as ws:
+            replica = ws._response.headers["X-Replica"]
+            stop.set()
+            await ws.send_str(json.dumps({"type": "session.update", "session": {"voice": "ryan", "max_frames": 200}}))
+            for _ in range(UTTERANCES):
+                await ws.send_str(json.dumps({"type": "input_text.append", "text": "Hello there."}))
+                await ws.send_str(json.dumps({"type": "input_text.commit"}))
+            await ws.send_str(json.dumps({"type": "close"}))
+            async for msg in ws:
+                if msg.type == aiohttp.WSMsgType.BINARY:
+                    audio += len(msg.data)
+                else:
+                    seen.append(json.loads(msg.data))
+                async with s.get(f"{url}/ready") as r:
+                    if scaled is None and [x["replica"] for x in (await r.json())["replicas"]] == [first]:
+                        scaled = len(seen)
+            return replica, seen, audio, scaled, ws.close_code
+
+    replica, seen, audio, scaled, code = asyncio.run(session())
+    for t in busy:
+        t.join(60)
+    assert replica == second
+    assert scaled is not None and scaled < len(seen), "the fleet did not scale down while the session played"
+    done = [e for e in seen if e["type"] == "utterance.done"]
+    assert len(done) == UTTERANCES and not any(e["cancelled"] for e in done) and code == 1000
+    assert "error" not in [e["type"] for e in seen], seen
+    assert audio == sum(e["frames"] for e in done) * FRAME_BYTES
+    assert _replicas(url, 1) == [first]
