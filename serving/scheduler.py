@@ -93,7 +93,11 @@ class Scheduler:
         return self.ready and not self.draining
 
     def observe(self, timings) -> None:
-        """A stream's first chunk left: its admission-to-first-chunk time corrects the predicted one."""
+        """A stream's first chunk left: its admission-to-first-chunk time corrects the predicted one (not while the
+        engine compiles its larger rungs in the background: XLA then slows everything, and a burst judged by that
+        later would be refused whole)."""
+        if self.engine.stats().compiling:
+            return
         t = timings
         if t.admitted is not None and t.first_chunk is not None:
             self._service = _ema(self._service, t.first_chunk - t.admitted)

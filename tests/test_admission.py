@@ -74,6 +74,20 @@ def test_free_slot_admits_with_ttfa_of_one_prefill_and_one_first_frame():
     assert ready_scheduler(st).admit() == pytest.approx(expected)
 
 
+def test_first_chunks_observed_while_the_engine_compiles_do_not_count():
+    """A first chunk that took 2 s while XLA compiled the larger rungs (a warm-up request) must not make the
+    prediction refuse a burst once the engine is done; observed after that, it counts."""
+    slow = type("Timings", (), {"admitted": 0.0, "first_chunk": 2.0})()
+    st = snapshot(live=[40] * 10)
+    sched = ready_scheduler(dataclasses.replace(st, compiling=3))
+    sched.observe(slow)
+    sched.engine.st = st
+    assert sched.admit() == pytest.approx(st.iteration_s + prefill_cost(1) + first_cost(1))
+    sched.observe(slow)
+    with pytest.raises(ApiError, match="predicted first audio"):
+        sched.admit()
+
+
 def test_burst_waiting_is_one_prefill_not_one_each():
     """Twenty requests already waiting for free slots add one 32-request prefill to the prediction, not 20."""
     st = snapshot(live=[40] * 10, queued=[48] * 20)

@@ -233,6 +233,8 @@ def test_background_warmup_serves_its_smallest_rung_at_once_then_grows_to_every_
     st = engine.stats()
     assert (st.slots, st.ladder, st.step_sizes, st.compiling) == (2, (1, 2), (1, 2), 0)
     assert {(2, 1), (2, 2)} <= set(st.step_costs) and 2 in st.first_costs and 2 in st.prefill_costs
+    # what the loop measured while XLA compiled is dropped: the idle timings again, iteration time measured anew
+    assert st.step_costs == engine._idle_step_costs and st.iteration_s == 0.0
     together = run(engine, [(0, r) for r in reqs])
     assert together[0][0].timings.admitted == together[1][0].timings.admitted
     assert_same_codes(together, alone)

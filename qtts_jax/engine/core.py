@@ -127,6 +127,7 @@ class Engine:
         self._running = False
         self._audio = None  # (device audio, [(stream, frames)]) of the codec call in flight
         self.step_costs: dict = {}  # (rung, frames) -> seconds per iteration, measured
+        self._idle_step_costs: dict = {}  # the same, as `warmup` timed them on the idle engine
         self.prefill_costs: dict = {}  # requests -> seconds, measured
         self.first_costs: dict = {}  # rung -> seconds of newcomers' first frame and its audio, measured
         self._iteration_s = 0.0
@@ -236,6 +237,11 @@ class Engine:
                 self._compile(keys)
                 state, codec_state = self._use(keys, state, codec_state, left=sum(map(len, stages[i + 1:])))
             del state, codec_state
+            # the loop's own measurements so far shared the machine with XLA: back to the idle timings
+            with self._lock:
+                self.step_costs.update(self._idle_step_costs)
+                self._forget_timings()
+                self._stats = self._snapshot()
             log.info("every rung compiled and timed after %.1f s (slots=%d)", time.perf_counter() - t0,
                      self.config.slots)
         except Exception:  # what was compiled so far keeps serving
@@ -268,6 +274,7 @@ class Engine:
                 (state, codec_state), firsts[a] = _timed(lambda sts: _split_last(self._program("first", a, 1)(
                     params, self.codec_params, *sts, idx, zeros, zeros, zeros)), (state, codec_state))
         with self._lock:
+            self._idle_step_costs.update(steps)
             for costs, new in ((self.step_costs, steps), (self.first_costs, firsts), (self.prefill_costs, prefills)):
                 costs.update({k: v for k, v in new.items() if k not in costs})  # live measurements stay
             self._ready = ready
@@ -290,6 +297,10 @@ class Engine:
         """Time the loop's decisions and every stream timestamp by `clock` (tests simulate playback with it);
         iteration times measured by the old clock are dropped."""
         self.clock = clock
+        self._forget_timings()
+
+    def _forget_timings(self) -> None:
+        """Drop the measured iteration time, delivery delay and jitter: the next iterations measure them anew."""
         self._iteration_s = 0.0
         self._delivery_s = 0.0
         self.jitter = Jitter(self.config.min_margin_s)
@@ -361,7 +372,7 @@ class Engine:
         parts.mark("bookkeeping")
         self._profile.add(parts, live=len(live), new=len(new), frames=plan.frames if plan else 0)
         elapsed = self.clock() - t0
-        self._iteration_s = elapsed if not self.iterations else 0.8 * self._iteration_s + 0.2 * elapsed
+        self._iteration_s = 0.8 * self._iteration_s + 0.2 * elapsed if self._iteration_s else elapsed
         if plan is not None:  # what a step iteration really takes, host work included, newcomers' share not
             self.jitter.add(elapsed - plan.predicted_s)
             cost = max(elapsed - extra, 0.0)
