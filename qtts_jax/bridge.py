@@ -95,13 +95,14 @@ class AsyncEngine:
     async def stop(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
 
-    def submit(self, job: Job) -> AsyncStream:
-        """Queue a job from `Engine.prepare` (where a request the engine cannot take is refused)."""
+    def submit(self, job: Job, ahead: bool = False) -> AsyncStream:
+        """Queue a job from `Engine.prepare` (where a request the engine cannot take is refused); `ahead`: before
+        the waiting requests (see `Engine.submit`)."""
         loop = asyncio.get_running_loop()
         outbox = self._outboxes.get(loop)
         if outbox is None:
             outbox = self._outboxes[loop] = _Outbox(loop, self.engine.observe_delivery_lag)
         queue: asyncio.Queue[Chunk] = asyncio.Queue()
         out = AsyncStream(queue)
-        out.stream = self.engine.submit(job, lambda chunk: outbox.put(queue, chunk, out))
+        out.stream = self.engine.submit(job, lambda chunk: outbox.put(queue, chunk, out), ahead)
         return out

@@ -18,7 +18,8 @@ class Utterance:
     """A `Script`, admitted once (or refused with 429/503) and spoken part by part. The next part is submitted
     when the one before has finished generating: generation runs faster than real time, so the client still has
     that part's audio to play while the next one is prefilled. It is not admitted again (the request was
-    admitted whole), and it keeps the request's voice, seed and settings (they are in its job). Pauses are
+    admitted whole) and goes ahead of requests waiting for a slot, and it keeps the request's voice, seed and
+    settings (they are in its job). Pauses are
     silence; the playback track and the metrics see one stream."""
 
     def __init__(self, app, script: Script, rid: str, endpoint: str, started: float | None = None,
@@ -58,7 +59,8 @@ class Utterance:
             start, frames = self.samples, 0
             async for chunk in stream:
                 if chunk.final and chunk.error is None and (job := next(self._jobs, None)) is not None:
-                    self.streams.append(self.app[BRIDGE].submit(job))  # prefilled while this part plays
+                    # prefilled while this part plays, ahead of requests still waiting: its listener is playing
+                    self.streams.append(self.app[BRIDGE].submit(job, ahead=True))
                 self.error = self.error or chunk.error
                 frames += chunk.frames
                 self.frames += chunk.frames

@@ -134,6 +134,25 @@ def test_cancel_frees_slot_at_next_step(engine):
     assert len(stream.codes) < 100
 
 
+def test_a_stream_submitted_ahead_takes_the_next_free_slot_before_waiting_requests(engine, monkeypatch):
+    """The next part of a long response (its listener is playing) goes before requests waiting for a slot."""
+    # on a CPU the playing streams' listeners run dry, and the newcomer guard would hold every newcomer back
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, guard_newcomers=False))
+    playing = [engine.submit(engine.prepare(Request(f"Holding slot {i}.", speaker="ryan", max_frames=100, **GREEDY)),
+                             Collector()) for i in range(engine.config.slots)]
+    engine.run_once()
+    assert all(s.slot is not None for s in playing)
+    waiting = engine.submit(engine.prepare(Request("I came first.", speaker="eric", max_frames=3)), Collector())
+    ahead = engine.submit(engine.prepare(Request("Next part.", speaker="ryan", max_frames=3)), Collector(), ahead=True)
+    playing[0].cancel()
+    engine.run_once()
+    assert ahead.slot is not None and waiting.slot is None
+    for s in (*playing, waiting, ahead):
+        s.cancel()
+    while engine.run_once():
+        pass
+
+
 def test_stats_follow_a_cancel_that_leaves_the_engine_idle(engine):
     """The snapshot admission reads must not keep a cancelled stream: an idle engine that still looked busy
     would be refused work for ever."""

@@ -161,12 +161,16 @@ class Engine:
         cap = min(req.max_frames, prompt.frame_cap(c.frames_cap_base, c.frames_per_text_token), c.context - bucket)
         return Job(request=req, prompt=prompt, bucket=bucket, frames_cap=cap, schedule=schedule)
 
-    def submit(self, job: Job, on_chunk) -> Stream:
-        """Queue a job from `prepare`; its chunks go to `on_chunk`, called on the engine thread."""
+    def submit(self, job: Job, on_chunk, ahead: bool = False) -> Stream:
+        """Queue a job from `prepare`; its chunks go to `on_chunk`, called on the engine thread. `ahead` queues
+        it before every waiting request: the next part of a response whose listener is already playing."""
         stream = Stream(job, on_chunk)
         stream.timings.submitted = self.clock()
         with self._wake:
-            self.queue.append(stream)
+            if ahead:
+                self.queue.appendleft(stream)
+            else:
+                self.queue.append(stream)
             self._wake.notify()
         return stream
 
