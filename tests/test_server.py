@@ -320,7 +320,7 @@ async def test_bad_inputs_get_400_naming_the_field(client):
 async def test_ready_503_until_warm_and_requests_refused(make_client, engine, monkeypatch):
     gate = threading.Event()
     real = engine.warmup
-    monkeypatch.setattr(engine, "warmup", lambda: (gate.wait(30), real()))
+    monkeypatch.setattr(engine, "warmup", lambda **kw: (gate.wait(30), real(**kw)))
     client = await make_client(ready=False)
     try:
         assert (await client.get("/health")).status == 200
@@ -570,12 +570,14 @@ def test_serve_cli_sigterm_drains_and_exits_0(serve_process):
     import urllib.request
 
     proc, base, log = serve_process
-    for _ in range(1200):
+    for _ in range(1200):  # ready, and done compiling in the background (the stream is to last, not the compile)
         try:
-            if urllib.request.urlopen(base + "/ready", timeout=2).status == 200:
-                break
+            with urllib.request.urlopen(base + "/ready", timeout=2) as r:
+                if r.status == 200 and json.loads(r.read())["compiling"] == 0:
+                    break
         except (OSError, urllib.error.HTTPError):
-            time.sleep(0.1)
+            pass
+        time.sleep(0.1)
     else:
         log.seek(0)
         raise AssertionError("server not ready: " + log.read()[-2000:])
