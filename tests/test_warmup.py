@@ -1,0 +1,42 @@
+"""A server's warm-up in stages: serving from the least that is compiled while the rest compiles in the
+background, growing to every slot and step size, with the same codes."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+from qtts_jax.engine import Engine
+from qtts_jax.request import Request
+from support import SMALL, assert_same_codes, run
+
+
+def test_background_warmup_serves_its_smallest_rung_at_once_then_grows_to_every_slot(tiny_model, monkeypatch):
+    """`warmup(background=True)` returns with the least that serves compiled and timed: the smallest rung, one
+    frame a step: the engine serves that many streams (the next waits for a free one) and says so in its stats;
+    once the rest is compiled and timed on its own thread, every slot and step size serves, and the codes are the
+    same."""
+    engine = Engine(tiny_model, dataclasses.replace(SMALL, batch_sizes=(1,), frames_per_step=2, schedule=(1, 2)))
+    gate, rest = threading.Event(), engine._warm_rest
+    monkeypatch.setattr(engine, "_warm_rest", lambda *args: gate.wait() and rest(*args))
+    engine.warmup(background=True)
+    st = engine.stats()
+    # to come: a prefill of 2 and rung 1's 2-frame step and codec; rung 2's steps, codecs and first frame
+    assert (st.slots, st.ladder, st.step_sizes, st.compiling) == (1, (1,), (1,), 8)
+    reqs = [Request("One at a time.", speaker="ryan", seed=3, max_frames=4),
+            Request("Then me.", speaker="eric", seed=4, max_frames=3)]
+    alone = run(engine, [(0, r) for r in reqs])
+    assert alone[1][0].timings.admitted >= alone[0][0].timings.finished
+    gate.set()
+    deadline = time.monotonic() + 300
+    while engine.stats().compiling and time.monotonic() < deadline:
+        time.sleep(0.05)
+    st = engine.stats()
+    assert (st.slots, st.ladder, st.step_sizes, st.compiling) == (2, (1, 2), (1, 2), 0)
+    assert {(2, 1), (2, 2)} <= set(st.step_costs) and 2 in st.first_costs and 2 in st.prefill_costs
+    # what the loop measured while XLA compiled is dropped: the idle timings again, iteration time measured anew
+    assert st.step_costs == engine._idle_step_costs and st.iteration_s == 0.0
+    together = run(engine, [(0, r) for r in reqs])
+    assert together[0][0].timings.admitted == together[1][0].timings.admitted
+    assert_same_codes(together, alone)
