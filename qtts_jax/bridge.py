@@ -14,6 +14,8 @@ import time
 import weakref
 from functools import partial
 
+import jax
+
 from qtts_jax.engine import Engine
 from qtts_jax.job import Job
 from qtts_jax.stream import Chunk, Stream
@@ -87,9 +89,12 @@ class AsyncEngine:
         self._outboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its outbox
 
     async def start(self, warmup: bool = True) -> None:
-        """Start the loop, after the warm-up that lets it serve (the larger rungs compile on in the background)."""
+        """Start the loop after the warm-up that lets it serve. On a GPU the rest compiles in the background (its
+        autotuning makes a cold start minutes); on a CPU everything compiles first: it takes seconds there and
+        would share the cores the first requests need."""
         if warmup:
-            await asyncio.get_running_loop().run_in_executor(None, partial(self.engine.warmup, background=True))
+            background = jax.default_backend() != "cpu"
+            await asyncio.get_running_loop().run_in_executor(None, partial(self.engine.warmup, background=background))
         self.engine.start()
 
     async def stop(self) -> None:

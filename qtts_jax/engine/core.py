@@ -239,13 +239,9 @@ class Engine:
             state, codec_state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._specs)
             for i, keys in enumerate(stages):
                 self._compile(keys)
-                state, codec_state = self._use(keys, state, codec_state, left=sum(map(len, stages[i + 1:])))
+                state, codec_state = self._use(keys, state, codec_state, left=sum(map(len, stages[i + 1:])),
+                                               settle=i == len(stages) - 1)
             del state, codec_state
-            # the loop's own measurements so far shared the machine with XLA: back to the idle timings
-            with self._lock:
-                self.step_costs.update(self._idle_step_costs)
-                self._forget_timings()
-                self._stats = self._snapshot()
             log.info("every rung compiled and timed after %.1f s (slots=%d)", time.perf_counter() - t0,
                      self.config.slots)
         except Exception:  # what was compiled so far keeps serving
@@ -253,11 +249,13 @@ class Engine:
             with self._lock:
                 self._compiling = 0
 
-    def _use(self, keys: list[tuple], state, codec_state, left: int):
+    def _use(self, keys: list[tuple], state, codec_state, left: int, settle: bool = False):
         """Time the compiled programs `keys` once each on padding rows (writes dropped, so `state` and
         `codec_state` keep their values; they are donated and returned), then let the loop use them (`left`:
         programs still to come): a step's iteration cost is the step plus a codec call of as many rows, prefill
-        is timed at the largest bucket."""
+        is timed at the largest bucket. `settle` (the background warm-up's last stage): what the loop measured
+        so far shared the machine with XLA, so it goes back to the idle timings, in the same update that says
+        nothing is left to compile."""
         c, params = self.config, self.model.params
         ready = self._ready | set(keys)
         codec_sizes = [n for n in c.codec_sizes if ("codec", c.ladder[0], n) in ready]
@@ -288,6 +286,9 @@ class Engine:
             self._codec_sizes = tuple(codec_sizes)
             self._prefill_sizes = tuple(r for r in c.prefill_sizes
                                         if all(("insert", b, r) in ready for b in c.prompt_buckets))
+            if settle:
+                self.step_costs.update(self._idle_step_costs)
+                self._forget_timings()
             self._compiling = left
             self._stats = self._snapshot()
         return state, codec_state
