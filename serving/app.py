@@ -184,10 +184,10 @@ async def _warm_up(app: web.Application) -> None:
         app[WARMUP_ERROR].append(str(exc))
         return
     sched.ready = True
-    compiling = engine.stats().compiling
+    st = engine.stats()
     log.info("ready after %.1f s (slots=%d; %s)%s", time.perf_counter() - t0, engine.config.slots,
-             compile_cache.summary(), f"; {compiling} programs of the larger rungs still compiling, serving "
-             f"{engine.stats().slots} streams until they are" if compiling else "")
+             compile_cache.summary(), f"; {st.compiling} programs of the larger rungs still compiling, serving "
+             f"{st.slots} streams until they are" if st.compiling else "")
     if VOICES in app and settings.warm_voice_encoders:  # in the background: serving starts now
         app[VOICE_WARMUP].append(asyncio.get_running_loop().run_in_executor(None, _warm_voices, app))
 

@@ -72,6 +72,16 @@ def assert_same_codes(got, expected):
         np.testing.assert_array_equal(np.stack(stream.codes), np.stack(reference.codes))
 
 
+async def app_client(aiohttp_client, settings, engine, ready=True):
+    """A test client of the server on a shared, already warmed `engine`; by default once /ready says so."""
+    from serving.app import create_app
+
+    client = await aiohttp_client(create_app(settings, engine=engine))
+    if ready:
+        await wait_ready(client)
+    return client
+
+
 async def wait_ready(client, timeout=60.0):
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:

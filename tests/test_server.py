@@ -19,7 +19,7 @@ from qtts_jax.engine import Engine
 from qtts_jax.request import Request
 from serving.app import ENGINE, METRICS, SCHEDULER, Settings, create_app, drain
 from serving.schemas import ApiError
-from support import SMALL, assert_same_audio, pcm, wait_ready
+from support import SMALL, app_client, assert_same_audio, pcm, wait_ready
 
 # test_clients' and test_hardening's (2 slots; its programs come from the compilation cache). The chunk schedule and
 # multi-frame steps are test_engine's; with a server in front, test_server_voices'.
@@ -81,10 +81,7 @@ def offline(model):
 @pytest_asyncio.fixture
 async def make_client(aiohttp_client, engine):
     async def make(settings=SETTINGS, ready=True):
-        client = await aiohttp_client(create_app(settings, engine=engine))
-        if ready:
-            await wait_ready(client)
-        return client
+        return await app_client(aiohttp_client, settings, engine, ready)
 
     return make
 

@@ -14,9 +14,9 @@ import pytest
 import pytest_asyncio
 
 from qtts_jax.engine import Engine
-from serving.app import BRIDGE, Settings, create_app
+from serving.app import BRIDGE, Settings
 from serving.script import build
-from support import SMALL, pcm, wait_ready
+from support import SMALL, app_client, pcm
 
 pytestmark = pytest.mark.asyncio
 SETTINGS = Settings(slots=SMALL.slots, context=SMALL.context, ttfa_target_ms=2000, starvation_ms=1e9)
@@ -37,9 +37,7 @@ def engine(tiny_model):
 @pytest_asyncio.fixture
 async def make_client(aiohttp_client, engine):
     async def make(settings=SETTINGS):
-        client = await aiohttp_client(create_app(settings, engine=engine))
-        await wait_ready(client)
-        return client
+        return await app_client(aiohttp_client, settings, engine)
 
     return make
 

@@ -19,7 +19,7 @@ from qtts_jax.engine import Engine
 from qtts_jax.request import Request
 from serving import voice_routes
 from serving.app import ENGINE, VOICE_WARMUP, VOICES, Settings, create_app
-from support import SMALL, STREAMING, assert_same_audio, pcm, wait_ready
+from support import SMALL, STREAMING, app_client, assert_same_audio, pcm
 
 pytestmark = pytest.mark.asyncio
 
@@ -69,9 +69,7 @@ async def make_client(aiohttp_client, engine, tmp_path):
         # tiny-random on a CPU is slower than real time: no real-time limit here (test_admission tests it)
         settings = Settings(slots=CONFIG.slots, context=CONFIG.context, ttfa_target_ms=5000, starvation_ms=1e9,
                             voices_dir=str(voices_dir), **overrides)
-        client = await aiohttp_client(create_app(settings, engine=engine))
-        await wait_ready(client)
-        return client
+        return await app_client(aiohttp_client, settings, engine)
 
     return make
 

@@ -268,9 +268,9 @@ class Engine:
             elif kind == "step":
                 chunk = min(s for s in codec_sizes if s >= min(max(c.schedule), n, max(codec_sizes)))
                 state, step_s = _timed(lambda st: self._program("step", a, n)(params, st, idx, zeros), state)
-                codec_state, codec_s = _timed(lambda st: self._program("codec", a, chunk)(
+                codec_state, codec_s = _timed(lambda st: _swap(self._program("codec", a, chunk)(
                     self.codec_params, st, state.codes, idx, zeros, np.zeros(a, np.int32),
-                    np.full(a, chunk, np.int32))[::-1], codec_state)
+                    np.full(a, chunk, np.int32))), codec_state)
                 steps[a, n] = step_s + codec_s
             elif kind == "first":
                 (state, codec_state), firsts[a] = _timed(lambda sts: _split_last(self._program("first", a, 1)(
@@ -747,8 +747,14 @@ class Engine:
 
 
 def _split_last(out: tuple) -> tuple:
-    """(a, b, ..., last) -> ((a, b, ...), last)."""
+    """(a, b, ..., last) -> ((a, b, ...), last): a program's donated states, then its output (for `_timed`)."""
     return tuple(out[:-1]), out[-1]
+
+
+def _swap(out: tuple) -> tuple:
+    """The codec's (audio, state) as (state, audio) (for `_timed`)."""
+    audio, state = out
+    return state, audio
 
 
 def _timed(call, donated):
