@@ -125,10 +125,11 @@ def test_loss_and_gradients_equal_the_corrected_reference(setup):
 
 
 def test_padding_and_batching_do_not_change_the_loss(setup):
-    """A batch's loss is the pooled loss of its rows: padding (longer buckets, longer neighbours) changes nothing."""
+    """A batch's loss is the pooled loss of its rows: padding (longer buckets, longer neighbours, a filler row)
+    changes nothing."""
     _, model, examples = setup
     fn = jax.jit(forward.losses, static_argnums=1)
-    both = fn(model.params, model.cfg, layout.collate(model.cfg, model.tokenizer, examples).arrays())[1]
+    both = fn(model.params, model.cfg, layout.collate(model.cfg, model.tokenizer, examples, size=3).arrays())[1]
     alone = [fn(model.params, model.cfg, layout.collate(model.cfg, model.tokenizer, [e]).arrays())[1] for e in examples]
     n = np.array(FRAMES)
     talker = sum(float(a["talker"]) * (k + 1) for a, k in zip(alone, n)) / np.sum(n + 1)

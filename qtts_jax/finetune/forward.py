@@ -49,7 +49,8 @@ def _cross_entropy(logits: jax.Array, labels: jax.Array, valid: jax.Array) -> ja
 
 
 def losses(params: dict, cfg: ModelConfig, batch: tuple, compute_dtype=jnp.float32) -> tuple[jax.Array, dict]:
-    """(total loss, {"talker", "predictor"}) of one batch, given as `layout.Batch.arrays()`."""
+    """(total loss, {"talker", "predictor"}) of one batch, given as `layout.Batch.arrays()` (a filler row's
+    length, -1, leaves it without targets)."""
     text, codec, frames, speaker_row, speaker, start, codes, lengths = batch
     p = jax.tree.map(lambda a: a.astype(compute_dtype), params)
     n = codes.shape[1]

@@ -21,6 +21,7 @@ from qtts_jax.request import Request, VoicePrompt
 from qtts_jax.text import TextTokenizer
 
 BUCKET = 32  # sequence and frame lengths are padded up to a multiple of this
+FILLER = -1  # `Batch.lengths` of a row that pads a short batch to its size: it has no targets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +33,7 @@ class Batch:
     speaker: np.ndarray  # [B, H] float32 x-vectors
     start: np.ndarray  # [B] int32 position of codec_bos
     codes: np.ndarray  # [B, N, 16] int32 target frames, 0 past a row's end
-    lengths: np.ndarray  # [B] int32 frames per row
+    lengths: np.ndarray  # [B] int32 frames per row; FILLER for a row that only pads the batch (no targets)
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         return dataclasses.astuple(self)
@@ -54,19 +55,21 @@ def sequence(cfg: ModelConfig, tok: TextTokenizer, example: Example) -> dict:
     )
 
 
-def collate(cfg: ModelConfig, tok: TextTokenizer, examples: list[Example]) -> Batch:
-    """Right-padded batch: pads come after every real position, so causal attention never reads them."""
+def collate(cfg: ModelConfig, tok: TextTokenizer, examples: list[Example], size: int | None = None) -> Batch:
+    """Right-padded batch: pads come after every real position, so causal attention never reads them. With
+    ``size``, FILLER rows (copies of the first, without targets) make a short last batch the same shape."""
     seqs = [sequence(cfg, tok, e) for e in examples]
+    seqs += [dict(seqs[0], lengths=FILLER)] * ((size or len(seqs)) - len(seqs))
     b, groups = len(seqs), cfg.num_code_groups
     t = _bucket(max(len(s["text"]) for s in seqs))
-    n = _bucket(max(s["lengths"] for s in seqs))
+    n = _bucket(max(len(s["codes"]) for s in seqs))
     text, codec = np.full((b, t), NONE, np.int32), np.full((b, t), NONE, np.int32)
     frames = np.full((b, t, groups), NONE, np.int32)
     codes = np.zeros((b, n, groups), np.int32)
     for i, s in enumerate(seqs):
         k = len(s["text"])
         text[i, :k], codec[i, :k], frames[i, :k] = s["text"], s["codec"], s["frames"]
-        codes[i, : s["lengths"]] = s["codes"]
+        codes[i, : len(s["codes"])] = s["codes"]
     return Batch(
         text=text, codec=codec, frames=frames,
         speaker_row=np.array([s["speaker_row"] for s in seqs], np.int32),

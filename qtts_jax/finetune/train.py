@@ -1,0 +1,135 @@
+"""The training loop: seeded batches, jitted steps, checkpoints and resume, the loss curve.
+
+A step is one batch; with ``accumulate`` k the weights change every k steps (their mean gradient). The order of
+the examples is a seeded permutation per epoch, so a run resumed from its checkpoint at step s sees exactly the
+batches an uninterrupted run sees after step s, and reaches the same losses. Parameters and optimiser state stay
+in fp32; ``compute_dtype`` bfloat16 runs the forward and backward in bf16 (the official recipe's mixed precision).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from qtts_jax.config import ModelConfig
+from qtts_jax.finetune import forward, layout, optimizer
+from qtts_jax.finetune.checkpoints import Checkpoints
+from qtts_jax.finetune.data import Example
+from qtts_jax.text import TextTokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    lr: float = 2e-5  # the official script's default (its README fine-tunes at 2e-6 with batch 32)
+    batch: int = 2
+    accumulate: int = 4
+    epochs: int = 3
+    steps: int | None = None  # overrides epochs
+    seed: int = 0
+    checkpoint_every: int = 100
+    keep: int = 3
+    compute_dtype: str = "float32"
+
+    def total_steps(self, n_examples: int) -> int:
+        return self.steps if self.steps is not None else self.epochs * batches_per_epoch(n_examples, self.batch)
+
+
+def batches_per_epoch(n_examples: int, batch: int) -> int:
+    return math.ceil(n_examples / batch)
+
+
+def batch_indices(n_examples: int, batch: int, seed: int, step: int) -> np.ndarray:
+    """The examples of (0-based) ``step``: epoch e's seeded permutation, cut into batches (the last one short)."""
+    per_epoch = batches_per_epoch(n_examples, batch)
+    epoch, i = divmod(step, per_epoch)
+    order = np.random.default_rng([seed, epoch]).permutation(n_examples)
+    return order[i * batch:(i + 1) * batch]
+
+
+@dataclasses.dataclass
+class Run:
+    params: dict
+    curve: list[dict]  # one {"step", "loss", "talker", "predictor"} per step, from step 1
+    resumed_from: int | None
+
+
+def train(params: dict, cfg: ModelConfig, tok: TextTokenizer, examples: list[Example], settings: Settings,
+          checkpoint_dir: Path, resume: bool = False, on_step: Callable[[int, int, dict], None] = lambda *a: None
+          ) -> Run:
+    """Train ``params`` (a copy in fp32) on ``examples``; ``on_step(step, total, losses)`` after every step."""
+    params = jax.tree.map(lambda a: jnp.array(a, jnp.float32), params)  # a copy: the steps donate it
+    tx = optimizer.make(settings.lr, settings.accumulate)
+    state = {"params": params, "opt": tx.init(params)}
+    ckpt = Checkpoints(checkpoint_dir, settings.checkpoint_every, settings.keep)
+    total = settings.total_steps(len(examples))
+    done, curve, resumed = 0, [], None
+    if resume and ckpt.latest() is not None:
+        resumed = ckpt.latest()
+        state, meta = ckpt.restore(resumed, state)
+        done, curve = resumed, meta["curve"]
+    step_fn = _step_fn(cfg, settings.lr, settings.accumulate, settings.compute_dtype)
+    try:
+        for step in range(done, total):
+            idx = batch_indices(len(examples), settings.batch, settings.seed, step)
+            batch = layout.collate(cfg, tok, [examples[i] for i in idx], settings.batch)
+            state, parts = step_fn(state, batch.arrays())
+            record = {"step": step + 1, **{k: float(v) for k, v in parts.items()}}
+            curve.append(record)
+            ckpt.save(step + 1, state, {"curve": curve}, force=step + 1 == total)
+            on_step(step + 1, total, record)
+    finally:
+        ckpt.close()
+    return Run(state["params"], curve, resumed)
+
+
+@functools.lru_cache(maxsize=8)
+def _step_fn(cfg: ModelConfig, lr: float, accumulate: int, compute_dtype: str):
+    """One jitted step per configuration, kept: runs of the same settings in one process compile it once."""
+    tx = optimizer.make(lr, accumulate)
+
+    def step(state, batch):
+        (loss, parts), grads = forward.loss_and_grad(state["params"], cfg, batch, jnp.dtype(compute_dtype))
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": loss, **parts}
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def write_curve(curve: list[dict], directory: Path) -> list[Path]:
+    """loss.json always; loss.png too when matplotlib is installed (the study extra). Written, then renamed."""
+    directory = Path(directory)
+    written = [directory / "loss.json"]
+    tmp = directory / f"loss.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(curve, indent=1))
+    os.replace(tmp, written[0])
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return written
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in curve]
+    for key in ("loss", "talker", "predictor"):
+        ax.plot(steps, [r[key] for r in curve], label=key)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy")
+    ax.legend()
+    fig.tight_layout()
+    png = directory / "loss.png"
+    tmp = directory / f"loss.tmp{os.getpid()}.png"
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, png)
+    return written + [png]
