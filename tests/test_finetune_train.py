@@ -10,6 +10,7 @@ import pytest
 from qtts_jax.finetune import train
 from qtts_jax.finetune.data import Example
 
+# test_finetune_cli's settings and batch shapes (64 positions, 32 frames), so both load one compiled step
 SETTINGS = train.Settings(lr=1e-3, batch=2, accumulate=2, steps=6, seed=3, checkpoint_every=2, keep=2)
 
 
@@ -21,7 +22,7 @@ class Killed(Exception):
 def examples(tiny_base_model):
     rng = np.random.default_rng(0)
     h = tiny_base_model.cfg.talker.hidden_size
-    return [Example(f"line number {i}", rng.integers(0, 2048, (4 + i, 16)).astype(np.int32),
+    return [Example(f"line number {i}", rng.integers(0, 2048, (13 + i, 16)).astype(np.int32),
                     rng.standard_normal(h).astype(np.float32)) for i in range(5)]
 
 

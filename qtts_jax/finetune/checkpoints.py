@@ -14,14 +14,18 @@ import orbax.checkpoint as ocp
 
 class Checkpoints:
     def __init__(self, directory: Path, every: int, keep: int):
-        options = ocp.CheckpointManagerOptions(save_interval_steps=every, max_to_keep=keep, create=True,
-                                               enable_async_checkpointing=False, cleanup_tmp_directories=True)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False,
+                                               cleanup_tmp_directories=True)
         self.manager = ocp.CheckpointManager(Path(directory).absolute(), options=options)
+        self.every = every
 
-    def save(self, step: int, state, meta: dict, force: bool = False) -> bool:
-        """Saves when ``step`` is a multiple of N (or ``force``); True if it did."""
+    def save(self, step: int, state, meta: dict, last: bool = False) -> bool:
+        """Saves when ``step`` is a multiple of N, or the ``last``; True if it did. (Orbax's own interval
+        policy would also save a run's first step.)"""
+        if step % self.every and not last:
+            return False
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        return self.manager.save(step, args=args, force=force)
+        return self.manager.save(step, args=args, force=True)
 
     def latest(self) -> int | None:
         return self.manager.latest_step()

@@ -85,7 +85,7 @@ def train(params: dict, cfg: ModelConfig, tok: TextTokenizer, examples: list[Exa
             state, parts = step_fn(state, batch.arrays())
             record = {"step": step + 1, **{k: float(v) for k, v in parts.items()}}
             curve.append(record)
-            ckpt.save(step + 1, state, {"curve": curve}, force=step + 1 == total)
+            ckpt.save(step + 1, state, {"curve": curve}, last=step + 1 == total)
             on_step(step + 1, total, record)
     finally:
         ckpt.close()
