@@ -41,14 +41,13 @@ def ours(args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from qtts_jax.finetune import layout, optimizer, train
+    from qtts_jax.finetune import layout, train
     from qtts_jax.model import load_model
 
     model = load_model(args.model, dtype=jnp.float32)
     batch = layout.collate(model.cfg, model.tokenizer, _examples(model, args.batch, args.frames, args.text)).arrays()
-    step = train._step_fn(model.cfg, 1e-5, args.accumulate, args.compute_dtype)
-    params = jax.tree.map(jnp.array, model.params)
-    state = {"params": params, "opt": optimizer.make(1e-5, args.accumulate).init(params)}
+    init, step = train._programs(model.cfg, 1e-5, args.accumulate, args.compute_dtype)
+    state = init(model.params)
     batch = jax.device_put(batch)
     t0 = time.perf_counter()
     state, parts = step(state, batch)

@@ -67,9 +67,8 @@ def train(params: dict, cfg: ModelConfig, tok: TextTokenizer, examples: list[Exa
           checkpoint_dir: Path, resume: bool = False, on_step: Callable[[int, int, dict], None] = lambda *a: None
           ) -> Run:
     """Train ``params`` (a copy in fp32) on ``examples``; ``on_step(step, total, losses)`` after every step."""
-    params = jax.tree.map(lambda a: jnp.array(a, jnp.float32), params)  # a copy: the steps donate it
-    tx = optimizer.make(settings.lr, settings.accumulate)
-    state = {"params": params, "opt": tx.init(params)}
+    init, step_fn = _programs(cfg, settings.lr, settings.accumulate, settings.compute_dtype)
+    state = init(params)
     ckpt = Checkpoints(checkpoint_dir, settings.checkpoint_every, settings.keep)
     total = settings.total_steps(len(examples))
     done, curve, resumed = 0, [], None
@@ -77,7 +76,6 @@ def train(params: dict, cfg: ModelConfig, tok: TextTokenizer, examples: list[Exa
         resumed = ckpt.latest()
         state, meta = ckpt.restore(resumed, state)
         done, curve = resumed, meta["curve"]
-    step_fn = _step_fn(cfg, settings.lr, settings.accumulate, settings.compute_dtype)
     try:
         for step in range(done, total):
             idx = batch_indices(len(examples), settings.batch, settings.seed, step)
@@ -93,16 +91,22 @@ def train(params: dict, cfg: ModelConfig, tok: TextTokenizer, examples: list[Exa
 
 
 @functools.lru_cache(maxsize=8)
-def _step_fn(cfg: ModelConfig, lr: float, accumulate: int, compute_dtype: str):
-    """One jitted step per configuration, kept: runs of the same settings in one process compile it once."""
+def _programs(cfg: ModelConfig, lr: float, accumulate: int, compute_dtype: str):
+    """(init, step), jitted and kept per configuration: runs of the same settings in one process compile them once.
+    init copies the parameters to fp32 (a jitted output never aliases its input: the steps donate the state) and
+    builds the optimiser state in one program rather than an eager op per leaf."""
     tx = optimizer.make(lr, accumulate)
+
+    def init(params):
+        params = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+        return {"params": params, "opt": tx.init(params)}
 
     def step(state, batch):
         (loss, parts), grads = forward.loss_and_grad(state["params"], cfg, batch, jnp.dtype(compute_dtype))
         updates, opt = tx.update(grads, state["opt"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": loss, **parts}
 
-    return jax.jit(step, donate_argnums=0)
+    return jax.jit(init), jax.jit(step, donate_argnums=0)
 
 
 def write_curve(curve: list[dict], directory: Path) -> list[Path]:
