@@ -46,19 +46,19 @@ def ours(args) -> dict:
 
     model = load_model(args.model, dtype=jnp.float32)
     batch = layout.collate(model.cfg, model.tokenizer, _examples(model, args.batch, args.frames, args.text)).arrays()
-    init, step = train._programs(model.cfg, 1e-5, args.accumulate, args.compute_dtype)
-    state = init(model.params)
+    init, step, _ = train._programs(model.cfg, 1e-5, args.accumulate, args.compute_dtype)
+    state, frozen = init(model.params)
     batch = jax.device_put(batch)
     t0 = time.perf_counter()
-    state, parts = step(state, batch)
+    state, parts = step(state, frozen, batch)
     jax.block_until_ready(parts)
     compile_s = time.perf_counter() - t0
     for _ in range(args.warmup):
-        state, parts = step(state, batch)
+        state, parts = step(state, frozen, batch)
     jax.block_until_ready(parts)
     t0 = time.perf_counter()
     for _ in range(args.steps):
-        state, parts = step(state, batch)
+        state, parts = step(state, frozen, batch)
     jax.block_until_ready(parts)
     elapsed = time.perf_counter() - t0
     stats = jax.devices()[0].memory_stats() or {}

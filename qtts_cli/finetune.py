@@ -30,6 +30,9 @@ def add_finetune_parser(sub) -> argparse.ArgumentParser:
     f.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="forward/backward arithmetic; weights and optimiser state stay fp32 (default float32; "
                         "bfloat16 on a GPU, as the official recipe)")
+    f.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="train low-rank adapters of this rank on the attention and MLP projections instead of every "
+                        "weight, merged into the export (default 0: every weight trains)")
     f.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default 100)")
     f.add_argument("--keep", type=int, default=3, help="checkpoints kept, the latest ones (default 3)")
     f.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/checkpoints")
@@ -45,6 +48,8 @@ def _check(args) -> None:
     for name in ("epochs", "batch", "accumulate", "checkpoint_every", "keep"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.lora < 0:
+        raise UsageError("--lora must be >= 0")
     if args.steps is not None and args.steps < 1:
         raise UsageError("--steps must be >= 1")
     if not args.lr > 0:
@@ -74,7 +79,7 @@ def finetune(args) -> int:
         return 2
     settings = train.Settings(lr=args.lr, batch=args.batch, accumulate=args.accumulate, epochs=args.epochs,
                               steps=args.steps, seed=args.seed, checkpoint_every=args.checkpoint_every,
-                              keep=args.keep, compute_dtype=args.compute_dtype)
+                              keep=args.keep, compute_dtype=args.compute_dtype, lora=args.lora)
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"{len(examples)} examples, {settings.total_steps(len(examples))} steps", file=sys.stderr)
     with _Progress() as progress:

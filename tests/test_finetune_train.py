@@ -71,6 +71,23 @@ def test_the_model_learns_and_its_weights_are_left_alone(tiny_base_model, exampl
     assert [p.name for p in written] == ["loss.json", "loss.png"]
 
 
+def test_lora_starts_from_the_base_model_and_changes_only_the_projections(tiny_base_model, examples, tmp_path):
+    import dataclasses
+
+    settings = dataclasses.replace(SETTINGS, lora=2, steps=4, lr=1e-2)
+    full = run(tiny_base_model, examples, tmp_path / "full")
+    adapted = train.train(tiny_base_model.params, tiny_base_model.cfg, tiny_base_model.tokenizer, examples, settings,
+                          tmp_path / "lora")
+    np.testing.assert_allclose(adapted.curve[0]["loss"], full.curve[0]["loss"], rtol=1e-6)  # B = 0 at the start
+    assert adapted.curve[-1]["loss"] < adapted.curve[0]["loss"]
+    base = tiny_base_model.params
+    for stack in ("talker", "predictor"):
+        for name, value in adapted.params[stack]["layers"].items():
+            moved = not np.array_equal(np.asarray(value), np.asarray(base[stack]["layers"][name]))
+            assert moved == (name in ("wq", "wk", "wv", "wo", "gate", "up", "down")), (stack, name)
+    np.testing.assert_array_equal(adapted.params["codec_embedding"], base["codec_embedding"])
+
+
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")

@@ -74,8 +74,3 @@ def losses(params: dict, cfg: ModelConfig, batch: tuple, compute_dtype=jnp.float
     valid = (jnp.arange(n)[None, :] < lengths[:, None]).reshape(-1)
     predictor = _cross_entropy(logits, codes[..., 1:].reshape(-1, groups), valid[:, None])
     return talker + SUB_TALKER_WEIGHT * predictor, {"talker": talker, "predictor": predictor}
-
-
-def loss_and_grad(params: dict, cfg: ModelConfig, batch: tuple, compute_dtype=jnp.float32):
-    """((loss, parts), grads) with grads in the parameters' dtype."""
-    return jax.value_and_grad(losses, has_aux=True)(params, cfg, batch, compute_dtype)

@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from qtts_jax.config import ModelConfig
-from qtts_jax.finetune import forward, layout, optimizer
+from qtts_jax.finetune import forward, layout, lora, optimizer
 from qtts_jax.finetune.checkpoints import Checkpoints
 from qtts_jax.finetune.data import Example
 from qtts_jax.text import TextTokenizer
@@ -39,6 +39,7 @@ class Settings:
     checkpoint_every: int = 100
     keep: int = 3
     compute_dtype: str = "float32"
+    lora: int = 0  # rank of low-rank adapters on the projections (0: every weight trains)
 
     def total_steps(self, n_examples: int) -> int:
         return self.steps if self.steps is not None else self.epochs * batches_per_epoch(n_examples, self.batch)
@@ -66,9 +67,11 @@ class Run:
 def train(params: dict, cfg: ModelConfig, tok: TextTokenizer, examples: list[Example], settings: Settings,
           checkpoint_dir: Path, resume: bool = False, on_step: Callable[[int, int, dict], None] = lambda *a: None
           ) -> Run:
-    """Train ``params`` (a copy in fp32) on ``examples``; ``on_step(step, total, losses)`` after every step."""
-    init, step_fn = _programs(cfg, settings.lr, settings.accumulate, settings.compute_dtype)
-    state = init(params)
+    """Train ``params`` (a copy in fp32) on ``examples``; ``on_step(step, total, losses)`` after every step.
+    With ``settings.lora``, only adapters train (the state and the checkpoints hold them alone) and the returned
+    parameters have them merged."""
+    init, step_fn, result = _programs(cfg, settings.lr, settings.accumulate, settings.compute_dtype, settings.lora)
+    state, frozen = init(params)
     ckpt = Checkpoints(checkpoint_dir, settings.checkpoint_every, settings.keep)
     total = settings.total_steps(len(examples))
     done, curve, resumed = 0, [], None
@@ -80,33 +83,39 @@ def train(params: dict, cfg: ModelConfig, tok: TextTokenizer, examples: list[Exa
         for step in range(done, total):
             idx = batch_indices(len(examples), settings.batch, settings.seed, step)
             batch = layout.collate(cfg, tok, [examples[i] for i in idx], settings.batch)
-            state, parts = step_fn(state, batch.arrays())
+            state, parts = step_fn(state, frozen, batch.arrays())
             record = {"step": step + 1, **{k: float(v) for k, v in parts.items()}}
             curve.append(record)
             ckpt.save(step + 1, state, {"curve": curve}, last=step + 1 == total)
             on_step(step + 1, total, record)
     finally:
         ckpt.close()
-    return Run(state["params"], curve, resumed)
+    return Run(result(frozen, state["params"]), curve, resumed)
 
 
 @functools.lru_cache(maxsize=8)
-def _programs(cfg: ModelConfig, lr: float, accumulate: int, compute_dtype: str):
-    """(init, step), jitted and kept per configuration: runs of the same settings in one process compile them once.
-    init copies the parameters to fp32 (a jitted output never aliases its input: the steps donate the state) and
-    builds the optimiser state in one program rather than an eager op per leaf."""
+def _programs(cfg: ModelConfig, lr: float, accumulate: int, compute_dtype: str, lora_rank: int = 0):
+    """(init, step, result), jitted and kept per configuration: runs of the same settings in one process compile
+    them once. init(params) -> (state, frozen): the trained part and its optimiser state (the steps donate it),
+    and what stays fixed (LoRA: the base weights; else nothing), copied to fp32 in one program (an eager op per
+    leaf would compile one per shape). step(state, frozen, batch); result(frozen, trained) -> full parameters."""
     tx = optimizer.make(lr, accumulate)
+    combine = lora.merge if lora_rank else (lambda frozen, trained: trained)
 
     def init(params):
         params = jax.tree.map(lambda a: a.astype(jnp.float32), params)
-        return {"params": params, "opt": tx.init(params)}
+        trained, frozen = (lora.init(params, lora_rank), params) if lora_rank else (params, None)
+        return {"params": trained, "opt": tx.init(trained)}, frozen
 
-    def step(state, batch):
-        (loss, parts), grads = forward.loss_and_grad(state["params"], cfg, batch, jnp.dtype(compute_dtype))
+    def step(state, frozen, batch):
+        def loss(trained):
+            return forward.losses(combine(frozen, trained), cfg, batch, jnp.dtype(compute_dtype))
+
+        (total, parts), grads = jax.value_and_grad(loss, has_aux=True)(state["params"])
         updates, opt = tx.update(grads, state["opt"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": loss, **parts}
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": total, **parts}
 
-    return jax.jit(init), jax.jit(step, donate_argnums=0)
+    return jax.jit(init), jax.jit(step, donate_argnums=0), jax.jit(combine)
 
 
 def write_curve(curve: list[dict], directory: Path) -> list[Path]:
