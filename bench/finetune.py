@@ -118,8 +118,9 @@ def official(args) -> dict:
             ce = model.talker.model.codec_embedding(codec)
             ce[:, 6, :] = spk
             x = x + ce
+            tables = model.talker.code_predictor.get_input_embeddings()
             for k in range(1, 16):
-                x = x + model.talker.code_predictor.get_input_embeddings()[k - 1](codec_ids[:, :, k]) * codec_mask[..., None]
+                x = x + tables[k - 1](codec_ids[:, :, k]) * codec_mask[..., None]
             out = model.talker(inputs_embeds=x, attention_mask=torch.ones_like(text), labels=labels,
                                output_hidden_states=True)
             hidden = out.hidden_states[0][-1][:, :-1][codec_mask[:, 1:]]

@@ -82,9 +82,13 @@ def finetune(args) -> int:
                               keep=args.keep, compute_dtype=args.compute_dtype, lora=args.lora)
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"{len(examples)} examples, {settings.total_steps(len(examples))} steps", file=sys.stderr)
-    with _Progress() as progress:
-        run = train.train(model.params, model.cfg, model.tokenizer, examples, settings, args.out / "checkpoints",
-                          args.resume, progress)
+    try:
+        with _Progress() as progress:
+            run = train.train(model.params, model.cfg, model.tokenizer, examples, settings, args.out / "checkpoints",
+                              args.resume, progress)
+    except train.ResumeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if run.resumed_from is not None:
         print(f"resumed from step {run.resumed_from}", file=sys.stderr)
     curve = train.write_curve(run.curve, args.out)

@@ -159,7 +159,8 @@ def table_tensors(tree: dict, table: list[Entry]) -> dict[str, np.ndarray]:
             continue
         value = np.array(flat[entry.ours], np.float32)  # a writable copy
         if "{i}" in entry.hf:
-            out.update({entry.hf.format(i=i): np.ascontiguousarray(entry.layout.inverse(v)) for i, v in enumerate(value)})
+            out.update({entry.hf.format(i=i): np.ascontiguousarray(entry.layout.inverse(v))
+                        for i, v in enumerate(value)})
         else:
             out[entry.hf] = np.ascontiguousarray(entry.layout.inverse(value))
     return out
@@ -172,7 +173,8 @@ def write_safetensors_file(path: Path, tensors: Mapping[str, np.ndarray]) -> Non
     header, offset = {}, 0
     for key in sorted(tensors):
         a = tensors[key]
-        header[key] = {"dtype": names[a.dtype.type], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        header[key] = {"dtype": names[a.dtype.type], "shape": list(a.shape),
+                       "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)

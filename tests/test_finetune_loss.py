@@ -67,7 +67,8 @@ def reference_loss(ref, cfg, tok, examples):
     import torch
     import torch.nn.functional as F
 
-    text, codec, codec_ids, text_mask, codec_emb_mask, codec_mask, attention, labels = official_batch(cfg, tok, examples)
+    batch = official_batch(cfg, tok, examples)
+    text, codec, codec_ids, text_mask, codec_emb_mask, codec_mask, attention, labels = batch
     talker = ref.talker
     x = talker.text_projection(talker.model.text_embedding(text)) * text_mask[..., None]
     codec_emb = talker.model.codec_embedding(codec) * codec_emb_mask[..., None]

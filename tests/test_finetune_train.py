@@ -7,6 +7,7 @@ same weights, as an uninterrupted run; only the last K checkpoints are kept. End
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -51,6 +52,12 @@ def test_a_resumed_run_matches_an_uninterrupted_one(tiny_base_model, examples, t
 
     with pytest.raises(Killed):
         run(tiny_base_model, examples, tmp_path / "cut", on_step=kill_after_5)
+    partial = tmp_path / "cut" / "6.orbax-checkpoint-tmp-1"  # a save cut short by the kill, as orbax names it
+    partial.mkdir()
+    (partial / "junk").write_bytes(b"half a checkpoint")
+    with pytest.raises(train.ResumeError, match="seed"):  # another run's settings: refused, nothing trained
+        train.train(tiny_base_model.params, tiny_base_model.cfg, tiny_base_model.tokenizer, examples,
+                    dataclasses.replace(SETTINGS, seed=4), tmp_path / "cut", resume=True)
     resumed = run(tiny_base_model, examples, tmp_path / "cut", resume=True)
     assert resumed.resumed_from == 4
     assert [r["step"] for r in resumed.curve] == list(range(1, 7))
@@ -72,8 +79,6 @@ def test_the_model_learns_and_its_weights_are_left_alone(tiny_base_model, exampl
 
 
 def test_lora_starts_from_the_base_model_and_changes_only_the_projections(tiny_base_model, examples, tmp_path):
-    import dataclasses
-
     settings = dataclasses.replace(SETTINGS, lora=2, steps=4, lr=1e-2)
     full = run(tiny_base_model, examples, tmp_path / "full")
     adapted = train.train(tiny_base_model.params, tiny_base_model.cfg, tiny_base_model.tokenizer, examples, settings,

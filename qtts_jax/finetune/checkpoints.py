@@ -39,5 +39,9 @@ class Checkpoints:
         restored = self.manager.restore(step, args=args)
         return restored.state, restored.meta
 
+    def restore_meta(self, step: int) -> dict:
+        """The meta of a saved step alone (checked before the state is read)."""
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+
     def close(self) -> None:
         self.manager.close()

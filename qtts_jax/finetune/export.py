@@ -23,6 +23,7 @@ from qtts_jax import presets
 from qtts_jax.checkpoint import read_safetensors, table_tensors, write_safetensors_file
 from qtts_jax.codec.config import CodecConfig
 from qtts_jax.codec.weights import codec_decoder_tensors
+from qtts_jax.model import PRESETS
 from qtts_jax.weights import NAME_TABLE
 
 SPEAKER_ROW = 3000  # the official recipe's codec id for the fine-tuned speaker
@@ -38,7 +39,7 @@ def export(params: dict, source: str | Path, speaker: str, xvector: np.ndarray, 
     out = Path(out)
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    if Path(source).is_dir():
+    if str(source) not in PRESETS:  # as load_model reads it: a preset's name first, else a directory
         source = Path(source)
         replaced = shutil.ignore_patterns("model.safetensors*", "config.json")  # at the top level only
         shutil.copytree(source, tmp, ignore=lambda d, names: replaced(d, names) if Path(d) == source else [])

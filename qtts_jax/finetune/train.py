@@ -57,6 +57,18 @@ def batch_indices(n_examples: int, batch: int, seed: int, step: int) -> np.ndarr
     return order[i * batch:(i + 1) * batch]
 
 
+class ResumeError(ValueError):
+    """A checkpoint made by a run whose settings or data differ: resuming it would not continue that run."""
+
+
+def _identity(settings: Settings, n_examples: int) -> dict:
+    """What a resumed run must share with the run that saved the checkpoint (its length may change)."""
+    fixed = dataclasses.asdict(settings)
+    for free in ("steps", "epochs", "checkpoint_every", "keep"):
+        fixed.pop(free)
+    return {**fixed, "examples": n_examples}
+
+
 @dataclasses.dataclass
 class Run:
     params: dict
@@ -75,8 +87,15 @@ def train(params: dict, cfg: ModelConfig, tok: TextTokenizer, examples: list[Exa
     ckpt = Checkpoints(checkpoint_dir, settings.checkpoint_every, settings.keep)
     total = settings.total_steps(len(examples))
     done, curve, resumed = 0, [], None
+    identity = _identity(settings, len(examples))
     if resume and ckpt.latest() is not None:
         resumed = ckpt.latest()
+        saved = ckpt.restore_meta(resumed)
+        changed = sorted(k for k in identity if saved["run"].get(k) != identity[k])
+        if changed:
+            ckpt.close()
+            raise ResumeError("--resume: the checkpoint's run had other " + ", ".join(
+                f"{k} ({saved['run'].get(k)!r}, now {identity[k]!r})" for k in changed))
         state, meta = ckpt.restore(resumed, state)
         done, curve = resumed, meta["curve"]
     try:
@@ -86,7 +105,7 @@ def train(params: dict, cfg: ModelConfig, tok: TextTokenizer, examples: list[Exa
             state, parts = step_fn(state, frozen, batch.arrays())
             record = {"step": step + 1, **{k: float(v) for k, v in parts.items()}}
             curve.append(record)
-            ckpt.save(step + 1, state, {"curve": curve}, last=step + 1 == total)
+            ckpt.save(step + 1, state, {"curve": curve, "run": identity}, last=step + 1 == total)
             on_step(step + 1, total, record)
     finally:
         ckpt.close()
