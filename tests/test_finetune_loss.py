@@ -138,3 +138,15 @@ def test_padding_and_batching_do_not_change_the_loss(setup):
     predictor = sum(float(a["predictor"]) * k for a, k in zip(alone, n)) / np.sum(n)
     np.testing.assert_allclose(float(both["talker"]), talker, rtol=1e-5)
     np.testing.assert_allclose(float(both["predictor"]), predictor, rtol=1e-5)
+
+
+def test_bf16_compute_keeps_fp32_gradients_and_a_close_loss(setup):
+    """--compute-dtype bfloat16: the loss moves by bf16 rounding only, and the gradients stay in the fp32 masters'
+    dtype (checked on the traced shapes: no second backward program is compiled)."""
+    _, model, examples = setup
+    batch = layout.collate(model.cfg, model.tokenizer, examples).arrays()
+    fn = jax.jit(forward.losses, static_argnums=(1, 3))
+    full, half = (float(fn(model.params, model.cfg, batch, dtype)[0]) for dtype in (jnp.float32, jnp.bfloat16))
+    np.testing.assert_allclose(half, full, rtol=2e-2)
+    grads = jax.eval_shape(jax.grad(lambda p: forward.losses(p, model.cfg, batch, jnp.bfloat16)[0]), model.params)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
