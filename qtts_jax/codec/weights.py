@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qtts_jax.checkpoint import AS_IS, CONV, CONV_TRANSPOSE, LINEAR, Entry, load_table, read_safetensors, unflatten
+from qtts_jax.checkpoint import (AS_IS, CONV, CONV_TRANSPOSE, LINEAR, Entry, load_table, read_safetensors, table_tensors,
+                                 unflatten)
 from qtts_jax.codec.config import RESIDUAL_DILATIONS, CodecConfig
 
 CODEBOOK_EPS = 1e-5  # EuclideanCodebook.epsilon: usage is clamped to this before dividing
@@ -142,6 +143,19 @@ def load_codec_params(directory: Path, cfg: CodecConfig, dtype=np.float32) -> di
     tree["quantizer"] = _quantizer(raw)
     tree = listify(tree)
     return jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), tree)
+
+
+def codec_decoder_tensors(params: dict, cfg: CodecConfig) -> dict[str, np.ndarray]:
+    """The decoder pytree as ``speech_tokenizer`` tensors, the inverse of `load_codec_params` (exports). Each
+    codebook is written as its table over a cluster usage of 1, which loads back to the same table."""
+    entries, _ = codec_decoder_table(cfg)
+    tree = dict(params)
+    q = tree.pop("quantizer")
+    books = np.asarray(q["codebooks"], np.float32)
+    ones = np.ones(books.shape[:2], np.float32)
+    tree["raw"] = {"first_sum": books[0], "rest_sum": books[1:], "first_usage": ones[0], "rest_usage": ones[1:],
+                   "first_proj": np.asarray(q["first_proj"])[None], "rest_proj": np.asarray(q["rest_proj"])[None]}
+    return table_tensors(tree, entries)
 
 
 def _quantizer(raw: dict) -> dict:
