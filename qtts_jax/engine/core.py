@@ -346,9 +346,11 @@ class Engine:
         playing = [self.slots[i] for i in live if self.slots[i].codes]
         first = self._dispatch_first(new) if new else None
         # the previous codec call's audio, then the newcomers' first chunks, go out from the sender thread as the
-        # device finishes them, while this thread dispatches the step (whose call holds it for its loop trips)
+        # device finishes them (in the order it runs them), while this thread dispatches the step (whose call
+        # holds it for its loop trips)
         handing = self._sender.submit(self._send_audio, *self._audio) if self._audio is not None else None
         self._audio = None
+        stamping = self._sender.submit(self._stamp_prefilled, joined, prefill_done) if prefill_done is not None else None
         sending = self._sender.submit(self._send_first, new, *first) if first is not None else None
         parts.mark("dispatch")
         extra = self._newcomers_s(len(joined), len(new))
@@ -361,11 +363,8 @@ class Engine:
             self.state, out = self._program("step", b, plan.frames)(self.model.params, self.state,
                                                                     *self._rows(stepping, b))
         parts.mark("dispatch")
-        if prefill_done is not None:
-            np.asarray(prefill_done)
-            now = self.clock()
-            for s in joined:
-                s.timings.prefilled = now
+        if stamping is not None:
+            stamping.result()
         if handing is not None:
             self._settle_handout(t0, *handing.result())
             parts.mark("hand_out")
@@ -488,10 +487,19 @@ class Engine:
         chunk hand-out (`Stream.emit`); the engine thread does their bookkeeping in `_take_first`."""
         frames, valid, audio = (np.asarray(x) for x in out)
         now = self.clock()
+        for j in np.flatnonzero(valid[0, : len(new)]):  # `_record` keeps this time: before the chunk leaves
+            new[j].timings.first_frame = now
         sent = np.asarray(decode, bool) & valid[0, : len(new)] & np.array([not s.finished for s in new], bool)
         for j in np.flatnonzero(sent):
             new[j].emit(Chunk(pcm=audio[j, :SAMPLES_PER_FRAME], first_frame=0, frames=1, sent_at=now))
         return frames, valid, now, sent
+
+    def _stamp_prefilled(self, joined: list[Stream], prefill_done) -> None:
+        """On the sender thread: when the newcomers' prefill is done on the device (their first chunk comes after)."""
+        np.asarray(prefill_done)
+        now = self.clock()
+        for s in joined:
+            s.timings.prefilled = now
 
     def _take_first(self, new: list[Stream], frames: np.ndarray, valid: np.ndarray, now: float,
                     sent: np.ndarray) -> None:
