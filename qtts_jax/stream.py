@@ -87,6 +87,7 @@ class Stream:
         self.unsent: list[int] = []
         self.complete_sent = self.text_complete  # the completion is in `unsent` or on the device
         self.play_shift = 0.0  # listener time lost waiting for live text: its playback resumed that much later
+        self.resumes = False  # its listener ran dry waiting for live text: playback restarts with the next chunk
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -109,9 +110,10 @@ class Stream:
         return None if self.text_complete else self.text_known - len(self.codes)
 
     def hold_playback(self, now: float) -> None:
-        """Waiting for text: a listener that ran dry resumes when audio comes again, not on the old timeline."""
-        if (b := self.buffered(now)) is not None and b < 0:
-            self.play_shift -= b
+        """Waiting for text: a listener that has run dry resumes when audio comes again, not on the old timeline
+        (until then it has no headroom to keep: nothing of it is late)."""
+        if (b := self.buffered(now)) is not None and b <= 0:
+            self.resumes = True
 
     def next_chunk_frames(self) -> int:
         """Frames the next chunk should hold, per the schedule."""
@@ -121,15 +123,19 @@ class Stream:
     def buffered(self, now: float) -> float | None:
         """Audio a zero-buffer listener still has queued at `now` if playback began with the first chunk
         (None before it): the headroom before this stream runs dry."""
-        if self.timings.first_chunk is None:
+        if self.timings.first_chunk is None or self.resumes:
             return None
-        return self.timings.first_chunk + self.play_shift + self.decoded * FRAME_SECONDS - now  # audio in the codec counts: it
+        return self.timings.first_chunk + self.play_shift + self.decoded * FRAME_SECONDS - now  # audio in the
+        # codec counts: it
         # leaves within the codec call
 
     def emit(self, chunk: Chunk) -> None:
         now = chunk.sent_at
         if self.timings.first_chunk is None and len(chunk.pcm):
             self.timings.first_chunk = now
+        elif self.resumes and len(chunk.pcm):  # the audio before this chunk ended now
+            self.resumes = False
+            self.play_shift = now - self.timings.first_chunk - (self.decoded - chunk.frames) * FRAME_SECONDS
         self.timings.chunk_times.append(now)
         self.chunks_sent += 1
         if chunk.final:

@@ -389,12 +389,15 @@ class Engine:
         self.jitter.add(seconds)
 
     def stats(self) -> EngineStats:
-        """The latest published snapshot, with the queue and the rungs in use as they are now: requests submitted
-        since the last iteration count at once, so a burst is judged request by request (safe from any thread)."""
+        """The latest published snapshot, with the queue, the streams in slots and the rungs in use as they are
+        now: requests submitted since the last iteration count at once, so a burst is judged request by request,
+        and a stream that has ended (its final chunk may reach its client before the iteration publishes) no
+        longer counts (safe from any thread)."""
         with self._lock:
             queued = list(self.queue)
             return dataclasses.replace(
-                self._stats, queued=len(queued), queued_frames=tuple(s.frames_cap for s in queued),
+                self._stats, live=sum(s is not None for s in self.slots), queued=len(queued),
+                queued_frames=tuple(s.frames_cap for s in queued),
                 oldest_wait_s=self.clock() - queued[0].timings.submitted if queued else 0.0, **self._sizes())
 
     def run_once(self) -> bool:
@@ -748,7 +751,9 @@ class Engine:
             pending=np.array([s.pending + coming.get(s, 0) for s in waiting]),
             want=np.array([s.next_chunk_frames() for s in waiting]),
             lm_done=np.array([s.lm_done or s.waiting_text for s in waiting]),  # none coming soon: all out
-            headroom=np.array([np.nan if (h := s.buffered(now)) is None else h for s in waiting]),
+            # a listener that ran dry waiting for live text gets what there is at once, as one below its lead
+            headroom=np.array([0.0 if s.resumes else np.nan if (h := s.buffered(now)) is None else h
+                               for s in waiting]),
             lead_s=c.lead_s, horizon_s=self._iteration_s + self._delivery_s + self._margin_s,
             most=max(self._codec_sizes))
         due = [(s, int(f)) for s, f in zip(waiting, counts) if f]
