@@ -28,6 +28,9 @@ One iteration of the loop (`run_once`); its decisions are `scheduler`'s pure fun
    where the step writes them (counting on the step's frames; a stream that ended early decodes only those it
    made), so the device goes from step to codec without waiting for the host, and no codes cross to the host
    and back.
+Live text (`prepare(live=True)`, `append_text`): ids appended to a playing stream go to its trailing text on the
+device at the start of an iteration; a stream that has read every id it has skips the steps until more come (each
+step row has its own frame limit), so its codes are those of its whole text at once.
 The margin is measured, not guessed: iterations that overran their prediction and chunks that reached the
 listener's event loop late (`observe_delivery_lag`) feed `scheduler.Jitter`.
 
@@ -646,7 +649,8 @@ class Engine:
         if not waiting or not c.guard_newcomers or not self.step_costs:  # untimed: no costs to judge by
             return waiting
         now = self.clock()
-        heads = [h for s in self.slots if s is not None and not s.waiting_text and (h := s.buffered(now)) is not None]
+        heads = [h for s in self.slots
+                 if s is not None and not s.waiting_text and (h := s.buffered(now)) is not None]
         live = sum(s is not None and not s.lm_done for s in self.slots)
 
         def iteration_s(m: int) -> float:

@@ -1,6 +1,8 @@
 """The engine's compiled programs, as pure functions of (params, state, inputs): the state layout every slot
 shares, prefill into slots, a step of n frames for some rows (which also writes them into the state's codes ring),
-the newcomers' first frame with its audio, and one streaming-codec call that reads its frames from that ring. The loop (`core.Engine`) jits them once per ladder rung and donates the state.
+the newcomers' first frame with its audio, one streaming-codec call that reads its frames from that ring,
+and live text appended to a slot's trailing text. The loop (`core.Engine`) jits them once per ladder rung and
+donates the state.
 
 Rows are slots gathered by index; a row aimed past the last slot is padding: it reads the last slot (clipped) and
 its writes are dropped, so one compiled size serves any number of live rows up to it."""
