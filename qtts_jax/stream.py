@@ -122,12 +122,11 @@ class Stream:
 
     def buffered(self, now: float) -> float | None:
         """Audio a zero-buffer listener still has queued at `now` if playback began with the first chunk
-        (None before it): the headroom before this stream runs dry."""
+        (None before it, and while it waits to resume): the headroom before this stream runs dry. Audio in the
+        codec counts: it leaves within the codec call."""
         if self.timings.first_chunk is None or self.resumes:
             return None
-        return self.timings.first_chunk + self.play_shift + self.decoded * FRAME_SECONDS - now  # audio in the
-        # codec counts: it
-        # leaves within the codec call
+        return self.timings.first_chunk + self.play_shift + self.decoded * FRAME_SECONDS - now
 
     def emit(self, chunk: Chunk) -> None:
         now = chunk.sent_at

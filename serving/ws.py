@@ -197,13 +197,13 @@ class Session:
     async def _commit(self, text: str, live: LiveInput | None = None) -> None:
         """Queue `text` as an utterance; a text the engine cannot take is refused now, not when its turn comes.
         `live`: `text` is a live utterance's so far, the rest joins it."""
+        if not text.strip():
+            raise bad("text", "nothing to speak: append text before commit", "empty")
         if "voice" not in self.options:
             raise bad("voice", "is required: send session.update with a voice first", "missing_field")
         if self.pending.qsize() >= self.settings.ws_max_pending_utterances:
             raise ApiError(429, "too_many_utterances",
                            f"at most {self.settings.ws_max_pending_utterances} utterances may wait", "text")
-        if not text.strip():
-            raise bad("text", "nothing to speak: append text before commit", "empty")
         speech = self._script(text, live=live is not None)
         uid = self.next_id
         self.next_id += 1
