@@ -1,12 +1,13 @@
 """Text streamed word by word into vLLM-Omni's WebSocket protocol, as an LLM would: when does audio start, and
-how long after the last word does it end? Issue 19 item 5 asks for these beside the buffered mode; this is the
-measurement, with the serving-level modes that exist now (live text joining a playing utterance needs the
-engine and is not in them):
+how long after the last word does it end? Issue 19 item 5 asks for these beside the buffered mode, in the
+three modes of split_granularity:
 
 - `none`: everything buffered until `input.done` (vLLM-Omni's default);
-- `sentence`: each sentence started as soon as its end arrives (split_granularity).
+- `sentence`: each sentence started as soon as its end arrives;
+- `live`: one utterance started at the first word, the later words joining its engine stream as it plays
+  (serving/live_input.py).
 
-Per trial (the streaming-text prompt layout, non_streaming_mode false, the one live text would extend): words
+Per trial (the streaming-text prompt layout, non_streaming_mode false, the one live text extends): words
 sent every --interval-ms, then `input.done`; recorded per mode (median over --trials):
 first audio after the first word, last word to the last audio byte, and last word to the end of playback for
 a client that plays from the first byte at zero buffer. Against --url, or a local tiny-random server (on a CPU
@@ -81,12 +82,12 @@ async def trial(url: str, mode: str, interval_s: float, max_new_tokens: int) -> 
 
 
 async def measure(url: str, trials: int, interval_s: float, frames: int) -> list[dict]:
-    """`frames` per sentence; the buffered mode's one request gets as many as all sentences together, so both
-    modes make the same audio from a model that runs to its cap (tiny-random does)."""
+    """`frames` per sentence; the one request of the buffered and live modes gets as many as all sentences
+    together, so every mode makes the same audio from a model that runs to its cap (tiny-random does)."""
     sentences = len(split_units(TEXT + " ", "sentence")[0])
     rows = []
-    for mode in ("none", "sentence"):
-        cap = frames * (sentences if mode == "none" else 1) + 1  # max_new_tokens: frames + the end token
+    for mode in ("none", "sentence", "live"):
+        cap = frames * (1 if mode == "sentence" else sentences) + 1  # max_new_tokens: frames + the end token
         runs = [await trial(url, mode, interval_s, cap) for _ in range(trials)]
         keys = ("first_audio_after_first_word_s", "last_word_to_last_byte_s", "last_word_to_playback_end_s",
                 "audio_s", "send_s")
@@ -117,8 +118,7 @@ def main(argv=None) -> None:
         with local_server("tiny-random", slots=4, context=512) as url:  # the whole text fits one prompt
             rows, where = run(url), "local tiny-random, 4 slots, context 512, CPU"
     result = {"bench": "live_text", "server": where, "words": len(TEXT.split(" ")), "interval_ms": args.interval_ms,
-              "frames_per_sentence": args.frames, "text": TEXT, "rows": rows,
-              "not_measured": "live text joining a playing utterance (needs the engine; issue 19 item 5)"}
+              "frames_per_sentence": args.frames, "text": TEXT, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -57,7 +57,7 @@ def parts(cfg, codec_cfg, sampler: str) -> dict:
         return state._replace(cache=cache), (logits, hidden)
 
     def step(params, codec_params, state, codec_state, idx):
-        return programs.step(params, state, idx, jnp.ones(idx.shape, bool), cfg=cfg, choose=choose,
+        return programs.step(params, state, idx, jnp.ones(idx.shape, jnp.int32), cfg=cfg, choose=choose,
                              attention=programs.attender("auto"), n=1)
 
     def codec(params, codec_params, state, codec_state, idx):

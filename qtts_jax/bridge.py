@@ -111,3 +111,7 @@ class AsyncEngine:
         out = AsyncStream(queue)
         out.stream = self.engine.submit(job, lambda chunk: outbox.put(queue, chunk, out), ahead)
         return out
+
+    def append_text(self, out: AsyncStream, ids: list[int], complete: bool = False) -> None:
+        """`Engine.append_text` for a live stream from `submit` (it only takes a lock: no need to leave the loop)."""
+        self.engine.append_text(out.stream, ids, complete)

@@ -16,3 +16,6 @@ class Job:
     bucket: int  # the prompt bucket (cache rows) it is prefilled in
     frames_cap: int  # the most frames it may produce: max_frames, the runaway guard, the context left
     schedule: tuple[int, ...]  # frames per audio chunk, in order, the last repeating
+    # live text (`Engine.append_text`): the prompt holds the text so far and `frames_cap` is its runaway guard;
+    # both grow as text is appended
+    live: bool = False

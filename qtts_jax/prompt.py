@@ -34,10 +34,12 @@ class Prompt:
     def __len__(self) -> int:
         return len(self.text)
 
-    def frame_cap(self, base: int = 24, per_text_token: int = 8) -> int:
+    def frame_cap(self, base: int = 24, per_text_token: int = 8, trailing: int | None = None) -> int:
         """Runaway guard: speech runs about 3-4 frames per text token, so this cap is generous for
-        real speech yet stops a model that never samples EOS from talking for minutes."""
-        return base + per_text_token * (len(self.trailing) + int(np.sum(self.text >= 0)))
+        real speech yet stops a model that never samples EOS from talking for minutes. `trailing`: the count of
+        trailing ids when more have been appended since (live text)."""
+        trailing = len(self.trailing) if trailing is None else trailing
+        return base + per_text_token * (trailing + int(np.sum(self.text >= 0)))
 
 
 class _Builder:
@@ -55,7 +57,7 @@ class _Builder:
 
 def build_prompt(cfg: ModelConfig, tok: TextTokenizer, req: Request) -> Prompt:
     """The reference's `Qwen3TTSForConditionalGeneration.generate` layout for one validated request."""
-    ids = tok.encode(f"<|im_start|>assistant\n{req.text}<|im_end|>\n<|im_start|>assistant\n")
+    ids = _target_ids(tok, req.text)
     role, text_ids = ids[:3], ids[3:-5]
     t = cfg.text
     b = _Builder(cfg.num_code_groups)
@@ -101,6 +103,16 @@ def build_prompt(cfg: ModelConfig, tok: TextTokenizer, req: Request) -> Prompt:
         speaker=xvec,
         trailing=np.asarray(trailing, np.int32),
     )
+
+
+def _target_ids(tok: TextTokenizer, text: str) -> list[int]:
+    """The reference's target template: 3 role ids, the text's, 5 closing ids (never used)."""
+    return tok.encode(f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def text_ids_of(tok: TextTokenizer, text: str) -> list[int]:
+    """The ids the prompt layouts give `text` (tokenized inside the template, as the reference does)."""
+    return _target_ids(tok, text)[3:-5]
 
 
 def _language_id(cfg: ModelConfig, req: Request) -> int | None:

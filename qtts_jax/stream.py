@@ -78,6 +78,16 @@ class Stream:
         self.lm_done = False
         self.finished = False
         self._cancel = threading.Event()
+        self.cap = job.frames_cap  # grows as live text is appended
+        # live text: trailing ids on the device (frame k reads the k-th), ids appended but not yet there, and
+        # whether the text is complete (its tts_eos appended); the engine thread moves `unsent` to the device
+        self.text_known = len(job.prompt.trailing)
+        self.text_complete = not job.live
+        self.trailing_total = self.text_known  # on the device or in `unsent`
+        self.unsent: list[int] = []
+        self.complete_sent = self.text_complete  # the completion is in `unsent` or on the device
+        self.play_shift = 0.0  # listener time lost waiting for live text: its playback resumed that much later
+        self.resumes = False  # its listener ran dry waiting for live text: playback restarts with the next chunk
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -88,7 +98,22 @@ class Stream:
 
     @property
     def frames_cap(self) -> int:
-        return self.job.frames_cap
+        return self.cap
+
+    @property
+    def waiting_text(self) -> bool:
+        """A live stream that has read every text id it has (the frame that reads the next one needs it)."""
+        return not self.text_complete and not self.lm_done and len(self.codes) >= self.text_known
+
+    def text_frames(self) -> int | None:
+        """Frames it may make before it needs text it does not have (None: no limit)."""
+        return None if self.text_complete else self.text_known - len(self.codes)
+
+    def hold_playback(self, now: float) -> None:
+        """Waiting for text: a listener that has run dry resumes when audio comes again, not on the old timeline
+        (until then it has no headroom to keep: nothing of it is late)."""
+        if (b := self.buffered(now)) is not None and b <= 0:
+            self.resumes = True
 
     def next_chunk_frames(self) -> int:
         """Frames the next chunk should hold, per the schedule."""
@@ -97,16 +122,19 @@ class Stream:
 
     def buffered(self, now: float) -> float | None:
         """Audio a zero-buffer listener still has queued at `now` if playback began with the first chunk
-        (None before it): the headroom before this stream runs dry."""
-        if self.timings.first_chunk is None:
+        (None before it, and while it waits to resume): the headroom before this stream runs dry. Audio in the
+        codec counts: it leaves within the codec call."""
+        if self.timings.first_chunk is None or self.resumes:
             return None
-        return self.timings.first_chunk + self.decoded * FRAME_SECONDS - now  # audio in the codec counts: it
-        # leaves within the codec call
+        return self.timings.first_chunk + self.play_shift + self.decoded * FRAME_SECONDS - now
 
     def emit(self, chunk: Chunk) -> None:
         now = chunk.sent_at
         if self.timings.first_chunk is None and len(chunk.pcm):
             self.timings.first_chunk = now
+        elif self.resumes and len(chunk.pcm):  # the audio before this chunk ended now
+            self.resumes = False
+            self.play_shift = now - self.timings.first_chunk - (self.decoded - chunk.frames) * FRAME_SECONDS
         self.timings.chunk_times.append(now)
         self.chunks_sent += 1
         if chunk.final:

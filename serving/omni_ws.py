@@ -3,8 +3,8 @@
 
 Client -> server (JSON text):
   {"type": "session.config", <any speech field but input/stream/stream_format>, "stream_audio": bool,
-   "split_granularity": "none"|"sentence"|"clause"}   sticky until the next session.config (refused while text
-                                                      is buffered); ref_audio must be a base64 data URL
+   "split_granularity": "none"|"sentence"|"clause"|"live"}   sticky until the next session.config (refused
+                                                      while text is buffered); ref_audio must be a base64 data URL
   {"type": "input.text", "text": "..."}              text to add to the utterance
   {"type": "input.done"}                             speak what is buffered; the socket stays open
   {"type": "session.close"}                          finish what is queued, then close (1000)
@@ -20,6 +20,8 @@ Server -> client, per utterance (one `input.done`) and per sentence in it:
 
 With split_granularity "sentence" (or "clause"), each sentence (clause) is started as soon as its end arrives,
 before `input.done`: audio for the text already received begins while the client is still sending the rest.
+With "live", the utterance is one sentence whose audio starts at its first word and that the later text joins
+while it plays (serving/live_input.py; `sentence_text` is the text it started with); `input.done` completes it.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from aiohttp import web
 from serving import script, ssml, voice_routes
 from serving.audio_out import StreamOut, output_rate, whole
 from serving.errors import ApiError, bad
-from serving.keys import ALIASES, ENGINE, MODEL, SERVED_NAMES, SETTINGS, VOICES
+from serving.keys import ALIASES, BRIDGE, ENGINE, MODEL, SERVED_NAMES, SETTINGS, VOICES
+from serving.live_input import LiveInput
 from serving.schemas import Field, check_text, parse_options, speech_fields, speech_options, task_type
 from serving.script import Script
 from serving.sentences import GRANULARITIES, split_units
@@ -51,8 +54,9 @@ def config_fields(settings) -> dict[str, Field]:
     fields = {k: f for k, f in speech_fields(settings.max_input_chars, settings.max_voice_upload_bytes).items()
               if k not in ("input", "text", "voice_id", "stream", "stream_format")}
     fields["stream_audio"] = Field("boolean", "Send audio chunks as they are made instead of one file per sentence")
-    fields["split_granularity"] = Field("string", "Start audio at each sentence or clause end, before input.done",
-                                        enum=GRANULARITIES, default="none")
+    fields["split_granularity"] = Field("string", "Start audio at each sentence or clause end, before input.done, "
+                                        "or (live) at the first word, the rest joining it", enum=GRANULARITIES,
+                                        default="none")
     return fields
 
 
@@ -64,6 +68,7 @@ class OmniSession:
         self.config: dict | None = None
         self.prompt = None  # the config's cloned ref_audio voice
         self.buffer = ""
+        self.live: LiveInput | None = None  # the open live sentence's text (split_granularity "live")
         self.utterance = 0  # index of the utterance being received
         self.sentences = 0  # units of it queued so far
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -97,8 +102,12 @@ class OmniSession:
             if not isinstance(text, str):
                 raise bad("text", "must be a string", "invalid_type")
             check_text("text", text)
-            if len(self.buffer) + len(text) > self.settings.max_input_chars:
+            held = self.live.text.text if self.live is not None else self.buffer
+            if len(held) + len(text) > self.settings.max_input_chars:
                 raise bad("text", f"the utterance would exceed {self.settings.max_input_chars} characters", "too_long")
+            if self.config.get("split_granularity") == "live" and not ssml.is_input(held + text, self.config):
+                await self._append_live(text)
+                return
             self.buffer += text  # an SSML document is spoken whole, at input.done
             units, self.buffer = split_units(self.buffer, "none" if ssml.is_input(self.buffer, self.config) else
                                              self.config.get("split_granularity", "none"))
@@ -106,17 +115,35 @@ class OmniSession:
                 await self._queue_unit(unit)
         else:  # input.done
             text, self.buffer = self.buffer, ""
+            if self.live is not None:
+                live, self.live = self.live, None
+                text = live.text.text if not live.started else (live.finish() or "")  # unstarted: one word
             await self._queue_unit(text)
             await self.queue.put(("done", self.utterance, self.sentences))
             self.utterance, self.sentences = self.utterance + 1, 0
 
-    async def _queue_unit(self, text: str) -> None:
+    async def _append_live(self, text: str | None) -> None:
+        """Text of the open live sentence (one is opened if none is), queued once its first id is stable; text
+        that outgrows the engine's trailing text buffer opens the next sentence (serving/live_input.py)."""
+        while text is not None:
+            if self.live is None:
+                self.live = LiveInput(self.app[ENGINE], self.app[BRIDGE])
+            live = self.live
+            text = live.add(text)
+            if live.ready and not live.started:
+                await self._queue_unit(live.text.stable, live)
+            if text is not None:
+                self.live = None
+
+    async def _queue_unit(self, text: str, live: LiveInput | None = None) -> None:
         if text.strip():
-            await self.queue.put(("unit", self.utterance, self.sentences, text, self.config, self.prompt))
+            if live is not None:
+                live.started = True  # its job is made when its turn comes (`LiveInput.start`)
+            await self.queue.put(("unit", self.utterance, self.sentences, text, self.config, self.prompt, live))
             self.sentences += 1
 
     async def _configure(self, body: dict) -> None:
-        if self.buffer.strip():
+        if self.buffer.strip() or self.live is not None:
             raise bad("type", "session.config cannot be applied while text is buffered; send input.done first",
                       "utterance_in_progress")
         opts = parse_options(body, self.fields, required=False)
@@ -135,9 +162,9 @@ class OmniSession:
         self._script(script.CHECK, opts, prompt)  # model-level refusals now, not at the first input.done
         self.config, self.prompt = opts, prompt
 
-    def _script(self, text: str, opts: dict, prompt) -> Script:
+    def _script(self, text: str, opts: dict, prompt, live: bool = False) -> Script:
         return script.build({**{k: v for k, v in opts.items() if k not in ("ref_audio", "ref_text")}, "input": text},
-                            engine=self.app[ENGINE], served_names=self.app[SERVED_NAMES],
+                            engine=self.app[ENGINE], live=live, served_names=self.app[SERVED_NAMES],
                             voices=self.app.get(VOICES), aliases=self.app[ALIASES], prompt=prompt)
 
     async def _run(self) -> None:
@@ -158,24 +185,29 @@ class OmniSession:
                 log.exception("vLLM-Omni websocket sentence failed")
                 await self.error(ApiError(500, "internal_error", "the sentence failed; the server logged why"))
 
-    async def _speak(self, utterance: int, sentence: int, text: str, config: dict, prompt) -> None:
+    async def _speak(self, utterance: int, sentence: int, text: str, config: dict, prompt,
+                     live: LiveInput | None) -> None:
         fmt, rate, speed = config["response_format"], config["sample_rate"], config.get("speed", 1.0)
         where = {"utterance_index": utterance, "sentence_index": sentence}
+        if live is not None:  # the text stable by now: the more its prompt holds, the less waits for appending
+            text = live.start()
         await self.send({"type": "audio.start", **where, "sentence_text": text, "format": fmt, "sample_rate": rate,
                          "channels": 1})
         sent, failed = 0, False
         try:
-            speech = self._script(text, config, prompt)
+            speech = self._script(text, config, prompt, live=live is not None)
             u = Utterance(self.app, speech, uuid.uuid4().hex, "/v1/audio/speech/stream", speed=speed, rate=rate,
-                          words=config.get("word_timestamps", False))
+                          words=config.get("word_timestamps", False), live=live)
         except ApiError as err:
+            if live is not None and live is self.live:  # refused: the text after this starts another sentence
+                self.live = None
             await self.error(err, **where)
             await self.send({"type": "audio.done", **where, "total_bytes": 0, "error": True})
             return
         self.current = u
         try:
             if config.get("stream_audio"):
-                out = StreamOut(fmt, rate, speed, speech.max_samples(speed))
+                out = StreamOut(fmt, rate, speed, None if live else speech.max_samples(speed))
                 async for pcm in u.chunks():
                     sent += await self._send_bytes(out.encode(pcm))
                     await self._words(u, where)

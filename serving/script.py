@@ -53,10 +53,16 @@ class Script:
         return sum(p.max_samples(speed) for p in self.parts)
 
 
-def build(opts: dict, *, engine, **kw) -> Script:
-    """Checked options (`input` and the fields `build_request` reads) -> the script; 400 naming the field."""
+def build(opts: dict, *, engine, live: bool = False, **kw) -> Script:
+    """Checked options (`input` and the fields `build_request` reads) -> the script; 400 naming the field.
+    `live`: `input` is the text of a live utterance so far (serving/live_input.py), one job more text joins."""
     req, schedule = build_request(opts, engine=engine, **kw)
     text = opts["input"]
+    if live:
+        try:
+            return Script((Part(engine.prepare(dataclasses.replace(req, text=text), schedule, live=True)),), len(text))
+        except RequestError as exc:
+            raise from_request_error(exc) from None
     pieces = ssml.parse(text) if ssml.is_input(text, opts) else [ssml.Speech(text)]
     parts = []
     for piece in _merge(pieces, engine.model.cfg.accepts_instruct):

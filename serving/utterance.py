@@ -10,6 +10,7 @@ import numpy as np
 from serving import word_timings
 from serving.audio_encoders import SAMPLE_RATE
 from serving.keys import BRIDGE, METRICS, MODEL, SCHEDULER
+from serving.live_input import LiveInput
 from serving.prosody import ProsodyAudio
 from serving.script import Script
 
@@ -23,7 +24,7 @@ class Utterance:
     silence; the playback track and the metrics see one stream."""
 
     def __init__(self, app, script: Script, rid: str, endpoint: str, started: float | None = None,
-                 speed: float = 1.0, rate: int = SAMPLE_RATE, words: bool = False):
+                 speed: float = 1.0, rate: int = SAMPLE_RATE, words: bool = False, live: LiveInput | None = None):
         self.app, self.script, self.rid, self.endpoint = app, script, rid, endpoint
         self.speed, self.rate = speed, rate  # of the audio the client gets: it plays 1/speed s per model second
         self.started = time.perf_counter() if started is None else started
@@ -31,6 +32,8 @@ class Utterance:
         self.predicted_ttfa = sched.admit()  # raises 429/503
         self._jobs = iter(script.jobs)
         self.streams = [app[BRIDGE].submit(next(self._jobs))]
+        if live is not None:  # a live utterance's script is its one job: the text still to come joins its stream
+            live.attach(self.streams[0])
         self.track = sched.open(rid, script.frames_cap)
         self.frames = 0
         self.samples = 0  # model-rate samples after prosody, pauses included
@@ -75,7 +78,7 @@ class Utterance:
                 break
             if len(pcm := shape.finish()):
                 yield self._out(pcm)
-            if self._words is not None:
+            if self._words is not None and not part.job.live:  # a live job's text grew after it was laid out
                 self._words += word_timings.estimate(part.job, self.app[MODEL].tokenizer, frames,
                                                      self._seconds(start), self._seconds(self.samples - start))
         self.done = True

@@ -8,12 +8,15 @@ Client -> server (JSON text messages):
   {"type": "session.update", "session": {voice, language, instructions, seed, temperature, top_k, top_p,
                                          repetition_penalty, max_frames, greedy, chunk_schedule,
                                          speed, sample_rate, response_format (pcm | ulaw | alaw),
-                                         split_granularity (none | sentence | clause),
+                                         split_granularity (none | sentence | clause | live),
                                          input_format (auto | text | ssml), word_timestamps}}
   {"type": "input_text.append", "text": "..."}     add text to the buffer; with split_granularity, each
                                                    complete sentence (clause) is committed as it arrives
-                                                   (an SSML document waits for the commit)
-  {"type": "input_text.commit"}  (alias "flush")   speak the buffered text as one utterance
+                                                   (an SSML document waits for the commit); with "live",
+                                                   the text is one utterance that starts at its first
+                                                   word and that later text joins as it plays
+  {"type": "input_text.commit"}  (alias "flush")   speak the buffered text as one utterance (live: the
+                                                   utterance's text is complete)
   {"type": "cancel"}                               stop the utterance in flight (within one engine step),
                                                    drop queued ones and the text buffer
   {"type": "close"}                                finish queued utterances, then close (1000)
@@ -48,7 +51,8 @@ from serving import omni_ws, script, ssml
 from serving.audio_encoders import SAMPLE_RATE
 from serving.audio_out import StreamOut, output_rate
 from serving.errors import ApiError, bad
-from serving.keys import ALIASES, ENGINE, SCHEDULER, SERVED_NAMES, SETTINGS, SOCKETS, VOICES
+from serving.keys import ALIASES, BRIDGE, ENGINE, SCHEDULER, SERVED_NAMES, SETTINGS, SOCKETS, VOICES
+from serving.live_input import LiveInput
 from serving.schemas import Field, base64_chars, check_text, parse_options, speech_fields
 from serving.script import Script
 from serving.sentences import GRANULARITIES, split_units
@@ -71,10 +75,12 @@ class Session:
         all_fields = speech_fields(self.settings.max_input_chars)
         self.fields = {k: all_fields[k] for k in SESSION_FIELDS}
         self.fields["response_format"] = Field("string", "Audio in the binary messages", enum=tuple(RAW_FORMATS))
-        self.fields["split_granularity"] = Field("string", "Commit each sentence or clause as it completes",
+        self.fields["split_granularity"] = Field("string", "Commit each sentence or clause as it completes, or "
+                                                 "(live) speak the text as it comes, in one utterance",
                                                  enum=GRANULARITIES, default="none")
         self.options: dict = {}
         self.buffer = ""
+        self.live: LiveInput | None = None  # the open live utterance's text (split_granularity "live")
         self.pending: asyncio.Queue = asyncio.Queue()
         self.current: Utterance | None = None
         self.current_id: int | None = None
@@ -102,15 +108,18 @@ class Session:
         return {"type": kind, "session": self.options, "format": RAW_FORMATS[fmt],
                 "sample_rate": output_rate(fmt, self.options.get("sample_rate"))}
 
-    def _script(self, text: str) -> Script:
+    def _script(self, text: str, live: bool = False) -> Script:
         """The session's options and `text`, prepared by the engine (400 naming the field if it cannot be)."""
-        return script.build({**self.options, "input": text}, engine=self.app[ENGINE],
+        return script.build({**self.options, "input": text}, engine=self.app[ENGINE], live=live,
                             served_names=self.app[SERVED_NAMES], voices=self.app.get(VOICES),
                             aliases=self.app[ALIASES])
 
     async def handle(self, msg: dict) -> None:
         kind = msg.get("type")
         if kind == "session.update":
+            if self.live is not None:
+                raise bad("type", "session.update cannot be applied while a live utterance's text is open; send "
+                                  "input_text.commit first", "utterance_in_progress")
             session = msg.get("session", {})
             if set(msg) - {"type", "session"}:
                 raise bad(sorted(set(msg) - {"type", "session"})[0], "unknown field", "unknown_field")
@@ -128,42 +137,77 @@ class Session:
             if not isinstance(text, str):
                 raise bad("text", "must be a string", "invalid_type")
             check_text("text", text)
-            if len(self.buffer) + len(text) > self.settings.max_input_chars:
+            held = self.live.text.text if self.live is not None else self.buffer
+            if len(held) + len(text) > self.settings.max_input_chars:
                 raise bad("text", f"the text buffer would exceed {self.settings.max_input_chars} characters",
                           "too_long")
+            if self.options.get("split_granularity") == "live" and not ssml.is_input(held + text, self.options):
+                await self._append_live(text)
+                return
             text = self.buffer + text  # an SSML document is spoken whole, at commit
             units, self.buffer = split_units(text, "none" if ssml.is_input(text, self.options) else
                                              self.options.get("split_granularity", "none"))
             for unit in units:
                 await self._commit(unit)
+        elif kind in ("input_text.commit", "flush") and self.live is not None:
+            await self._complete_live()
         elif kind in ("input_text.commit", "flush"):
             text, self.buffer = self.buffer, ""
-            if not text.strip():
-                raise bad("text", "nothing to speak: append text before commit", "empty")
             await self._commit(text)
         elif kind == "cancel":
             self.generation += 1
-            self.buffer = ""
+            self.buffer, self.live = "", None
             if self.current is not None:
                 self.current.cancel()
         elif kind == "close":
+            if self.live is not None:  # its text is all there will be
+                await self._complete_live()
             self.closing = True
             await self.pending.put(None)
         else:
             raise bad("type", f"unknown message type {kind!r}; expected session.update, input_text.append, "
                               "input_text.commit, flush, cancel or close", "unknown_type")
 
-    async def _commit(self, text: str) -> None:
-        """Queue `text` as an utterance; a text the engine cannot take is refused now, not when its turn comes."""
+    async def _append_live(self, text: str | None) -> None:
+        """Text of the open live utterance (one is opened if none is): it is queued once its first id is stable;
+        text that outgrows the engine's trailing text buffer opens the next one (serving/live_input.py)."""
+        while text is not None:
+            if self.live is None:
+                self.live = LiveInput(self.app[ENGINE], self.app[BRIDGE])
+            live = self.live
+            text = live.add(text)
+            if live.ready and not live.started:
+                try:
+                    await self._commit(live.start(), live)
+                except ApiError:
+                    self.live = None  # refused: the text after this starts another
+                    raise
+            if text is not None:
+                self.live = None
+
+    async def _complete_live(self) -> None:
+        """The open live utterance's text is complete (commit, close): one whose first id never became stable
+        (a single word) is spoken as a buffered utterance."""
+        live, self.live = self.live, None
+        if not live.started:
+            await self._commit(live.text.text)
+        elif (rest := live.finish()) is not None:  # what did not fit: the next utterance
+            await self._commit(rest)
+
+    async def _commit(self, text: str, live: LiveInput | None = None) -> None:
+        """Queue `text` as an utterance; a text the engine cannot take is refused now, not when its turn comes.
+        `live`: `text` is a live utterance's so far, the rest joins it."""
+        if not text.strip():
+            raise bad("text", "nothing to speak: append text before commit", "empty")
         if "voice" not in self.options:
             raise bad("voice", "is required: send session.update with a voice first", "missing_field")
         if self.pending.qsize() >= self.settings.ws_max_pending_utterances:
             raise ApiError(429, "too_many_utterances",
                            f"at most {self.settings.ws_max_pending_utterances} utterances may wait", "text")
-        speech = self._script(text)
+        speech = self._script(text, live=live is not None)
         uid = self.next_id
         self.next_id += 1
-        await self.pending.put((uid, self.generation, speech, dict(self.options)))
+        await self.pending.put((uid, self.generation, speech, dict(self.options), live))
         await self.send({"type": "utterance.queued", "utterance_id": uid})
 
     async def _run(self) -> None:
@@ -172,13 +216,15 @@ class Session:
             if item is None:
                 await self.ws.close(code=1000, message=b"bye")
                 return
-            uid, gen, speech, options = item
+            uid, gen, speech, options, live = item
             if gen != self.generation:
                 await self.send({"type": "utterance.done", "utterance_id": uid, "cancelled": True, "frames": 0})
                 continue
             try:
-                await self._speak(uid, gen, speech, options)
+                await self._speak(uid, gen, speech, options, live)
             except ApiError as err:
+                if live is not None and live is self.live:  # refused (admission): later text starts another
+                    self.live = None
                 await self.error(err, uid)
             except ConnectionError:  # the client is gone: nothing is left to tell it
                 return
@@ -186,12 +232,12 @@ class Session:
                 log.exception("websocket utterance %d failed", uid)
                 await self.error(ApiError(500, "internal_error", "the utterance failed; the server logged why"), uid)
 
-    async def _speak(self, uid: int, gen: int, speech: Script, options: dict) -> None:
+    async def _speak(self, uid: int, gen: int, speech: Script, options: dict, live: LiveInput | None) -> None:
         rid = f"{uuid.uuid4().hex}"
         fmt, speed = options.get("response_format", "pcm"), options.get("speed", 1.0)
         rate = output_rate(fmt, options.get("sample_rate"))
         u = Utterance(self.app, speech, rid, "/v1/audio/speech/stream", speed=speed, rate=rate,
-                      words=options.get("word_timestamps", False))
+                      words=options.get("word_timestamps", False), live=live)
         out = StreamOut(fmt, rate, speed)
         self.current, self.current_id = u, uid
         try:

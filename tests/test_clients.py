@@ -33,7 +33,7 @@ from aiohttp import web
 from qtts_jax.engine import Engine
 from serving.app import METRICS, SCHEDULER, Settings, create_app
 from studies.load import open_loop
-from support import SMALL
+from support import SMALL, assert_same_audio, pcm
 
 CONFIG = SMALL  # test_hardening's too: its programs come from the compilation cache
 FRAME = 1920  # samples per 80 ms frame at 24 kHz
@@ -467,3 +467,85 @@ def test_openai_sdk_speed_and_sample_rate(server):
                                    extra_body={"max_frames": 8})
     assert r.response.headers["content-type"] == "audio/basic" and len(r.content) == 8 * FRAME // 3
     assert len(set(r.content)) > 10 and np.frombuffer(r.content, np.uint8).std() > 0
+
+
+LIVE = "Hello there my friend."  # 22 ids on tiny-random's byte-level tokenizer: within SMALL's max_trailing
+
+
+async def _until_audio(ws):
+    """Events up to the first binary message, and that message."""
+    events = []
+    async for msg in ws:
+        if msg.type == aiohttp.WSMsgType.BINARY:
+            return events, msg.data
+        events.append(json.loads(msg.data))
+    raise AssertionError(f"socket closed before audio: {events}")
+
+
+def test_live_text_on_vllm_omni_websocket_is_one_stream_that_starts_before_input_done(server):
+    """split_granularity live: audio of the first words comes before the rest is even sent; the later text joins
+    the same sentence (one audio.start / audio.done), and with the same seed and layout the audio is the
+    buffered whole text's."""
+    async def go():
+        async with aiohttp.ClientSession() as http, http.ws_connect(
+                server.url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
+            config = {"type": "session.config", "voice": "ryan", "response_format": "pcm", "stream_audio": True,
+                      "max_new_tokens": 31, "non_streaming_mode": False, "seed": 1}
+            await ws.send_json(config)
+            await ws.send_json({"type": "input.text", "text": LIVE})
+            await ws.send_json({"type": "input.done"})
+            _, whole = await _events(ws, "session.done")
+            await ws.send_json({**config, "split_granularity": "live"})
+            await ws.send_json({"type": "input.text", "text": "Hello there "})
+            events, first = await _until_audio(ws)  # nothing more has been sent
+            assert [e["type"] for e in events] == ["audio.start"] and events[0]["sentence_text"] == "Hello there"
+            for piece in ("my fri", "end."):
+                await ws.send_json({"type": "input.text", "text": piece})
+            await ws.send_json({"type": "input.done"})
+            events, rest = await _events(ws, "session.done")
+            assert [e["type"] for e in events] == ["audio.done", "session.done"] and events[1]["total_sentences"] == 1
+            live = b"".join([first, *rest])
+            assert events[0]["total_bytes"] == len(live) == 30 * FRAME * 2  # the text's frames, to the cap
+            assert_same_audio(pcm(live), pcm(b"".join(whole)))
+
+    asyncio.run(go())
+
+
+def test_live_text_on_our_websocket_starts_before_commit_and_joins_one_utterance(server):
+    """Ours: the first words' audio before the commit, the rest joining the same utterance; cancel stops a live
+    utterance and the next text opens another; text beyond the engine's trailing text buffer (SMALL: 32 ids)
+    is spoken as the next utterance, none of it lost."""
+    async def go():
+        async with aiohttp.ClientSession() as http, http.ws_connect(
+                server.url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
+            await ws.send_json({"type": "session.update", "session": {"voice": "ryan", "max_frames": 30, "seed": 1,
+                                                                      "split_granularity": "live"}})
+            await _events(ws, "session.updated")
+            await ws.send_json({"type": "input_text.append", "text": "Hello there "})
+            events, first = await _until_audio(ws)
+            assert [e["type"] for e in events] == ["utterance.queued", "utterance.started"]
+            for piece in ("my fri", "end."):
+                await ws.send_json({"type": "input_text.append", "text": piece})
+            await ws.send_json({"type": "input_text.commit"})
+            events, rest = await _events(ws, "utterance.done")
+            assert [e["type"] for e in events] == ["utterance.done"] and not events[0]["cancelled"]
+            assert events[0]["frames"] == 30 and len(first) + len(b"".join(rest)) == 30 * FRAME * 2
+            # cancel: the live utterance stops, the next text opens another
+            await ws.send_json({"type": "input_text.append", "text": "Wait for "})
+            await _until_audio(ws)
+            await ws.send_json({"type": "cancel"})
+            events, _ = await _events(ws, "utterance.done")
+            assert events[-1]["cancelled"] and events[-1]["utterance_id"] == 2
+            # 45 ids: the first utterance takes what fits, the rest is the next one
+            await ws.send_json({"type": "session.update", "session": {"max_frames": 2}})
+            await _events(ws, "session.updated")
+            for word in "One two three four five six seven eight nine ten".split():
+                await ws.send_json({"type": "input_text.append", "text": word + " "})
+            await ws.send_json({"type": "input_text.commit"})
+            events, _ = await _events(ws, "utterance.done")
+            events += (await _events(ws, "utterance.done"))[0]
+            queued = [e["utterance_id"] for e in events if e["type"] == "utterance.queued"]
+            done = [e for e in events if e["type"] == "utterance.done"]
+            assert queued == [3, 4] and [d["cancelled"] for d in done] == [False, False], events
+
+    asyncio.run(go())

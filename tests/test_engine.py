@@ -12,7 +12,7 @@ import pytest
 
 from qtts_jax.bridge import AsyncEngine
 from qtts_jax.engine import Engine, PromptTooLong
-from qtts_jax.request import Request
+from qtts_jax.request import Request, RequestError
 from support import GREEDY, STREAMING, Collector, assert_same_codes, run, run_small
 
 CONFIG = STREAMING
@@ -351,3 +351,76 @@ def test_bfloat16_codec_keeps_the_codes_and_the_audio_it_decodes(model):
         assert c16.final.error is None and c16.audio.dtype == np.float32 and len(c16.audio) == len(c32.audio)
         error = np.linalg.norm(c16.audio - c32.audio) / np.linalg.norm(c32.audio)
         assert 0 < error < 0.1  # bf16 keeps 8 bits a value, rounded through some 40 layers: 6% on CPU here
+
+
+LIVE_TEXT = "Thanks for calling you."
+
+
+def test_live_text_ids_are_the_whole_texts_however_it_is_cut(model):
+    """Ids handed out piece by piece are a prefix of the whole text's at every point and all of them at the end,
+    for cuts inside words, before punctuation, spaces and a combining accent (NFC merges it into its letter)."""
+    from qtts_jax.live_text import LiveText
+    from qtts_jax.prompt import text_ids_of
+
+    rng = np.random.default_rng(0)
+    for text in (LIVE_TEXT, "  It's 12.5 km,\n\n then: cafe\u0301!  ", "你好。我们 走吧"):
+        whole = text_ids_of(model.tokenizer, text.strip())
+        for _ in range(20):
+            cuts = sorted(rng.choice(np.arange(1, len(text)), size=min(6, len(text) - 1), replace=False))
+            live, got = LiveText(model.tokenizer), []
+            for a, b in zip([0, *cuts], [*cuts, len(text)]):
+                got += live.add(text[a:b])
+                assert got == whole[: len(got)] and live.stable == text[: live.end].strip()
+            assert got + live.finish() == whole
+
+
+def test_live_text_joins_the_playing_stream_and_makes_the_codes_of_the_whole_text(engine, model, monkeypatch):
+    """A seeded request whose text arrives in pieces (a word cut across them; some before the stream is admitted,
+    some only after it has read every id it had, so it waits) makes exactly the codes of the same request given
+    the whole text at once; a stream that waits for text is not stepped and does not end; the completion ends
+    the text. Every step asks for 3 frames, so the stream also stops inside a step where its text runs out."""
+    from qtts_jax.engine.scheduler import StepPlan
+    from qtts_jax.live_text import LiveText
+
+    monkeypatch.setattr(engine, "_plan_step", lambda *a: StepPlan(CONFIG.frames_per_step, 0.0))
+    req = Request(LIVE_TEXT, speaker="ryan", seed=3, max_frames=30, non_streaming=False)
+    [(whole, _)] = run(engine, [(0, req)])
+    assert len(whole.codes) > len(whole.job.prompt.trailing)  # the text is read while frames are made
+
+    pieces = ["Tha", "nks for ", "cal", "ling y", "ou."]
+    live = LiveText(model.tokenizer)
+    first = live.add(pieces[0]) + live.add(pieces[1])
+    job = engine.prepare(dataclasses.replace(req, text=live.stable), live=True)
+    assert job.live and job.bucket == whole.job.bucket and len(job.prompt.trailing) == len(first) - 1
+    col = Collector()
+    stream = engine.submit(job, col)
+    engine.append_text(stream, live.add(pieces[2]))  # queued: it joins at admission
+    waits = 0
+    for piece in pieces[3:]:
+        while engine.run_once():
+            assert not stream.lm_done
+        assert stream.waiting_text and len(stream.codes) == stream.text_known  # read all it has, then waits
+        waits += 1
+        engine.append_text(stream, live.add(piece))
+    engine.append_text(stream, live.finish(), complete=True)
+    with pytest.raises(RequestError, match="complete"):
+        engine.append_text(stream, [1])
+    for _ in range(500):
+        if not engine.run_once() and col.final:
+            break
+    assert waits == 2 and col.final.error is None
+    np.testing.assert_array_equal(np.stack(stream.codes), np.stack(whole.codes))
+
+
+def test_live_text_that_outgrows_the_trailing_buffer_is_refused_whole(engine, model):
+    job = engine.prepare(Request("Hi there", speaker="ryan", max_frames=5), live=True)
+    stream = engine.submit(job, Collector())
+    room = CONFIG.max_trailing - len(job.prompt.trailing) - 1  # the tts_eos of the completion needs a place
+    with pytest.raises(PromptTooLong, match="max_trailing"):
+        engine.append_text(stream, [100] * (room + 1))
+    engine.append_text(stream, [100] * room)
+    engine.append_text(stream, [], complete=True)
+    stream.cancel()
+    while engine.run_once():
+        pass
+    assert stream.finished

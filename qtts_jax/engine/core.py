@@ -31,6 +31,9 @@ One iteration of the loop (`run_once`); its decisions are `scheduler`'s pure fun
    where the step writes them (counting on the step's frames; a stream that ended early decodes only those it
    made), so the device goes from step to codec without waiting for the host, and no codes cross to the host
    and back.
+Live text (`prepare(live=True)`, `append_text`): ids appended to a playing stream go to its trailing text on the
+device at the start of an iteration; a stream that has read every id it has skips the steps until more come (each
+step row has its own frame limit), so its codes are those of its whole text at once.
 The margin is measured, not guessed: iterations that overran their prediction and chunks that reached the
 listener's event loop late (`observe_delivery_lag`) feed `scheduler.Jitter`.
 
@@ -80,6 +83,9 @@ class PromptTooLong(RequestError):
     """The request cannot fit this engine's cache (a clean refusal, not a crash)."""
 
 
+APPEND_IDS = 8  # live text ids one append call writes (more take several calls)
+
+
 class Engine:
     """Device state plus the host loop that admits, steps, decodes and hands out audio."""
 
@@ -102,9 +108,11 @@ class Engine:
             lambda p, st, codes: codec_streaming.decode_step(p, codec_cfg, st, codes, jnp.full(1, codes.shape[1]))[1],
             donate_argnums=(1,),
         )
+        self._jit_append = jax.jit(programs.append_text, donate_argnums=(1,))
         self._codec_load = jax.jit(  # a one-slot state into slot `slot` of the batched one
             lambda st, one, slot: programs.set_slot(st, slot, jax.tree.map(lambda v: v[0], one)), donate_argnums=(0,))
-        # ("insert", bucket, requests) | ("step"|"codec", rung, frames) | ("first", rung, 1) -> compiled
+        # ("insert", bucket, requests) | ("step"|"codec", rung, frames) | ("first", rung, 1) | ("append", 1, ids)
+        # -> compiled
         self._programs: dict = {}
         self._primed: collections.OrderedDict[bytes, codec_streaming.StreamState] = collections.OrderedDict()
         self._primed_lock = threading.Lock()
@@ -148,23 +156,89 @@ class Engine:
 
     # ---- public API -------------------------------------------------------------------------
 
-    def prepare(self, request: Request, schedule: tuple[int, ...] | None = None) -> Job:
+    def prepare(self, request: Request, schedule: tuple[int, ...] | None = None, live: bool = False) -> Job:
         """The one validation of a request: resolve it, lay out and bucket its prompt, fix its frame cap and its
         chunk schedule (the engine's by default). Raises `RequestError` (incl. `PromptTooLong`) at once, before
-        anything is queued; safe from any thread (it reads only the model and the config)."""
+        anything is queued; safe from any thread (it reads only the model and the config).
+
+        `live`: the request's text is what has arrived so far (at least one token, `qtts_jax.live_text`); more
+        comes through `append_text`. It takes the streaming-text layout (the text fed beside the codes, one id a
+        frame: the only layout text can join while the stream plays), without the tts_eos that ends the text."""
         model, c = self.model, self.config
         schedule = tuple(schedule or c.schedule)
         if any(n not in c.codec_sizes for n in schedule):  # the codec is compiled for these chunk sizes only
             raise RequestError("chunk_schedule", f"each entry must be one of {list(c.codec_sizes)}")
+        if live:
+            if request.voice is not None and request.voice.ref_codes is not None:
+                raise RequestError("voice", "live text cannot take a voice cloned with its reference text (its "
+                                   "layout sets the text beside the reference frames in the prompt); use an "
+                                   "x-vector-only voice or a preset speaker")
+            request = dataclasses.replace(request, non_streaming=False)
         req = request.resolved(model.cfg, model.defaults)
         prompt = build_prompt(model.cfg, model.tokenizer, req)
+        if live:
+            prompt = dataclasses.replace(prompt, trailing=prompt.trailing[:-1])  # tts_eos comes with the completion
         bucket = next((b for b in c.prompt_buckets if b >= len(prompt)), None)
         if bucket is None:
             raise PromptTooLong("text", f"prompt of {len(prompt)} tokens exceeds the largest bucket {max(c.prompt_buckets)}")
-        if len(prompt.trailing) > c.max_trailing:
-            raise PromptTooLong("text", f"{len(prompt.trailing)} streaming text tokens exceed {c.max_trailing}")
-        cap = min(req.max_frames, prompt.frame_cap(c.frames_cap_base, c.frames_per_text_token), c.context - bucket)
-        return Job(request=req, prompt=prompt, bucket=bucket, frames_cap=cap, schedule=schedule)
+        self.check_trailing(len(prompt.trailing) + live)
+        job = Job(request=req, prompt=prompt, bucket=bucket, frames_cap=0, schedule=schedule, live=live)
+        return dataclasses.replace(job, frames_cap=self._frames_cap(job, len(prompt.trailing)))
+
+    def check_trailing(self, count: int) -> None:
+        """Refuse `count` trailing text ids (`PromptTooLong`): the buffer on the device holds `max_trailing` (a
+        live text's count includes the tts_eos still to come)."""
+        if count > self.config.max_trailing:
+            raise PromptTooLong("text", f"{count} streaming text tokens exceed the {self.config.max_trailing} "
+                                        "this engine holds (max_trailing)")
+
+    def _frames_cap(self, job: Job, trailing: int) -> int:
+        """The most frames a job may make with `trailing` ids of text fed beside its codes."""
+        c = self.config
+        guard = job.prompt.frame_cap(c.frames_cap_base, c.frames_per_text_token, trailing)
+        return min(job.request.max_frames, guard, c.context - job.bucket)
+
+    def append_text(self, stream: Stream, ids: list[int], complete: bool = False) -> None:
+        """Live text: `ids` join the trailing text of `stream` (a `live` job's, queued or playing), read one a
+        frame after the ids it already has; `complete` ends the text (its tts_eos follows the ids). Safe from any
+        thread: the engine thread moves them to the device before its next step.
+
+        A live stream that has read every id it has waits (its rows skip the steps, the listener hears a pause)
+        until more text or the completion comes: it then makes exactly the frames it would have made given the
+        whole text at once (a seeded request too), as the model never sees text missing that it would have
+        read. Raises `RequestError` for a stream that is not live or already complete, and `PromptTooLong`
+        (nothing appended) when the text outgrows `max_trailing`."""
+        with self._wake:
+            if stream.complete_sent or not stream.job.live:
+                raise RequestError("text", "this stream's text is complete: nothing can be appended")
+            ids = [int(i) for i in ids] + ([self.model.cfg.text.tts_eos] if complete else [])
+            self.check_trailing(stream.trailing_total + len(ids) + (not complete))
+            stream.unsent += ids
+            stream.trailing_total += len(ids)
+            stream.complete_sent = complete
+            self._wake.notify()
+
+    def _feed_text(self) -> None:
+        """Appended live text to the device, for the streams in slots (queued ones keep theirs until admitted)."""
+        fed = []
+        with self._lock:
+            for s in self.slots:
+                if s is not None and s.unsent:
+                    fed.append((s, s.unsent, s.complete_sent))
+                    s.unsent = []
+        for s, ids, complete in fed:
+            if s.finished:
+                continue
+            s.cap = self._frames_cap(s.job, s.text_known + len(ids))
+            for at in range(0, len(ids), APPEND_IDS):
+                part = ids[at : at + APPEND_IDS]
+                padded = np.zeros(APPEND_IDS, np.int32)
+                padded[: len(part)] = part
+                self.state = self._program("append", 1, APPEND_IDS)(
+                    self.model.params, self.state, np.int32(s.slot), np.int32(s.text_known + at), padded,
+                    np.int32(len(part)), np.int32(s.cap))
+            s.text_known += len(ids)
+            s.text_complete = complete
 
     def submit(self, job: Job, on_chunk, ahead: bool = False) -> Stream:
         """Queue a job from `prepare`; its chunks go to `on_chunk`, called on the engine thread. `ahead` queues
@@ -209,7 +283,8 @@ class Engine:
         rung whole."""
         c = self.config
         least = ([("insert", bucket, c.prefill_sizes[0]) for bucket in c.prompt_buckets]
-                 + [("step", c.ladder[0], 1), ("codec", c.ladder[0], 1), ("first", c.ladder[0], 1)])
+                 + [("step", c.ladder[0], 1), ("codec", c.ladder[0], 1), ("first", c.ladder[0], 1),
+                    ("append", 1, APPEND_IDS)])
         prefills = [("insert", bucket, r) for bucket in c.prompt_buckets for r in c.prefill_sizes]
         rest = [key for key in prefills + self._rung_keys(c.ladder[0]) if key not in least]
         return [least, rest] + [self._rung_keys(b) for b in c.ladder[1:]]
@@ -272,7 +347,8 @@ class Engine:
                     params, st, *self._dummy_inserts(a, n)), state)
             elif kind == "step":
                 chunk = min(s for s in codec_sizes if s >= min(max(c.schedule), n, max(codec_sizes)))
-                state, step_s = _timed(lambda st: self._program("step", a, n)(params, st, idx, zeros), state)
+                state, step_s = _timed(lambda st: self._program("step", a, n)(params, st, idx, np.zeros(a, np.int32)),
+                                       state)
                 codec_state, codec_s = _timed(lambda st: _swap(self._program("codec", a, chunk)(
                     self.codec_params, st, state.codes, idx, zeros, np.zeros(a, np.int32),
                     np.full(a, chunk, np.int32))), codec_state)
@@ -321,12 +397,15 @@ class Engine:
         self.jitter.add(seconds)
 
     def stats(self) -> EngineStats:
-        """The latest published snapshot, with the queue and the rungs in use as they are now: requests submitted
-        since the last iteration count at once, so a burst is judged request by request (safe from any thread)."""
+        """The latest published snapshot, with the queue, the streams in slots and the rungs in use as they are
+        now: requests submitted since the last iteration count at once, so a burst is judged request by request,
+        and a stream that has ended (its final chunk may reach its client before the iteration publishes) no
+        longer counts (safe from any thread)."""
         with self._lock:
             queued = list(self.queue)
             return dataclasses.replace(
-                self._stats, queued=len(queued), queued_frames=tuple(s.frames_cap for s in queued),
+                self._stats, live=sum(s is not None for s in self.slots), queued=len(queued),
+                queued_frames=tuple(s.frames_cap for s in queued),
                 oldest_wait_s=self.clock() - queued[0].timings.submitted if queued else 0.0, **self._sizes())
 
     def run_once(self) -> bool:
@@ -336,14 +415,19 @@ class Engine:
         self._reap_cancelled()
         self._margin_s = self.jitter.margin()
         joined, prefill_done = self._admit()
+        self._feed_text()
         parts.mark("admit")
-        live = [i for i, s in enumerate(self.slots) if s is not None and not s.lm_done]
+        live = [s for s in self.slots if s is not None and not s.lm_done]
+        for s in live:
+            if s.waiting_text:
+                s.hold_playback(t0)
+        live = [s for s in live if not s.waiting_text]
         if not live and self._audio is None and not any(s is not None and s.pending for s in self.slots):
             with self._lock:  # streams may have left (cancelled): admission must not see them for ever
                 self._stats = self._snapshot()
             return False
-        new = [self.slots[i] for i in live if not self.slots[i].codes]  # at most max(first_sizes): see _admit
-        playing = [self.slots[i] for i in live if self.slots[i].codes]
+        new = [s for s in live if not s.codes]  # at most max(first_sizes): see _admit
+        playing = [s for s in live if s.codes]
         first = self._dispatch_first(new) if new else None
         # the previous codec call's audio, then the newcomers' first chunks, go out from the sender thread as the
         # device finishes them (in the order it runs them), while this thread dispatches the step (whose call
@@ -355,13 +439,19 @@ class Engine:
         parts.mark("dispatch")
         extra = self._newcomers_s(len(joined), len(new))
         # newcomers join the playing streams' step right after their first frame: their next audio comes with it
-        stepping = playing + new
+        # (a live text stream as far as its text goes: `text_frames` counts the frames it has text for)
+        allowed = {s: s.text_frames() for s in playing + new}
+        allowed.update({s: f - 1 for s in new if (f := allowed[s]) is not None})
+        stepping = [s for s in playing + new if allowed[s] is None or allowed[s] > 0]
         plan, out = None, None
         if stepping:
             plan = self._plan_step(playing, first, extra, t0)
             b = rung(self._ladder, len(stepping))
-            self.state, out = self._program("step", b, plan.frames)(self.model.params, self.state,
-                                                                    *self._rows(stepping, b))
+            limits = np.array([plan.frames if allowed[s] is None else min(plan.frames, allowed[s])
+                               for s in stepping], np.int32)
+            idx, _ = self._rows(stepping, b)
+            self.state, out = self._program("step", b, plan.frames)(self.model.params, self.state, idx,
+                                                                    np.pad(limits, (0, b - len(stepping))))
         parts.mark("dispatch")
         if stamping is not None:
             stamping.result()
@@ -373,14 +463,15 @@ class Engine:
             parts.mark("first")
         # the codec call is queued right behind the step, counting on the frames it makes (they are read from
         # where the step writes them), and corrected once the step's outputs are read
-        self._decode_audio(self.clock(), [s for s in stepping if not s.lm_done], plan.frames if plan else 0)
+        self._decode_audio(self.clock(), {s: int(f) for s, f in zip(stepping, limits) if not s.lm_done}
+                           if plan is not None else {})
         parts.mark("codec_dispatch")
         if out is not None:
             frames, valid = np.asarray(out[0]), np.asarray(out[1])  # the one host sync per step call
             parts.mark("device_wait")
             now = self.clock()
             self._recent_frame_s.append((now - t0) / plan.frames)
-            self._record(stepping, frames, valid, now)
+            self._record(stepping, frames, valid, now, limits)
             self._settle_audio()
         parts.mark("bookkeeping")
         self._profile.add(parts, live=len(live), new=len(new), frames=plan.frames if plan else 0)
@@ -432,7 +523,8 @@ class Engine:
         c, now = self.config, self.clock()
         in_slots = [s for s in self.slots if s is not None]
         queued = list(self.queue)
-        headrooms = [h for s in in_slots if (h := s.buffered(now)) is not None and not s.lm_done]
+        headrooms = [h for s in in_slots if (h := s.buffered(now)) is not None and not s.lm_done
+                     and not s.waiting_text]
         return EngineStats(
             live=len(in_slots), queued=len(queued), **self._sizes(),
             oldest_wait_s=now - queued[0].timings.submitted if queued else 0.0,
@@ -513,10 +605,11 @@ class Engine:
             if s.lm_done and s.pending == 0:
                 self._finish(s)
 
-    def _record(self, streams: list[Stream], frames: np.ndarray, valid: np.ndarray, now: float) -> None:
-        """New frames [n, B, 16] (valid [n, B]) of `streams` (row j is streams[j]; those already done with their
-        LM are skipped): a stream whose frames stop early, or that reached its cap, is done with its LM (and
-        finishes here if nothing of it is left to decode)."""
+    def _record(self, streams: list[Stream], frames: np.ndarray, valid: np.ndarray, now: float,
+                limits: np.ndarray | None = None) -> None:
+        """New frames [n, B, 16] (valid [n, B]) of `streams` (row j is streams[j], asked for `limits[j]` frames,
+        all n by default; those already done with their LM are skipped): a stream whose frames stop early, or
+        that reached its cap, is done with its LM (and finishes here if nothing of it is left to decode)."""
         n = frames.shape[0]
         for j, stream in enumerate(streams):
             if stream.lm_done:
@@ -528,7 +621,7 @@ class Engine:
                 stream.pending += count
                 if stream.timings.first_frame is None:
                     stream.timings.first_frame = now
-            if count < n or len(stream.codes) >= stream.frames_cap:
+            if count < (n if limits is None else limits[j]) or len(stream.codes) >= stream.frames_cap:
                 stream.lm_done = True
                 if stream.pending == 0 and stream.inflight == 0:  # ended with nothing left to decode
                     self._finish(stream)
@@ -581,7 +674,8 @@ class Engine:
         if not waiting or not c.guard_newcomers or not self.step_costs:  # untimed: no costs to judge by
             return waiting
         now = self.clock()
-        heads = [h for s in self.slots if s is not None and (h := s.buffered(now)) is not None]
+        heads = [h for s in self.slots
+                 if s is not None and not s.waiting_text and (h := s.buffered(now)) is not None]
         live = sum(s is not None and not s.lm_done for s in self.slots)
 
         def iteration_s(m: int) -> float:
@@ -633,7 +727,11 @@ class Engine:
             return self._jit_first.lower(self.model.params, self.codec_params, state, codec_state,
                                          idx, zeros, zeros, zeros)
         if kind == "step":
-            return self._jit_step.lower(self.model.params, state, idx, zeros, n=b)
+            return self._jit_step.lower(self.model.params, state, idx, np.zeros(a, np.int32), n=b)
+        if kind == "append":
+            scalar = np.int32(0)
+            return self._jit_append.lower(self.model.params, state, scalar, scalar, np.zeros(b, np.int32), scalar,
+                                          scalar)
         counts = np.zeros(a, np.int32)
         return self._jit_codec.lower(self.codec_params, codec_state, state.codes, idx, zeros, counts, counts, n=b)
 
@@ -669,21 +767,22 @@ class Engine:
             start += n
         return state
 
-    def _decode_audio(self, now: float, stepping: list[Stream], frames: int) -> None:
+    def _decode_audio(self, now: float, coming: dict[Stream, int]) -> None:
         """Hand every stream's due frames (`scheduler.chunks_due`: below its lead, all it has; past it, its
-        schedule's next size) to ONE codec call, each row with its own frame count. `stepping` are the streams
-        whose `frames` more are being made by the step queued ahead of this call: they count as made (a stream
-        that ends early makes fewer; `_settle_audio` corrects the counts once the step is read)."""
+        schedule's next size) to ONE codec call, each row with its own frame count. `coming` are the streams
+        whose frames are being made by the step queued ahead of this call, and how many: they count as made (a
+        stream that ends early makes fewer; `_settle_audio` corrects the counts once the step is read)."""
         c = self.config
-        coming = dict.fromkeys(stepping, frames)
         waiting = [s for s in self.slots if s is not None and s.pending + coming.get(s, 0) > 0]
         if not waiting:
             return
         counts = chunks_due(
             pending=np.array([s.pending + coming.get(s, 0) for s in waiting]),
             want=np.array([s.next_chunk_frames() for s in waiting]),
-            lm_done=np.array([s.lm_done for s in waiting]),
-            headroom=np.array([np.nan if (h := s.buffered(now)) is None else h for s in waiting]),
+            lm_done=np.array([s.lm_done or s.waiting_text for s in waiting]),  # none coming soon: all out
+            # a listener that ran dry waiting for live text gets what there is at once, as one below its lead
+            headroom=np.array([0.0 if s.resumes else np.nan if (h := s.buffered(now)) is None else h
+                               for s in waiting]),
             lead_s=c.lead_s, horizon_s=self._iteration_s + self._delivery_s + self._margin_s,
             most=max(self._codec_sizes))
         due = [(s, int(f)) for s, f in zip(waiting, counts) if f]

@@ -1,6 +1,8 @@
 """The engine's compiled programs, as pure functions of (params, state, inputs): the state layout every slot
 shares, prefill into slots, a step of n frames for some rows (which also writes them into the state's codes ring),
-the newcomers' first frame with its audio, and one streaming-codec call that reads its frames from that ring. The loop (`core.Engine`) jits them once per ladder rung and donates the state.
+the newcomers' first frame with its audio, one streaming-codec call that reads its frames from that ring,
+and live text appended to a slot's trailing text. The loop (`core.Engine`) jits them once per ladder rung and
+donates the state.
 
 Rows are slots gathered by index; a row aimed past the last slot is padding: it reads the last slot (clipped) and
 its writes are dropped, so one compiled size serves any number of live rows up to it."""
@@ -114,6 +116,16 @@ def insert(params, state: EngineState, slots, text, codec, frames, speaker_row, 
     return state._replace(rows=rows, cache=big, settings=settings, k=k, row0=row0), logits[:, 0]
 
 
+def append_text(params, state: EngineState, slot, start, ids, count, max_frames):
+    """Live text: the first `count` of `ids` [L] become trailing text vectors `start`, `start` + 1 ... of slot
+    `slot` (the rest of `ids` is padding, dropped), and the slot's frame cap becomes `max_frames`."""
+    at = jnp.where(jnp.arange(ids.shape[0]) < count, start + jnp.arange(ids.shape[0]), state.settings.trailing.shape[1])
+    trailing = state.settings.trailing.at[slot, at].set(
+        talker.embed_text(params, ids).astype(state.settings.trailing.dtype), mode="drop")
+    max_frames = state.settings.max_frames.at[slot].set(max_frames)
+    return state._replace(settings=state.settings._replace(trailing=trailing, max_frames=max_frames))
+
+
 def _kernel_or_reference(name: str, what: str, reference, kernel):
     """`reference` ("jnp"), the Pallas `kernel()` ("pallas"; interpreted on CPU, for tests), or "auto": the
     kernel on GPU, the reference elsewhere (no Triton on CPU)."""
@@ -148,22 +160,28 @@ def attender(name: str):
     return _kernel_or_reference(name, "attention", transformer.gather_rows_attention, kernel)
 
 
-def step(params, state: EngineState, idx, live, *, cfg, choose, attention, n: int):
-    """`n` frames for the rows of slots `idx` [B] (padding rows aimed past the last slot, `live` false) in one
-    scan. Only those rows are read and written. Returns frames [n, B, 16] and valid [n, B]."""
+def step(params, state: EngineState, idx, limit, *, cfg, choose, attention, n: int):
+    """`n` frames for the rows of slots `idx` [B] in one scan, row j making at most `limit[j]` of them (a live
+    text stream stops before the frame that would read text it does not have yet; padding rows aimed past the
+    last slot have 0). Only those rows are read and written: a row past its limit keeps its state, and the cache
+    row its discarded frame wrote is written again by the real one. Returns frames [n, B, 16] and valid [n, B]
+    (false past a row's end or its limit)."""
     rows = take_rows(state.rows, idx)
-    rows = rows._replace(done=rows.done | ~live)
+    rows = rows._replace(done=rows.done | (limit <= 0))
     settings, k0, row0 = take_rows(state.settings, idx), take_rows(state.k, idx), take_rows(state.row0, idx)
 
-    def body(carry, _):
+    def body(carry, t):
         rows, cache, k, codes = carry
+        active = t < limit
         new_rows, cache, frame = frame_step(params, cfg, rows, cache, idx, settings, k, row0 + k, choose,
                                             attention)
-        codes = codes.at[idx, k].set(jnp.where(new_rows.done[:, None], -1, frame), mode="drop")
-        k = jnp.where(rows.done, k, k + 1)
-        return (new_rows, cache, k, codes), (frame, ~new_rows.done)
+        new_rows = jax.tree.map(lambda a, b: jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, b),
+                                new_rows, rows)
+        codes = codes.at[idx, k].set(jnp.where((new_rows.done | ~active)[:, None], -1, frame), mode="drop")
+        k = jnp.where(rows.done | ~active, k, k + 1)
+        return (new_rows, cache, k, codes), (frame, active & ~new_rows.done)
 
-    (rows, cache, k, codes), out = jax.lax.scan(body, (rows, state.cache, k0, state.codes), None, length=n)
+    (rows, cache, k, codes), out = jax.lax.scan(body, (rows, state.cache, k0, state.codes), jnp.arange(n))
     return state._replace(rows=put_rows(state.rows, idx, rows), cache=cache, k=put_rows(state.k, idx, k),
                           codes=codes), out
 
@@ -173,7 +191,8 @@ def first(params, codec_params, state: EngineState, codec_state, idx, live, fres
     """Newcomers' first frame and its audio in one program, so their first chunk is ready before the longer
     step of the playing streams that is queued behind it. Row j decodes its frame where `decode[j]` (its
     schedule starts with a one-frame chunk) and the frame is valid; `fresh[j]` starts its codec state at zero."""
-    state, (frames, valid) = step(params, state, idx, live, cfg=cfg, choose=choose, attention=attention, n=1)
+    state, (frames, valid) = step(params, state, idx, live.astype(jnp.int32), cfg=cfg, choose=choose,
+                                  attention=attention, n=1)
     count = (decode & valid[0]).astype(jnp.int32)
     audio, codec_state = decode_frames(codec_params, codec_state, idx, fresh, jnp.moveaxis(frames, 0, 1), count,
                                        cfg=codec_cfg)
