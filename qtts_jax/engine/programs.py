@@ -3,7 +3,10 @@ shares, prefill into slots, a step of n frames for some rows (which also writes 
 the newcomers' first frame with its audio, and one streaming-codec call that reads its frames from that ring. The loop (`core.Engine`) jits them once per ladder rung and donates the state.
 
 Rows are slots gathered by index; a row aimed past the last slot is padding: it reads the last slot (clipped) and
-its writes are dropped, so one compiled size serves any number of live rows up to it."""
+its writes are dropped, so one compiled size serves any number of live rows up to it.
+
+`params` is the talker's state as split once at load (`Model.params`, a plain dict) and `graph` its graph
+definition, bound by the engine: each program merges the two at trace time, so a call passes only arrays."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qtts_jax import sampling, talker, transformer
+from qtts_jax import nn, sampling, transformer
 from qtts_jax.codec import streaming as codec_streaming
 from qtts_jax.engine.config import EngineConfig
 from qtts_jax.generate import RowSettings, RowState, frame_step
@@ -57,7 +60,7 @@ def blank_prompt(cfg, length: int):
 def init_state(model: Model, c: EngineConfig) -> EngineState:
     """Every slot empty and done; shapes fixed for the engine's life."""
     cfg, b = model.cfg, c.slots
-    dtype = model.params["codec_embedding"].dtype
+    dtype = model.dtype
     t = cfg.talker
     shape = (t.num_layers, b, t.num_kv_heads, c.context, t.head_dim)
     cache = KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
@@ -81,13 +84,14 @@ def init_state(model: Model, c: EngineConfig) -> EngineState:
 
 
 def insert(params, state: EngineState, slots, text, codec, frames, speaker_row, speaker, valid, trailing, knobs,
-            ints, *, cfg):
+            ints, *, graph, cfg):
     """Prefill R prompts of one bucket (the bucket is their length) into `slots` [R] together, resetting those
     slots' state; rows aimed past the last slot are padding and change nothing. Returns the state and a small
     array to wait on (the state is donated to the next step)."""
     bucket = text.shape[1]
-    x = jax.vmap(partial(embed_prompt, params))(text, codec, frames, speaker_row, speaker)
-    logits, hidden, cache = jax.vmap(lambda x, v: talker.prefill(params, cfg, x, v, bucket))(x, valid)
+    talker = nn.merge(graph, params)
+    x = jax.vmap(partial(embed_prompt, talker))(text, codec, frames, speaker_row, speaker)
+    logits, hidden, cache = jax.vmap(lambda x, v: talker.prefill(x, v, bucket))(x, valid)
     cache = rows_layout(cache)
     big = KVCache(state.cache.k.at[:, slots, :, :bucket].set(cache.k, mode="drop"),
                   state.cache.v.at[:, slots, :, :bucket].set(cache.v, mode="drop"))
@@ -105,7 +109,7 @@ def insert(params, state: EngineState, slots, text, codec, frames, speaker_row, 
             predictor=sampling.SamplingParams(sub_greedy != 0, sub_temperature, sub_top_k.astype(jnp.int32),
                                               sub_top_p),
             penalty=penalty, max_frames=max_frames.astype(jnp.int32), position0=prompt_len.astype(jnp.int32),
-            trailing=talker.embed_text(params, trailing),
+            trailing=talker.embed_text(trailing),
         )
 
     settings = put_rows(state.settings, slots, jax.vmap(row_settings)(knobs, ints, trailing))
@@ -148,16 +152,17 @@ def attender(name: str):
     return _kernel_or_reference(name, "attention", transformer.gather_rows_attention, kernel)
 
 
-def step(params, state: EngineState, idx, live, *, cfg, choose, attention, n: int):
+def step(params, state: EngineState, idx, live, *, graph, cfg, choose, attention, n: int):
     """`n` frames for the rows of slots `idx` [B] (padding rows aimed past the last slot, `live` false) in one
     scan. Only those rows are read and written. Returns frames [n, B, 16] and valid [n, B]."""
     rows = take_rows(state.rows, idx)
     rows = rows._replace(done=rows.done | ~live)
     settings, k0, row0 = take_rows(state.settings, idx), take_rows(state.k, idx), take_rows(state.row0, idx)
+    talker = nn.merge(graph, params)
 
     def body(carry, _):
         rows, cache, k, codes = carry
-        new_rows, cache, frame = frame_step(params, cfg, rows, cache, idx, settings, k, row0 + k, choose,
+        new_rows, cache, frame = frame_step(talker, cfg, rows, cache, idx, settings, k, row0 + k, choose,
                                             attention)
         codes = codes.at[idx, k].set(jnp.where(new_rows.done[:, None], -1, frame), mode="drop")
         k = jnp.where(rows.done, k, k + 1)
@@ -168,12 +173,13 @@ def step(params, state: EngineState, idx, live, *, cfg, choose, attention, n: in
                           codes=codes), out
 
 
-def first(params, codec_params, state: EngineState, codec_state, idx, live, fresh, decode, *, cfg, codec_cfg, choose,
-          attention):
+def first(params, codec_params, state: EngineState, codec_state, idx, live, fresh, decode, *, graph, cfg, codec_cfg,
+          choose, attention):
     """Newcomers' first frame and its audio in one program, so their first chunk is ready before the longer
     step of the playing streams that is queued behind it. Row j decodes its frame where `decode[j]` (its
     schedule starts with a one-frame chunk) and the frame is valid; `fresh[j]` starts its codec state at zero."""
-    state, (frames, valid) = step(params, state, idx, live, cfg=cfg, choose=choose, attention=attention, n=1)
+    state, (frames, valid) = step(params, state, idx, live, graph=graph, cfg=cfg, choose=choose, attention=attention,
+                                  n=1)
     count = (decode & valid[0]).astype(jnp.int32)
     audio, codec_state = decode_frames(codec_params, codec_state, idx, fresh, jnp.moveaxis(frames, 0, 1), count,
                                        cfg=codec_cfg)
