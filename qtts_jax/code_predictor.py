@@ -41,6 +41,17 @@ class CodePredictor(nnx.Module):
     def _project(self, x: jax.Array) -> jax.Array:
         return x if self.proj is None else self.proj(x)
 
+    def forward(self, past_hidden: jax.Array, code0_embedding: jax.Array, codes: jax.Array) -> jax.Array:
+        """Teacher forcing: the float32 logits [groups, vocab] that `predict` reads out when its codes 1..groups-1
+        are ``codes`` [groups - 1] (a frame's given codes 1..14): one pass over [past_hidden, E(code0), E_0(c1),
+        ..., E_13(c14)], position j + 1 read out by head j."""
+        groups = self.heads.shape[0]
+        rest = self.embedding[...][jnp.arange(groups - 1), codes]
+        x = self._project(jnp.concatenate([jnp.stack([past_hidden, code0_embedding]), rest]))
+        cache = KVCache.zeros(self.stack.cfg, groups + 1, x.dtype)
+        h, _ = self.stack.forward(x, jnp.arange(groups + 1), cache, jnp.int32(0), jnp.ones(groups + 1, bool))
+        return jnp.einsum("gh,ghv->gv", h[1:], self.heads[...]).astype(jnp.float32)
+
     def predict(
         self,
         past_hidden: jax.Array,

@@ -60,6 +60,15 @@ class Talker(nnx.Module):
         hidden state that chose `code0` and code0's embedding in this talker's codec table."""
         return self.predictor.predict(hidden, self.codec_embedding[...][code0], key, p, choose)
 
+    def forward(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Teacher forcing over a whole sequence x [T, H] (left-padded; valid [T] marks real rows): float32 logits
+        [T, 3072] of every position and the final-normed hidden states [T, H] (what training reads; the engine's
+        `prefill` computes only the last position's logits and keeps the cache)."""
+        positions = jnp.maximum(jnp.cumsum(valid) - 1, 0)
+        cache = KVCache.zeros(self.stack.cfg, x.shape[0], x.dtype)
+        h, _ = self.stack.forward(x, positions, cache, jnp.int32(0), valid)
+        return (h @ self.codec_head[...]).astype(jnp.float32), h
+
     def prefill(self, x: jax.Array, valid: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array, KVCache]:
         """Prompt embeddings x [T, H] (left-padded; valid [T] marks real rows) into a fresh cache.
 
