@@ -107,8 +107,7 @@ class Generator:
     """Compiled prefill and frame step for one model; `run` generates a padded batch. The programs are `jax.jit`
     over the talker's state (`params`, split once at load) with its graph definition bound, merged at trace time."""
 
-    def __init__(self, graph, params: dict, cfg: ModelConfig):
-        self.params = params
+    def __init__(self, graph, cfg: ModelConfig):
         self.cfg = cfg
         self._prefill = jax.jit(partial(self._prefill_batch, graph=graph, cfg=cfg), static_argnames="capacity")
         self._step = jax.jit(partial(self._step_batch, graph=graph, cfg=cfg), donate_argnums=(1, 2))
@@ -130,8 +129,8 @@ class Generator:
         b = state.done.shape[0]
         return frame_step(nn.merge(graph, params), cfg, state, cache, jnp.arange(b), settings, jnp.full(b, k), jnp.full(b, row))
 
-    def run(self, prompts: list[Prompt], requests: list[Request]) -> list[np.ndarray]:
-        """Codes [frames, 16] per request (EOS and everything after it cut)."""
+    def run(self, params: dict, prompts: list[Prompt], requests: list[Request]) -> list[np.ndarray]:
+        """Codes [frames, 16] per request (EOS and everything after it cut), from the talker's state ``params``."""
         cfg = self.cfg
         length = _bucket(max(len(p) for p in prompts))
         horizon = max(r.max_frames for r in requests)
@@ -141,14 +140,14 @@ class Generator:
         trailing_ids = np.full((len(prompts), trailing_len), cfg.text.tts_pad, np.int32)
         for i, p in enumerate(prompts):
             trailing_ids[i, : len(p.trailing)] = p.trailing
-        state, cache, trailing = self._prefill(self.params, *batch, trailing_ids, capacity=capacity)
+        state, cache, trailing = self._prefill(params, *batch, trailing_ids, capacity=capacity)
         settings = jax.tree.map(
             lambda *xs: jnp.stack(xs),
             *[row_settings(r, len(p), t) for r, p, t in zip(requests, prompts, trailing)],
         )
         frames = []
         for k in range(horizon):
-            state, cache, frame = self._step(self.params, state, cache, settings, jnp.int32(k), jnp.int32(length + k))
+            state, cache, frame = self._step(params, state, cache, settings, jnp.int32(k), jnp.int32(length + k))
             frames.append(frame)
             if bool(state.done.all()):
                 break

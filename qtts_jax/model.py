@@ -59,7 +59,7 @@ class Model:
         self.tokenizer: TextTokenizer = tokenizer
         self.is_noise = is_noise
         self.voice_encoders = voice_encoders  # Base models only
-        self._generator = Generator(self.graph, self.params, cfg)
+        self._generator = Generator(self.graph, cfg)
 
     def generate(self, requests: Request | list[Request]) -> list[Result]:
         """Synthesize one request or a padded batch; each result is what the request alone would give.
@@ -73,7 +73,7 @@ class Model:
             r if asked.max_frames is not None else dataclasses.replace(r, max_frames=min(r.max_frames, p.frame_cap()))
             for asked, r, p in zip(batch, resolved, prompts)
         ]
-        codes = self._generator.run(prompts, resolved)
+        codes = self._generator.run(self.params, prompts, resolved)
         return [self._result(r, c) for r, c in zip(resolved, codes)]
 
     def clone_voice(self, audio, ref_text: str | None = None, xvector_only: bool = False,

@@ -18,7 +18,8 @@ The upsampling stages' transposed convs have kernel == stride and so need no sta
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from types import MappingProxyType
+from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,13 +51,15 @@ class StreamState(NamedTuple):
     tails: dict  # layer param path -> [B, frames, channels]: that layer's last inputs (see `tail_shapes`)
 
 
-def tail_shapes(cfg: CodecConfig) -> dict[str, tuple[int, int]]:
+@functools.lru_cache(maxsize=None)
+def tail_shapes(cfg: CodecConfig) -> Mapping[str, tuple[int, int]]:
     """(frames, channels) of the input history each stateful conv layer needs, keyed by its param path.
 
     A causal conv needs its last (k-1)*dilation inputs; a transposed conv with kernel k and stride s needs
     (k-1)//s (1 in the vocoder, where k = 2s). Vocoder tails hold the input *before* the SnakeBeta that
     precedes each conv (pointwise, so it is simply recomputed on the tail). Kernel sizes come from the
-    module's parameters, so this cannot drift from them.
+    module's parameters, so this cannot drift from them. Cached per config: building the abstract module takes
+    a good fraction of a second, and every ICL voice primed (`init_state`) asks.
     """
     d = cfg.decoder
     shapes = nn.state_shapes(nnx.eval_shape(lambda: CodecDecoder(cfg)))
@@ -75,7 +78,7 @@ def tail_shapes(cfg: CodecConfig) -> dict[str, tuple[int, int]]:
             frames = (kernel(f"{block}/units/{u}/conv1") - 1) * dilation
             tails[f"{block}/units/{u}"] = (frames, d.decoder_dim >> (b + 1))
     tails["vocoder/conv_out"] = (kernel("vocoder/conv_out") - 1, d.decoder_dim >> len(d.upsample_rates))
-    return tails
+    return MappingProxyType(tails)
 
 
 def init_state(cfg: CodecConfig, num_slots: int, dtype=jnp.float32) -> StreamState:
