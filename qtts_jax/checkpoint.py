@@ -1,9 +1,10 @@
 """Reading Hugging Face safetensors into our modules' parameters through explicit name tables.
 
-Every model part (talker, code predictor, codec) declares a table of `Entry`s: which Hugging Face
-tensor (a name template, with ``{i}`` for a stacked layer index) fills which `nnx.Param` of our module
-(its state path, "a/b/c"), and how its layout changes. One mechanism does the reading, the stacking and the checking, so every part
-reports a missing or mis-shaped tensor the same way: by its Hugging Face name, with both shapes.
+Every model part (talker, code predictor, codec, speaker encoder) declares a table of `Entry`s: which
+Hugging Face tensor (a name template, with ``{i}`` for a stacked layer index) fills which `nnx.Param` of
+our module (its state path, "a/b/c"), and how its layout changes. One mechanism does the reading, the
+stacking and the checking, so every part reports a missing or mis-shaped tensor the same way: by its
+Hugging Face name, with both shapes.
 """
 
 from __future__ import annotations

@@ -127,7 +127,8 @@ class Generator:
     @staticmethod
     def _step_batch(params, state, cache, settings, k, row, *, graph, cfg):
         b = state.done.shape[0]
-        return frame_step(nn.merge(graph, params), cfg, state, cache, jnp.arange(b), settings, jnp.full(b, k), jnp.full(b, row))
+        return frame_step(nn.merge(graph, params), cfg, state, cache, jnp.arange(b), settings, jnp.full(b, k),
+                          jnp.full(b, row))
 
     def run(self, params: dict, prompts: list[Prompt], requests: list[Request]) -> list[np.ndarray]:
         """Codes [frames, 16] per request (EOS and everything after it cut), from the talker's state ``params``."""

@@ -33,7 +33,8 @@ def test_params_are_the_reference_tensors(reference_checkpoint):
     talker = load_talker(directory, cfg, np.float32)
     sd = {k: v.numpy() for k, v in ref.state_dict().items()}
     np.testing.assert_array_equal(talker.stack.layers.wq[1], sd["talker.model.layers.1.self_attn.q_proj.weight"].T)
-    np.testing.assert_array_equal(talker.predictor.embedding[14], sd["talker.code_predictor.model.codec_embedding.14.weight"])
+    np.testing.assert_array_equal(talker.predictor.embedding[14],
+                                  sd["talker.code_predictor.model.codec_embedding.14.weight"])
     np.testing.assert_array_equal(talker.predictor.heads[3], sd["talker.code_predictor.lm_head.3.weight"].T)
     np.testing.assert_array_equal(talker.predictor.proj.b, sd["talker.code_predictor.small_to_mtp_projection.bias"])
 
