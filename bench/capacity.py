@@ -41,6 +41,7 @@ from studies.sweep import run_sync, sweep  # noqa: E402
 READY_LINE = re.compile(r"ready after ([\d.]+) s \(slots=(\d+); (.*)\)")
 FULL_LINE = re.compile(r"every rung compiled and timed after ([\d.]+) s")
 SIZING_LINE = re.compile(r"slots: \d+ \((.*)\)")
+PROFILE_LINE = re.compile(r"iterations: \d+ in [\d.]+ s; mean per iteration \(ms, or count\): (\{.*\})")
 COLUMNS = ("success_rate", "rejected_429", "ttfa_p50_ms", "ttfa_p95_ms", "starvation_p95_ms", "underruns_mean",
            "underrun_requests", "underrun_share", "throughput_rps", "audio_s_per_s")
 
@@ -69,6 +70,26 @@ def server_log(path: Path) -> dict:
             "compile_cache": ready and ready[3], "every_rung_s": float(full[1]) if full else None}
 
 
+def refusals(records_path: Path) -> dict[str, int]:
+    """Why requests failed, counted by message with its numbers blanked ("... to # ms per frame ..."), so a run
+    says which admission rule (or error) cost its success rate."""
+    counts: dict[str, int] = {}
+    for line in records_path.read_text().splitlines():
+        error = json.loads(line).get("error")
+        if error:
+            key = re.sub(r"\d+(\.\d+)?", "#", error)
+            counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def profile_since(log_path: Path, offset: int) -> list[str]:
+    """The engine's iteration profile lines (mean ms per part of a busy iteration, every 2 s) logged after byte
+    `offset` of the server log: where a condition's iterations spent their time."""
+    with log_path.open("rb") as f:
+        f.seek(offset)
+        return [m[1] for m in PROFILE_LINE.finditer(f.read().decode(errors="replace"))]
+
+
 def requests_for(args, mode: str, load: float) -> int:
     """Measured requests of one condition: --requests, else max(60, 2 x load) in flight, or --poisson-seconds of
     arrivals at a Poisson rate."""
@@ -87,16 +108,20 @@ def measure(args, out: Path, name: str, serialised: bool, modes: dict[str, list[
     prompts = load_corpus("voice_agent")
     options = {"voice": "ryan", "seed": 0, "max_frames": args.max_frames}  # the server's default chunk schedule
     slo, contract = SLO(), Contract(args.contract_ttfa_ms)
-    t0 = time.perf_counter()
+    t0, log_path = time.perf_counter(), out / f"server-{name}.log"
     with start(args, out, name, serialised, policy) as url:
         result = {"startup_s": round(time.perf_counter() - t0, 1), "slots": run_sync(wait_ready(url))["slots"]}
         for mode, loads in modes.items():
             conditions = []
             for load in loads:
                 requests = requests_for(args, mode, load)
-                summary = sweep(url, mode, [load], requests, prompts, out / name / f"{mode}-{load:g}",
+                offset = log_path.stat().st_size
+                condition_dir = out / name / f"{mode}-{load:g}"
+                summary = sweep(url, mode, [load], requests, prompts, condition_dir,
                                 options=options, warmup=args.warmup, slo=slo, contract=contract)
                 (c,) = summary["conditions"]
+                c["refusals"] = refusals(condition_dir / "records.jsonl")
+                c["iteration_profile"] = profile_since(log_path, offset)
                 conditions.append(c)
                 save({**result, mode: {"conditions": conditions, "partial": True}})
                 print(name, json.dumps({"condition": c["condition"], **{k: c[k] for k in COLUMNS},
@@ -106,7 +131,7 @@ def measure(args, out: Path, name: str, serialised: bool, modes: dict[str, list[
             zero = zero_underrun_capacity(conditions, contract)
             result[mode] = {"safe_capacity": safe, "zero_underrun_capacity": zero, "conditions": conditions,
                             "fleet": fleet_size(safe, args.target, args.price_per_hour) if safe else None}
-    result["server_log"] = server_log(out / f"server-{name}.log")
+    result["server_log"] = server_log(log_path)
     result["policy"] = " ".join(policy)
     if args.restart:
         t0 = time.perf_counter()

@@ -1,5 +1,5 @@
-"""`qtts-jax` command line: `synth` (text -> WAV) and `info` (what a checkpoint is) from the library, `serve`
-from `serving.cli`, `cluster` from `fleet.cli` and `study` from `studies.cli`."""
+"""`qtts-jax` command line: `synth` (text -> WAV) and `info` (what a checkpoint is) from the library, `finetune`
+from `qtts_cli.finetune`, `serve` from `serving.cli`, `cluster` from `fleet.cli` and `study` from `studies.cli`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import numpy as np
 
 from fleet.cli import add_cluster_parser, cluster
 from qtts_jax.checkpoint import CheckpointError
+from qtts_cli.finetune import add_finetune_parser, finetune
 from qtts_jax.request import Request, RequestError
 from serving.aliases import DEFAULT as VOICE_ALIASES
 from serving.cli import add_serve_parser, serve
@@ -55,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="print what a checkpoint is (kind, size, speakers, languages)")
     i.add_argument("--model", default="tiny-random",
                    help="checkpoint directory, tiny-random or tiny-random-base (default tiny-random)")
+    add_finetune_parser(sub)
     add_serve_parser(sub)
     add_cluster_parser(sub)
     sub.add_parser("study", help="capacity studies of a server: `qtts-jax study {capacity,sustained,fleet} --help`",
@@ -75,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "cluster":
         return cluster(args)
+    if args.command == "finetune":
+        return finetune(args)
     import jax.numpy as jnp
 
     from qtts_jax.audio import write_wav

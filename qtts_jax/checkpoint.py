@@ -1,4 +1,4 @@
-"""Reading Hugging Face safetensors into our modules' parameters through explicit name tables.
+"""Reading Hugging Face safetensors into our modules' parameters through explicit name tables, and back.
 
 Every model part (talker, code predictor, codec, speaker encoder) declares a table of `Entry`s: which
 Hugging Face tensor (a name template, with ``{i}`` for a stacked layer index) fills which `nnx.Param` of
@@ -36,15 +36,18 @@ class Layout:
     name: str
     forward: Callable[[np.ndarray], np.ndarray]
     inverse_shape: Callable[[tuple[int, ...]], tuple[int, ...]]
+    inverse: Callable[[np.ndarray], np.ndarray]  # ours -> Hugging Face's (exports)
 
 
-AS_IS = Layout("as_is", lambda a: a, lambda s: s)
+AS_IS = Layout("as_is", lambda a: a, lambda s: s, lambda a: a)
 # torch Linear stores (out, in); we multiply x @ w with w as (in, out).
-LINEAR = Layout("linear", lambda a: a.T, lambda s: s[::-1])
+LINEAR = Layout("linear", lambda a: a.T, lambda s: s[::-1], lambda a: a.T)
 # torch Conv1d stores (out, in, k); lax.conv_general_dilated with "WIO" wants (k, in, out).
-CONV = Layout("conv", lambda a: np.transpose(a, (2, 1, 0)), lambda s: (s[2], s[1], s[0]))
+CONV = Layout("conv", lambda a: np.transpose(a, (2, 1, 0)), lambda s: (s[2], s[1], s[0]),
+              lambda a: np.transpose(a, (2, 1, 0)))
 # torch ConvTranspose1d stores (in, out, k); we keep (k, in, out) and flip in the layer.
-CONV_TRANSPOSE = Layout("conv_transpose", lambda a: np.transpose(a, (2, 0, 1)), lambda s: (s[1], s[2], s[0]))
+CONV_TRANSPOSE = Layout("conv_transpose", lambda a: np.transpose(a, (2, 0, 1)), lambda s: (s[1], s[2], s[0]),
+                        lambda a: np.transpose(a, (1, 2, 0)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,3 +183,38 @@ def _take(tensors, name: str, layout: Layout, shape: tuple[int, ...], what: str)
             f"{what}: tensor '{name}' has shape {tuple(value.shape)}, expected {expected_hf}"
         )
     return np.asarray(layout.forward(np.asarray(value, dtype=np.float32)))
+
+
+def table_tensors(flat: Mapping[str, np.ndarray], table: list[Entry]) -> dict[str, np.ndarray]:
+    """The inverse of `load_table`: every leaf of ``flat`` ("a/b/c" path -> array, as `nn.flat_params` gives a
+    module's) under its Hugging Face name through ``table``, fp32, stacked leaves split per index."""
+    by_path = {e.ours: e for e in table}
+    out = {}
+    for path, value in flat.items():
+        entry = by_path[path]
+        value = np.array(value, np.float32)  # a writable copy
+        if "{i}" in entry.hf:
+            out.update({entry.hf.format(i=i): np.ascontiguousarray(entry.layout.inverse(v))
+                        for i, v in enumerate(value)})
+        else:
+            out[entry.hf] = np.ascontiguousarray(entry.layout.inverse(value))
+    return out
+
+
+def write_safetensors_file(path: Path, tensors: Mapping[str, np.ndarray]) -> None:
+    """The format `read_safetensors_file` reads (bf16 through ml_dtypes), header padded to 8 bytes as the
+    safetensors library does."""
+    names = {v: k for k, v in _DTYPES.items()}
+    header, offset = {}, 0
+    for key in sorted(tensors):
+        a = tensors[key]
+        header[key] = {"dtype": names[a.dtype.type], "shape": list(a.shape),
+                       "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for key in sorted(tensors):
+            f.write(np.ascontiguousarray(tensors[key]).tobytes())
+

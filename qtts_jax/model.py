@@ -13,7 +13,7 @@ from qtts_jax import nn, presets, xla_flags
 from qtts_jax.clone import VoiceEncoders
 from qtts_jax.codec import decoder as codec_decoder
 from qtts_jax.codec.decoder import CodecDecoder
-from qtts_jax.codec.config import SAMPLE_RATE, CodecConfig, released_config_dict, tiny_config_dict
+from qtts_jax.codec.config import SAMPLE_RATE, CodecConfig
 from qtts_jax.codec.weights import load_codec_decoder, random_codec_decoder
 from qtts_jax.config import ModelConfig, SamplingDefaults, load_config
 from qtts_jax.generate import Generator
@@ -157,17 +157,11 @@ def load_model(path_or_preset: str | Path, dtype=jnp.float32, seed: int = 0) -> 
 def _preset(name: str, dtype, seed: int) -> Model:
     """Random weights at preset shapes; the codec stays fp32 (it is small and sets output quality)."""
     kind = "base" if name.endswith("-base") else "custom_voice"
-    size = name.removesuffix("-base")
-    if size == "tiny-random":
-        cfg = ModelConfig.from_dict(presets.tiny_config(kind))
-        codec_cfg = CodecConfig.from_dict(tiny_config_dict())
-        tokenizer = TextTokenizer(presets.tiny_tokenizer())
-        speaker_cfg = presets.tiny_speaker_config()
-    else:
-        cfg = ModelConfig.from_dict(presets.real_config({"0.6b": "0b6", "1.7b": "1b7"}[size], kind))
-        codec_cfg = CodecConfig.from_dict(released_config_dict())
-        tokenizer = TextTokenizer(presets.tiny_tokenizer())
-        speaker_cfg = None  # the released architecture
+    model_dict, codec_dict = presets.preset_configs(name)
+    cfg, codec_cfg = ModelConfig.from_dict(model_dict), CodecConfig.from_dict(codec_dict)
+    tokenizer = TextTokenizer(presets.tiny_tokenizer())
+    # tiny: a small speaker encoder; the real shapes: the released architecture
+    speaker_cfg = presets.tiny_speaker_config() if name.startswith("tiny-random") else None
     log.warning("model %s has random weights: its audio is noise", name)
     return Model(
         name=name,

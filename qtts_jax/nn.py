@@ -70,4 +70,14 @@ def scan(layers: nnx.Module, body: Callable, carry, *xs):
 
 def state_shapes(module: nnx.Module) -> dict[str, tuple[int, ...]]:
     """Every `nnx.Param` of a module (or of its `nnx.eval_shape` abstract twin): "a/b/c" path -> shape."""
-    return {"/".join(map(str, path)): tuple(v.shape) for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+    return {path: tuple(v.shape) for path, v in _flat(module)}
+
+
+def flat_params(module: nnx.Module) -> dict[str, jax.Array]:
+    """Every `nnx.Param` of a module: "a/b/c" path -> array, the form `checkpoint.load_module` fills a module from
+    and `checkpoint.table_tensors` writes out (exports)."""
+    return {path: v[...] for path, v in _flat(module)}
+
+
+def _flat(module: nnx.Module):
+    return (("/".join(map(str, path)), v) for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param)))

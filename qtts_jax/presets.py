@@ -7,9 +7,12 @@ the same parsing as a real directory. `0.6b` / `1.7b` carry the released shapes 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from tokenizers import pre_tokenizers
 
-from qtts_jax.codec.config import SAMPLE_RATE
+from qtts_jax.codec.config import SAMPLE_RATE, released_config_dict, tiny_config_dict
 from qtts_jax.text import byte_level_bpe
 
 LANGUAGES = {
@@ -117,6 +120,36 @@ def tiny_config(kind: str = "custom_voice", size: str = "1b7") -> dict:
         predictor=_decoder(32, 64, 2, 4, 1, 16, 2048),
         text_vocab=len(vocab) + len(added), text_hidden=48, text_ids=text_ids,
     )
+
+
+def preset_configs(name: str) -> tuple[dict, dict]:
+    """(config.json, speech_tokenizer/config.json) dicts of a preset: tiny-random[-base], 0.6b[-base], 1.7b[-base]."""
+    kind = "base" if name.endswith("-base") else "custom_voice"
+    size = name.removesuffix("-base")
+    if size == "tiny-random":
+        return tiny_config(kind), tiny_config_dict()
+    return real_config({"0.6b": "0b6", "1.7b": "1b7"}[size], kind), released_config_dict()
+
+
+def write_tiny_tokenizer(directory: Path) -> None:
+    """The tiny byte-level BPE as a checkpoint ships a slow tokenizer: vocab.json + merges.txt +
+    tokenizer_config.json (the special tokens), and the processor class the reference wrapper reads."""
+    vocab, merges, added = tiny_tokenizer_parts()
+    (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    (directory / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "added_tokens_decoder": {
+            str(i): {"content": v["content"], "special": True, "lstrip": False, "rstrip": False,
+                     "normalized": False, "single_word": False}
+            for i, v in added.items()
+        },
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
+        "bos_token": None, "model_max_length": 32768, "clean_up_tokenization_spaces": False,
+        "errors": "replace", "split_special_tokens": False,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (directory / "preprocessor_config.json").write_text(json.dumps({"processor_class": "Qwen3TTSProcessor"}))
 
 
 def tiny_speaker_config():

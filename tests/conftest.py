@@ -147,8 +147,8 @@ def tiny_base_model():
 # SMALL) compiles it before the files that load it from the compilation cache. Only the order of files changes.
 SLOW_FILES_FIRST = ("test_generate_parity.py", "test_engine.py", "test_studies_server.py", "test_server.py",
                     "test_server_voices.py", "test_end_to_end.py", "test_hardening.py", "test_clients.py",
-                    "test_server_text.py", "test_engine_clone.py", "test_logits_parity.py", "test_voice_clone.py",
-                    "test_startup.py", "test_warmup.py")
+                    "test_server_text.py", "test_engine_clone.py", "test_finetune_train.py", "test_logits_parity.py",
+                    "test_voice_clone.py", "test_startup.py", "test_warmup.py")
 
 
 def pytest_collection_modifyitems(config, items):

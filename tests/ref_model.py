@@ -78,26 +78,6 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
         tensor.copy_(value)
 
 
-def write_tokenizer(directory: Path) -> None:
-    """The tiny byte-level BPE as vocab.json + merges.txt + tokenizer_config.json (the slow-tokenizer files)."""
-    vocab, merges, added = presets.tiny_tokenizer_parts()
-    (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
-    (directory / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
-    config = {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "added_tokens_decoder": {
-            str(i): {"content": v["content"], "special": True, "lstrip": False, "rstrip": False,
-                     "normalized": False, "single_word": False}
-            for i, v in added.items()
-        },
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
-        "bos_token": None, "model_max_length": 32768, "clean_up_tokenization_spaces": False,
-        "errors": "replace", "split_special_tokens": False,
-    }
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    (directory / "preprocessor_config.json").write_text(json.dumps({"processor_class": "Qwen3TTSProcessor"}))
-
-
 def write_checkpoint(directory: Path, model, codec_model=None, seed: int = 0) -> Path:
     """A complete Hugging Face-layout checkpoint directory, as the released repos lay it out."""
     directory = Path(directory)
@@ -108,7 +88,7 @@ def write_checkpoint(directory: Path, model, codec_model=None, seed: int = 0) ->
     config["speaker_encoder_config"] = {k: config["speaker_encoder_config"][k] for k in ("enc_dim", "sample_rate")}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     (directory / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
-    write_tokenizer(directory)
+    presets.write_tiny_tokenizer(directory)
     codec = codec_model if codec_model is not None else build_reference_codec(seed=seed)
     write_codec_checkpoint(directory / "speech_tokenizer", codec)
     return directory

@@ -32,7 +32,7 @@ def test_every_serve_flag_names_its_default():
 def test_qtts_jax_assembles_the_library_server_and_study_commands(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
-    assert "{synth,info,serve,cluster,study}" in capsys.readouterr().out
+    assert "{synth,info,finetune,serve,cluster,study}" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     assert capsys.readouterr().out.startswith("usage: qtts-jax serve")

@@ -252,6 +252,44 @@ def test_newcomer_gets_its_first_chunk_at_once_and_joins_the_long_step_of_the_pl
     assert playing.final.error is None and newcomer.final.error is None
 
 
+def test_audio_goes_out_while_the_step_is_being_dispatched(engine, clock, cheap, monkeypatch):
+    """The step's call holds the engine thread while the device runs its loop trips (30-40 ms on a GPU): a
+    newcomer's first chunk and the playing streams' audio of the previous codec call go out meanwhile, from the
+    sender thread, not after it returns. Here the step's call waits until both have gone out (or 10 s)."""
+    clock(1e-4)
+    playing, newcomer = Collector(), Collector()
+    old = engine.submit(engine.prepare(Request("Already playing.", speaker="ryan", max_frames=40, **GREEDY)), playing)
+    for _ in range(3):
+        engine.run_once()
+    new = engine.submit(engine.prepare(Request("Newcomer.", speaker="aiden", max_frames=20, **GREEDY)), newcomer)
+    chunks_before = len(playing.chunks)
+    seen_during_step = []
+    program = engine._program
+
+    def slow_step(kind, a, b):
+        exe = program(kind, a, b)
+        if kind != "step":
+            return exe
+
+        def call(*args):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not (newcomer.chunks and len(playing.chunks) > chunks_before):
+                time.sleep(0.001)
+            seen_during_step.append((len(newcomer.chunks), len(playing.chunks) - chunks_before))
+            return exe(*args)
+        return call
+
+    monkeypatch.setattr(engine, "_program", slow_step)
+    engine.run_once()
+    assert seen_during_step == [(1, 1)]
+    assert newcomer.chunks[0].frames == 1 and len(new.codes) > 1
+    monkeypatch.setattr(engine, "_program", program)
+    while engine.run_once():
+        pass
+    assert playing.final.error is None and newcomer.final.error is None
+    assert sum(c.frames for c in playing.chunks) == len(old.codes)
+
+
 def test_delivery_lag_reported_by_the_bridge_widens_the_margin(engine):
     """Chunks that reach the event loop late are jitter the playback margin must cover."""
     floor = engine.config.min_margin_s

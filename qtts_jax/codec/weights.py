@@ -21,7 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from qtts_jax.checkpoint import AS_IS, CONV, CONV_TRANSPOSE, LINEAR, Entry, load_module, load_table, read_safetensors
+from qtts_jax import nn
+from qtts_jax.checkpoint import (AS_IS, CONV, CONV_TRANSPOSE, LINEAR, Entry, load_module, load_table, read_safetensors,
+                                 table_tensors)
 from qtts_jax.codec.config import RESIDUAL_DILATIONS, CodecConfig
 from qtts_jax.codec.decoder import CodecDecoder
 
@@ -141,6 +143,19 @@ def load_codec_decoder(directory: Path, cfg: CodecConfig, dtype=np.float32) -> C
     # Read in fp32: the codebook division and everything else is done before casting to ``dtype``.
     flat = load_table(tensors, entries, shapes, np.float32, f"speech tokenizer decoder ({directory})")
     return load_module(lambda: CodecDecoder(cfg, dtype), _quantizer(flat))
+
+
+def codec_decoder_tensors(decoder: CodecDecoder, cfg: CodecConfig) -> dict[str, np.ndarray]:
+    """The decoder's state as ``speech_tokenizer`` tensors through the same name table, the inverse of
+    `load_codec_decoder` (exports). Each codebook is written as its table over a cluster usage of 1, which loads
+    back to the same table."""
+    flat = nn.flat_params(decoder)
+    books = np.asarray(flat.pop("quantizer/codebooks"), np.float32)
+    ones = np.ones(books.shape[:2], np.float32)
+    flat.update({"raw/first_sum": books[0], "raw/rest_sum": books[1:], "raw/first_usage": ones[0],
+                 "raw/rest_usage": ones[1:], "raw/first_proj": np.asarray(flat.pop("quantizer/first_proj"))[None],
+                 "raw/rest_proj": np.asarray(flat.pop("quantizer/rest_proj"))[None]})
+    return table_tensors(flat, codec_decoder_table(cfg)[0])
 
 
 def _quantizer(flat: dict) -> dict:

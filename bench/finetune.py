@@ -1,0 +1,203 @@
+"""Fine-tuning throughput: our training step beside the official recipe's (sft_12hz.py) in torch, same shapes.
+
+For each Base shape (random weights): steps/s and peak device memory of one training step (forward, backward,
+clipping, AdamW with accumulation) at a batch of B clips of F frames with T text tokens. Ours: `qtts_jax.finetune`
+(fp32 weights and optimiser state, bf16 compute). The official step: its forward (the speaker encoder on each
+batch's reference mels, the talker with labels, the code predictor's finetune forward), backward, clipping and
+torch AdamW, on bf16 weights under bf16 autocast, with flash-attention 2 when installed (else SDPA; the JSON says
+which). Each side runs in its own subprocess, so neither's allocator or peak counts against the other. Writes JSON.
+
+    python bench/finetune.py --out runs/finetune-h200.json                   # 0.6b-base and 1.7b-base, batch 32
+    python bench/finetune.py --tiny --out runs/finetune-cpu.json             # tiny-random-base on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TINY = dict(models="tiny-random-base", batch=2, frames=16, text=12, steps=3, warmup=1)
+
+
+def _examples(model, batch: int, frames: int, text: int, seed: int = 0):
+    import numpy as np
+
+    from qtts_jax.finetune.data import Example
+
+    rng = np.random.default_rng(seed)
+    words = "the quick brown fox jumps over a lazy dog while we wait"
+    return [Example((words * 8)[:text], rng.integers(0, 2048, (frames, 16)).astype(np.int32),
+                    rng.standard_normal(model.cfg.talker.hidden_size).astype(np.float32)) for _ in range(batch)]
+
+
+def ours(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from qtts_jax.finetune import layout, train
+    from qtts_jax.model import load_model
+
+    model = load_model(args.model, dtype=jnp.float32)
+    batch = layout.collate(model.cfg, model.tokenizer, _examples(model, args.batch, args.frames, args.text)).arrays()
+    init, step, _ = train._programs(model.cfg, 1e-5, args.accumulate, args.compute_dtype)
+    state, frozen = init(model.params)
+    batch = jax.device_put(batch)
+    t0 = time.perf_counter()
+    state, parts = step(state, frozen, batch)
+    jax.block_until_ready(parts)
+    compile_s = time.perf_counter() - t0
+    for _ in range(args.warmup):
+        state, parts = step(state, frozen, batch)
+    jax.block_until_ready(parts)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        state, parts = step(state, frozen, batch)
+    jax.block_until_ready(parts)
+    elapsed = time.perf_counter() - t0
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"steps_per_s": args.steps / elapsed, "compile_s": compile_s, "loss": float(parts["loss"]),
+            "peak_bytes": stats.get("peak_bytes_in_use"), "sequence_positions": int(batch[0].shape[1]),
+            "compute_dtype": args.compute_dtype, "device": str(jax.devices()[0])}
+
+
+def official(args) -> dict:
+    import torch
+
+    from qtts_jax import presets
+    from qtts_jax.finetune.forward import SUB_TALKER_WEIGHT
+
+    try:
+        import torchaudio  # noqa: F401  (qwen_tts imports it; where it is missing, the tests' stand-in serves)
+    except ImportError:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "refstub"))
+    from qwen_tts.core.models.configuration_qwen3_tts import Qwen3TTSConfig
+    from qwen_tts.core.models.modeling_qwen3_tts import Qwen3TTSForConditionalGeneration
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        import flash_attn  # noqa: F401
+
+        attn = "flash_attention_2"
+    except ImportError:
+        attn = "sdpa" if device == "cuda" else "eager"
+    config_dict, _ = presets.preset_configs(args.model)
+    config_dict["talker_config"]["code_predictor_config"]["num_code_groups"] = 16  # the released files say 16
+    cfg = Qwen3TTSConfig(**config_dict)
+    for c in (cfg, cfg.talker_config, cfg.talker_config.code_predictor_config):
+        c._attn_implementation = attn
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3TTSForConditionalGeneration(cfg).to(torch.bfloat16).train()
+    tc = cfg.talker_config
+    b, n, m = args.batch, args.frames, args.text + 3  # the role tokens lead the text ids
+    t = m + n + 8
+    g = torch.Generator().manual_seed(0)
+    text = torch.randint(0, tc.text_vocab_size, (b, t), generator=g)
+    codec = torch.randint(0, 2048, (b, t), generator=g)
+    codec_ids = torch.randint(0, 2048, (b, t, 16), generator=g)
+    codec_mask = torch.zeros((b, t), dtype=torch.bool)
+    codec_mask[:, 8 + m - 1:8 + m - 1 + n] = True
+    labels = torch.full((b, t), -100)
+    labels[:, 8 + m - 1:8 + m + n] = codec[:, 8 + m - 1:8 + m + n]
+    ref_mels = torch.randn(b, 281, 128)  # 3 s of reference audio
+    batch = [x.to(device) for x in (text, codec, codec_ids, codec_mask, labels, ref_mels)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01)
+
+    def step(i):
+        text, codec, codec_ids, codec_mask, labels, ref_mels = batch
+        with torch.autocast(device, dtype=torch.bfloat16):
+            spk = model.speaker_encoder(ref_mels.to(torch.bfloat16)).detach()
+            x = model.talker.text_projection(model.talker.get_text_embeddings()(text))
+            ce = model.talker.model.codec_embedding(codec)
+            ce[:, 6, :] = spk
+            x = x + ce
+            tables = model.talker.code_predictor.get_input_embeddings()
+            for k in range(1, 16):
+                x = x + tables[k - 1](codec_ids[:, :, k]) * codec_mask[..., None]
+            out = model.talker(inputs_embeds=x, attention_mask=torch.ones_like(text), labels=labels,
+                               output_hidden_states=True)
+            hidden = out.hidden_states[0][-1][:, :-1][codec_mask[:, 1:]]
+            _, sub_loss = model.talker.forward_sub_talker_finetune(codec_ids[codec_mask], hidden)
+            loss = (out.loss + SUB_TALKER_WEIGHT * sub_loss) / args.accumulate
+        loss.backward()
+        if (i + 1) % args.accumulate == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+        return loss
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    for i in range(1 + args.warmup):
+        step(i)
+    sync()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for i in range(args.steps):
+        loss = step(i)
+    sync()
+    elapsed = time.perf_counter() - t0
+    return {"steps_per_s": args.steps / elapsed, "loss": float(loss) * args.accumulate, "attention": attn,
+            "peak_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
+            "sequence_positions": t, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="0.6b-base,1.7b-base")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--frames", type=int, default=150, help="frames per clip (150 = 12 s)")
+    p.add_argument("--text", type=int, default=60, help="text tokens per clip")
+    p.add_argument("--accumulate", type=int, default=4)
+    p.add_argument("--compute-dtype", default="bfloat16")
+    p.add_argument("--steps", type=int, default=8, help="timed steps, after one compiling and --warmup more")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--tiny", action="store_true", help="tiny-random-base at CPU sizes: " + json.dumps(TINY))
+    p.add_argument("--sides", default="ours,official")
+    p.add_argument("--side", help=argparse.SUPPRESS)  # a subprocess's one side
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    if args.tiny:
+        for k, v in TINY.items():
+            setattr(args, k, v)
+        if args.compute_dtype == "bfloat16":
+            args.compute_dtype = "float32"
+    if args.side:
+        print(json.dumps({"ours": ours, "official": official}[args.side](args)))
+        return
+    results = {"batch": args.batch, "frames": args.frames, "text_tokens": args.text, "accumulate": args.accumulate,
+               "models": {}}
+    for name in args.models.split(","):
+        row = {}
+        for side in args.sides.split(","):
+            cmd = [sys.executable, __file__, "--side", side, "--model", name] + [
+                f"--{k}={getattr(args, k.replace('-', '_'))}"
+                for k in ("batch", "frames", "text", "accumulate", "compute-dtype", "steps", "warmup")]
+            env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            row[side] = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {
+                "error": done.stderr[-2000:]}
+            print(name, side, row[side], file=sys.stderr)
+        if all("steps_per_s" in row.get(s, {}) for s in ("ours", "official")):
+            row["speedup"] = row["ours"]["steps_per_s"] / row["official"]["steps_per_s"]
+        results["models"][name] = row
+    text = json.dumps(results, indent=2)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""The training loop: seeded batches, jitted steps, checkpoints and resume, the loss curve.
+
+A step is one batch; with ``accumulate`` k the weights change every k steps (their mean gradient). The order of
+the examples is a seeded permutation per epoch, so a run resumed from its checkpoint at step s sees exactly the
+batches an uninterrupted run sees after step s, and reaches the same losses. Parameters and optimiser state stay
+in fp32; ``compute_dtype`` bfloat16 runs the forward and backward in bf16 (the official recipe's mixed precision).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from qtts_jax.config import ModelConfig
+from qtts_jax.finetune import forward, layout, lora, optimizer
+from qtts_jax.finetune.checkpoints import Checkpoints
+from qtts_jax.finetune.data import Example
+from qtts_jax.text import TextTokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    lr: float = 2e-5  # the official script's default (its README fine-tunes at 2e-6 with batch 32)
+    batch: int = 2
+    accumulate: int = 4
+    epochs: int = 3
+    steps: int | None = None  # overrides epochs
+    seed: int = 0
+    checkpoint_every: int = 100
+    keep: int = 3
+    compute_dtype: str = "float32"
+    lora: int = 0  # rank of low-rank adapters on the projections (0: every weight trains)
+
+    def total_steps(self, n_examples: int) -> int:
+        return self.steps if self.steps is not None else self.epochs * batches_per_epoch(n_examples, self.batch)
+
+
+def batches_per_epoch(n_examples: int, batch: int) -> int:
+    return math.ceil(n_examples / batch)
+
+
+def batch_indices(n_examples: int, batch: int, seed: int, step: int) -> np.ndarray:
+    """The examples of (0-based) ``step``: epoch e's seeded permutation, cut into batches (the last one short)."""
+    per_epoch = batches_per_epoch(n_examples, batch)
+    epoch, i = divmod(step, per_epoch)
+    order = np.random.default_rng([seed, epoch]).permutation(n_examples)
+    return order[i * batch:(i + 1) * batch]
+
+
+class ResumeError(ValueError):
+    """A checkpoint made by a run whose settings or data differ: resuming it would not continue that run."""
+
+
+def _identity(settings: Settings, n_examples: int) -> dict:
+    """What a resumed run must share with the run that saved the checkpoint (its length may change)."""
+    fixed = dataclasses.asdict(settings)
+    for free in ("steps", "epochs", "checkpoint_every", "keep"):
+        fixed.pop(free)
+    return {**fixed, "examples": n_examples}
+
+
+@dataclasses.dataclass
+class Run:
+    params: dict
+    curve: list[dict]  # one {"step", "loss", "talker", "predictor"} per step, from step 1
+    resumed_from: int | None
+
+
+def train(params: dict, cfg: ModelConfig, tok: TextTokenizer, examples: list[Example], settings: Settings,
+          checkpoint_dir: Path, resume: bool = False, on_step: Callable[[int, int, dict], None] = lambda *a: None
+          ) -> Run:
+    """Train ``params`` (a copy in fp32) on ``examples``; ``on_step(step, total, losses)`` after every step.
+    With ``settings.lora``, only adapters train (the state and the checkpoints hold them alone) and the returned
+    parameters have them merged."""
+    init, step_fn, result = _programs(cfg, settings.lr, settings.accumulate, settings.compute_dtype, settings.lora)
+    state, frozen = init(params)
+    ckpt = Checkpoints(checkpoint_dir, settings.checkpoint_every, settings.keep)
+    total = settings.total_steps(len(examples))
+    done, curve, resumed = 0, [], None
+    identity = _identity(settings, len(examples))
+    if resume and ckpt.latest() is not None:
+        resumed = ckpt.latest()
+        saved = ckpt.restore_meta(resumed)
+        changed = sorted(k for k in identity if saved["run"].get(k) != identity[k])
+        if changed:
+            ckpt.close()
+            raise ResumeError("--resume: the checkpoint's run had other " + ", ".join(
+                f"{k} ({saved['run'].get(k)!r}, now {identity[k]!r})" for k in changed))
+        state, meta = ckpt.restore(resumed, state)
+        done, curve = resumed, meta["curve"]
+    try:
+        for step in range(done, total):
+            idx = batch_indices(len(examples), settings.batch, settings.seed, step)
+            batch = layout.collate(cfg, tok, [examples[i] for i in idx], settings.batch)
+            state, parts = step_fn(state, frozen, batch.arrays())
+            record = {"step": step + 1, **{k: float(v) for k, v in parts.items()}}
+            curve.append(record)
+            ckpt.save(step + 1, state, {"curve": curve, "run": identity}, last=step + 1 == total)
+            on_step(step + 1, total, record)
+    finally:
+        ckpt.close()
+    return Run(result(frozen, state["params"]), curve, resumed)
+
+
+@functools.lru_cache(maxsize=8)
+def _programs(cfg: ModelConfig, lr: float, accumulate: int, compute_dtype: str, lora_rank: int = 0):
+    """(init, step, result), jitted and kept per configuration: runs of the same settings in one process compile
+    them once. init(params) -> (state, frozen): the trained part and its optimiser state (the steps donate it),
+    and what stays fixed (LoRA: the base weights; else nothing), copied to fp32 in one program (an eager op per
+    leaf would compile one per shape). step(state, frozen, batch); result(frozen, trained) -> full parameters."""
+    tx = optimizer.make(lr, accumulate)
+    combine = lora.merge if lora_rank else (lambda frozen, trained: trained)
+
+    def init(params):
+        params = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+        trained, frozen = (lora.init(params, lora_rank), params) if lora_rank else (params, None)
+        return {"params": trained, "opt": tx.init(trained)}, frozen
+
+    def step(state, frozen, batch):
+        def loss(trained):
+            return forward.losses(combine(frozen, trained), cfg, batch, jnp.dtype(compute_dtype))
+
+        (total, parts), grads = jax.value_and_grad(loss, has_aux=True)(state["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": total, **parts}
+
+    return jax.jit(init), jax.jit(step, donate_argnums=0), jax.jit(combine)
+
+
+def write_curve(curve: list[dict], directory: Path) -> list[Path]:
+    """loss.json always; loss.png too when matplotlib is installed (the study extra). Written, then renamed."""
+    directory = Path(directory)
+    written = [directory / "loss.json"]
+    tmp = directory / f"loss.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(curve, indent=1))
+    os.replace(tmp, written[0])
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return written
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in curve]
+    for key in ("loss", "talker", "predictor"):
+        ax.plot(steps, [r[key] for r in curve], label=key)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy")
+    ax.legend()
+    fig.tight_layout()
+    png = directory / "loss.png"
+    tmp = directory / f"loss.tmp{os.getpid()}.png"
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, png)
+    return written + [png]
