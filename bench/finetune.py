@@ -40,14 +40,16 @@ def _examples(model, batch: int, frames: int, text: int, seed: int = 0):
 def ours(args) -> dict:
     import jax
     import jax.numpy as jnp
+    from flax import nnx
 
     from qtts_jax.finetune import layout, train
     from qtts_jax.model import load_model
 
     model = load_model(args.model, dtype=jnp.float32)
     batch = layout.collate(model.cfg, model.tokenizer, _examples(model, args.batch, args.frames, args.text)).arrays()
-    init, step, _ = train._programs(model.cfg, 1e-5, args.accumulate, args.compute_dtype)
-    state, frozen = init(model.params)
+    graph, params = nnx.split(model.talker, nnx.Param)
+    init, step, _ = train._programs(graph, model.cfg, 1e-5, args.accumulate, args.compute_dtype)
+    state, frozen = init(nnx.to_pure_dict(params))
     batch = jax.device_put(batch)
     t0 = time.perf_counter()
     state, parts = step(state, frozen, batch)

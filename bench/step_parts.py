@@ -26,39 +26,41 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from qtts_jax import code_predictor, talker  # noqa: E402
+from qtts_jax import nn  # noqa: E402
 from qtts_jax.engine import Engine, EngineConfig  # noqa: E402
 from qtts_jax.engine import programs  # noqa: E402
 from qtts_jax.generate import frame_codes  # noqa: E402
 from qtts_jax.model import load_model  # noqa: E402
 
 
-def parts(cfg, codec_cfg, sampler: str) -> dict:
-    """name -> function(params, codec_params, state, codec_state, idx) of one part for the rows `idx`."""
+def parts(graph, cfg, codec_cfg, sampler: str) -> dict:
+    """name -> function(params, codec_params, state, codec_state, idx) of one part for the rows `idx` (`params`:
+    the talker's state, merged with its graph definition `graph` at trace time, as the engine's programs do)."""
     choose = programs.chooser(sampler)
 
     def codes(params, codec_params, state, codec_state, idx):
         rows, settings, k = programs.take_rows(state.rows, idx), programs.take_rows(state.settings, idx), programs.take_rows(state.k, idx)
-        return jax.vmap(partial(frame_codes, params, cfg, choose=choose))(rows, settings, k)
+        return jax.vmap(partial(frame_codes, nn.merge(graph, params), cfg, choose=choose))(rows, settings, k)
 
     def predictor(params, codec_params, state, codec_state, idx):
         rows, settings = programs.take_rows(state.rows, idx), programs.take_rows(state.settings, idx)
         token = jnp.zeros(idx.shape, jnp.int32)
         keys = jax.random.split(jax.random.PRNGKey(0), idx.shape[0])
-        return jax.vmap(lambda h, t, key, p: code_predictor.predict(params, cfg, h, t, key, p, choose))(
+        talker = nn.merge(graph, params)
+        return jax.vmap(lambda h, t, key, p: talker.predict(h, t, key, p, choose))(
             rows.hidden, token, keys, settings.predictor)
 
     def talker_decode(params, codec_params, state, codec_state, idx):
         rows, k, row0 = programs.take_rows(state.rows, idx), programs.take_rows(state.k, idx), programs.take_rows(state.row0, idx)
         x = jnp.zeros((idx.shape[0], cfg.talker.hidden_size), rows.hidden.dtype)
         settings = programs.take_rows(state.settings, idx)
-        logits, hidden, cache = talker.decode_rows(params, cfg, x, state.cache, idx, row0 + k, settings.position0 + k,
-                                                   rows.key_valid)
+        logits, hidden, cache = nn.merge(graph, params).decode_rows(x, state.cache, idx, row0 + k,
+                                                                    settings.position0 + k, rows.key_valid)
         return state._replace(cache=cache), (logits, hidden)
 
     def step(params, codec_params, state, codec_state, idx):
-        return programs.step(params, state, idx, jnp.ones(idx.shape, jnp.int32), cfg=cfg, choose=choose,
-                             attention=programs.attender("auto"), n=1)
+        return programs.step(params, state, idx, jnp.ones(idx.shape, jnp.int32), graph=graph, cfg=cfg,
+                             choose=choose, attention=programs.attender("auto"), n=1)
 
     def codec(params, codec_params, state, codec_state, idx):
         b = idx.shape[0]
@@ -90,7 +92,7 @@ def main() -> None:
     args_of = (model.params, model.codec_params, engine.state, engine.codec_state)  # lowering only reads shapes
     jobs = []
     for sampler in args.samplers.split(","):
-        for name, fn in parts(model.cfg, model.codec_cfg, sampler).items():
+        for name, fn in parts(model.graph, model.cfg, model.codec_cfg, sampler).items():
             if name not in args.parts.split(",") or (sampler != args.samplers.split(",")[0]
                                                       and name not in ("codes", "predictor", "step")):
                 continue  # parts without a sampler are timed once

@@ -84,7 +84,7 @@ def finetune(args) -> int:
     print(f"{len(examples)} examples, {settings.total_steps(len(examples))} steps", file=sys.stderr)
     try:
         with _Progress() as progress:
-            run = train.train(model.params, model.cfg, model.tokenizer, examples, settings, args.out / "checkpoints",
+            run = train.train(model.talker, model.cfg, model.tokenizer, examples, settings, args.out / "checkpoints",
                               args.resume, progress)
     except train.ResumeError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -94,8 +94,7 @@ def finetune(args) -> int:
     curve = train.write_curve(run.curve, args.out)
     # every example was trained with its own reference's x-vector; the speaker row holds their mean
     xvector = sum(e.xvector for e in examples) / len(examples)
-    out = export(run.params, args.model, args.speaker, xvector, args.out / "model",
-                 (model.codec_params, model.codec_cfg))
+    out = export(run.talker, args.model, args.speaker, xvector, args.out / "model", (model.codec, model.codec_cfg))
     last = run.curve[-1]
     print(f"step {last['step']}: loss {last['loss']:.4f}; wrote {out} (speaker {args.speaker.lower()}) and "
           f"{', '.join(p.name for p in curve)}")

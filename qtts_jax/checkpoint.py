@@ -1,9 +1,10 @@
-"""Reading Hugging Face safetensors into our parameter pytrees through explicit name tables, and back.
+"""Reading Hugging Face safetensors into our modules' parameters through explicit name tables, and back.
 
-Every model part (talker, code predictor, codec) declares a table of `Entry`s: which Hugging Face
-tensor (a name template, with ``{i}`` for a stacked layer index) fills which leaf of our pytree, and
-how its layout changes. One mechanism does the reading, the stacking and the checking, so every part
-reports a missing or mis-shaped tensor the same way: by its Hugging Face name, with both shapes.
+Every model part (talker, code predictor, codec, speaker encoder) declares a table of `Entry`s: which
+Hugging Face tensor (a name template, with ``{i}`` for a stacked layer index) fills which `nnx.Param` of
+our module (its state path, "a/b/c"), and how its layout changes. One mechanism does the reading, the
+stacking and the checking, so every part reports a missing or mis-shaped tensor the same way: by its
+Hugging Face name, with both shapes.
 """
 
 from __future__ import annotations
@@ -14,8 +15,12 @@ import logging
 from pathlib import Path
 from typing import Callable, Mapping
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from flax import nnx
+
+from qtts_jax.nn import state_shapes
 
 log = logging.getLogger(__name__)
 
@@ -114,27 +119,58 @@ def load_table(
     dtype,
     what: str,
 ) -> dict:
-    """Fill every leaf in ``shapes`` (our path -> our full shape) from ``tensors`` through ``table``.
+    """Fill every leaf in ``shapes`` (our path -> our full shape) from ``tensors`` through ``table``: a flat
+    {path: array} dict.
 
     A leaf whose table template contains ``{i}`` is stacked over its leading axis. Raises
     `CheckpointError` naming the HF tensor on a missing tensor or shape mismatch; logs unused tensors.
     """
     by_path = {e.ours: e for e in table}
-    used: set[str] = set()
     flat: dict[str, np.ndarray] = {}
     for path, shape in shapes.items():
         entry = by_path[path]
         if "{i}" in entry.hf:
             parts = [_take(tensors, entry.hf.format(i=i), entry.layout, shape[1:], what) for i in range(shape[0])]
-            used.update(entry.hf.format(i=i) for i in range(shape[0]))
             flat[path] = np.stack(parts).astype(dtype)
         else:
             flat[path] = _take(tensors, entry.hf, entry.layout, shape, what).astype(dtype)
-            used.add(entry.hf)
-    unused = sorted(set(tensors) - used)
+    unused = sorted(set(tensors) - set(hf_shapes(table, shapes)))
     if unused:
         log.debug("%s: %d checkpoint tensors unused: %s", what, len(unused), ", ".join(unused))
-    return unflatten(flat)
+    return flat
+
+
+def hf_shapes(table: list[Entry], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The checkpoint tensors (HF name -> HF shape) that fill the leaves in ``shapes`` through ``table``."""
+    by_path = {e.ours: e for e in table}
+    out = {}
+    for path, shape in shapes.items():
+        entry = by_path[path]
+        if "{i}" in entry.hf:
+            out.update({entry.hf.format(i=i): tuple(entry.layout.inverse_shape(tuple(shape[1:])))
+                        for i in range(shape[0])})
+        else:
+            out[entry.hf] = tuple(entry.layout.inverse_shape(tuple(shape)))
+    return out
+
+
+def load_module(make: Callable[[], nnx.Module], flat: Mapping[str, np.ndarray] | Callable) -> nnx.Module:
+    """The module `make()` builds, its weights taken from ``flat`` ("a/b/c" path -> array, cast to the
+    parameter's dtype) instead of drawn: ``make`` runs abstractly (`nnx.eval_shape`), so nothing random is
+    computed. ``flat`` may also be a function of the module's `state_shapes` that returns that dict (a name
+    table's loader)."""
+    abstract = nnx.eval_shape(make)
+    if callable(flat):
+        flat = flat(state_shapes(abstract))
+    graph, state = nnx.split(abstract)
+    leaves = []
+    for path, var in nnx.to_flat_state(state):
+        name = "/".join(map(str, path))
+        value = jnp.asarray(flat[name], var.dtype)
+        if value.shape != var.shape:
+            raise ValueError(f"{name}: {value.shape} given for a parameter of shape {var.shape}")
+        leaves.append((path, var.replace(value)))
+    return nnx.merge(graph, nnx.from_flat_state(leaves))
 
 
 def _take(tensors, name: str, layout: Layout, shape: tuple[int, ...], what: str) -> np.ndarray:
@@ -149,15 +185,14 @@ def _take(tensors, name: str, layout: Layout, shape: tuple[int, ...], what: str)
     return np.asarray(layout.forward(np.asarray(value, dtype=np.float32)))
 
 
-def table_tensors(tree: dict, table: list[Entry]) -> dict[str, np.ndarray]:
-    """The inverse of `load_table`: every leaf of ``tree`` that ``table`` names, as Hugging Face tensors (fp32,
-    stacked leaves split per index)."""
-    flat = flatten(tree)
+def table_tensors(flat: Mapping[str, np.ndarray], table: list[Entry]) -> dict[str, np.ndarray]:
+    """The inverse of `load_table`: every leaf of ``flat`` ("a/b/c" path -> array, as `nn.flat_params` gives a
+    module's) under its Hugging Face name through ``table``, fp32, stacked leaves split per index."""
+    by_path = {e.ours: e for e in table}
     out = {}
-    for entry in table:
-        if entry.ours not in flat:
-            continue
-        value = np.array(flat[entry.ours], np.float32)  # a writable copy
+    for path, value in flat.items():
+        entry = by_path[path]
+        value = np.array(value, np.float32)  # a writable copy
         if "{i}" in entry.hf:
             out.update({entry.hf.format(i=i): np.ascontiguousarray(entry.layout.inverse(v))
                         for i, v in enumerate(value)})
@@ -183,27 +218,3 @@ def write_safetensors_file(path: Path, tensors: Mapping[str, np.ndarray]) -> Non
         for key in sorted(tensors):
             f.write(np.ascontiguousarray(tensors[key]).tobytes())
 
-
-def flatten(tree: Mapping, prefix: str = "") -> dict:
-    """{"a": {"b": x}} -> {"a/b": x}; lists count as dicts keyed "0".."n-1"."""
-    flat = {}
-    items = enumerate(tree) if isinstance(tree, list) else tree.items()
-    for key, value in items:
-        path = f"{prefix}{key}"
-        if isinstance(value, (Mapping, list)):
-            flat.update(flatten(value, path + "/"))
-        else:
-            flat[path] = value
-    return flat
-
-
-def unflatten(flat: Mapping[str, np.ndarray]) -> dict:
-    """{"a/b": x} -> {"a": {"b": x}}."""
-    tree: dict = {}
-    for path, value in flat.items():
-        node = tree
-        *parents, leaf = path.split("/")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return tree

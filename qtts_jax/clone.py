@@ -14,24 +14,35 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from qtts_jax import nn
 from qtts_jax.checkpoint import CheckpointError, read_safetensors
 from qtts_jax.codec import encoder as codec_encoder
 from qtts_jax.codec.config import SAMPLE_RATE, CodecConfig
-from qtts_jax.codec.encoder_weights import load_encoder_params, random_encoder_params
+from qtts_jax.codec.encoder import CodecEncoder
+from qtts_jax.codec.encoder_weights import load_codec_encoder, random_codec_encoder
 from qtts_jax.config import read_json
 from qtts_jax.reference_audio import ReferenceAudio
 from qtts_jax.request import RequestError, VoicePrompt
 from qtts_jax.speaker.config import SpeakerEncoderConfig
-from qtts_jax.speaker.ecapa import bucket_samples, min_samples, speaker_embedding
-from qtts_jax.speaker.weights import load_speaker_params, random_speaker_params
+from qtts_jax.speaker.ecapa import SpeakerEncoder, bucket_samples, min_samples, speaker_embedding
+from qtts_jax.speaker.weights import load_speaker_encoder, random_speaker_encoder
 
 
 @dataclasses.dataclass
 class VoiceEncoders:
+    """The speaker encoder and the speech tokenizer's encoder (`nnx.Module`s), and their states as the plain
+    pytrees their jitted forwards take (split once, here)."""
+
     speaker_cfg: SpeakerEncoderConfig
-    speaker_params: dict
+    speaker: SpeakerEncoder
     codec_cfg: CodecConfig
-    codec_encoder_params: dict
+    codec_encoder: CodecEncoder
+    speaker_params: dict = dataclasses.field(init=False)
+    codec_encoder_params: dict = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        self.speaker_params = nn.split(self.speaker)[1]
+        self.codec_encoder_params = nn.split(self.codec_encoder)[1]
 
     @classmethod
     def load(cls, directory: Path, codec_cfg: CodecConfig) -> "VoiceEncoders":
@@ -42,14 +53,14 @@ class VoiceEncoders:
             raise CheckpointError(f"{directory / 'speech_tokenizer/config.json'} has no encoder_config, "
                                   "which a Base model needs to clone voices")
         spk_cfg = SpeakerEncoderConfig.from_dict(read_json(directory / "config.json").get("speaker_encoder_config") or {})
-        speaker = load_speaker_params(read_safetensors(directory, "model"), spk_cfg)
-        return cls(spk_cfg, speaker, codec_cfg, load_encoder_params(directory / "speech_tokenizer", codec_cfg))
+        speaker = load_speaker_encoder(read_safetensors(directory, "model"), spk_cfg)
+        return cls(spk_cfg, speaker, codec_cfg, load_codec_encoder(directory / "speech_tokenizer", codec_cfg))
 
     @classmethod
     def random(cls, enc_dim: int, codec_cfg: CodecConfig, seed: int, speaker_cfg: SpeakerEncoderConfig | None = None):
         """Random weights (presets, benchmarks); ``speaker_cfg`` defaults to the released architecture."""
         spk_cfg = dataclasses.replace(speaker_cfg or SpeakerEncoderConfig(), enc_dim=enc_dim)
-        return cls(spk_cfg, random_speaker_params(spk_cfg, seed), codec_cfg, random_encoder_params(codec_cfg, seed))
+        return cls(spk_cfg, random_speaker_encoder(spk_cfg, seed), codec_cfg, random_codec_encoder(codec_cfg, seed))
 
     def clone(self, audio: ReferenceAudio, ref_text: str | None = None, xvector_only: bool = False,
               trailing_silence_s: float = 0.0) -> VoicePrompt:

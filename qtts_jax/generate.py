@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qtts_jax import code_predictor, sampling, talker, transformer
+from qtts_jax import nn, sampling, transformer
 from qtts_jax.config import ModelConfig
 from qtts_jax.prompt import Prompt, embed_prompt
 from qtts_jax.request import Request
+from qtts_jax.talker import Talker
 from qtts_jax.transformer import KVCache, rows_layout
 
 
@@ -60,7 +61,7 @@ def row_settings(req: Request, prompt_len: int, trailing: jax.Array) -> RowSetti
     )
 
 
-def frame_codes(params: dict, cfg: ModelConfig, state: RowState, s: RowSettings, k: jax.Array,
+def frame_codes(talker: Talker, cfg: ModelConfig, state: RowState, s: RowSettings, k: jax.Array,
                 choose=sampling.choose):
     """Frame k of ONE row: its 16 codes, the talker input they make, and whether the row is now done.
 
@@ -73,14 +74,14 @@ def frame_codes(params: dict, cfg: ModelConfig, state: RowState, s: RowSettings,
     done = state.done | (k >= s.max_frames)
     token = jnp.where(done, cfg.codec.eos, token)
     done = done | (token == cfg.codec.eos)
-    rest, _ = code_predictor.predict(params, cfg, state.hidden, token, key_predictor, s.predictor, choose)
+    rest, _ = talker.predict(state.hidden, token, key_predictor, s.predictor, choose)
     frame = jnp.concatenate([token[None], rest])
-    x = talker.embed_codes(params, frame) + s.trailing[jnp.minimum(k, s.trailing.shape[0] - 1)]
+    x = talker.embed_codes(frame) + s.trailing[jnp.minimum(k, s.trailing.shape[0] - 1)]
     return frame, x, done
 
 
 def frame_step(
-    params: dict, cfg: ModelConfig, state: RowState, cache: KVCache, slots: jax.Array, s: RowSettings,
+    talker: Talker, cfg: ModelConfig, state: RowState, cache: KVCache, slots: jax.Array, s: RowSettings,
     k: jax.Array, row: jax.Array, choose=sampling.choose, attention=transformer.gather_rows_attention,
 ):
     """Advance B rows by one frame each: row b is slot `slots[b]` of `cache`, at frame k[b], written at cache
@@ -90,10 +91,9 @@ def frame_step(
     The codes of a frame are chosen per row (`frame_codes`, `vmap`-ed); the talker step that follows is one
     batched call against the shared cache. Nothing mixes rows, so a row's codes do not depend on the batch.
     """
-    frame, x, done = jax.vmap(partial(frame_codes, params, cfg, choose=choose))(state, s, k)
+    frame, x, done = jax.vmap(partial(frame_codes, talker, cfg, choose=choose))(state, s, k)
     key_valid = state.key_valid.at[jnp.arange(row.shape[0]), row].set(True)
-    logits, hidden, cache = talker.decode_rows(params, cfg, x, cache, slots, row, s.position0 + k, key_valid,
-                                               attention)
+    logits, hidden, cache = talker.decode_rows(x, cache, slots, row, s.position0 + k, key_valid, attention)
     seen = state.seen.at[jnp.arange(row.shape[0]), frame[:, 0]].set(True)
     return RowState(key_valid, logits, hidden, seen, done), cache, frame
 
@@ -104,31 +104,34 @@ def _bucket(n: int, smallest: int = 16) -> int:
 
 
 class Generator:
-    """Compiled prefill and frame step for one model; `run` generates a padded batch."""
+    """Compiled prefill and frame step for one model; `run` generates a padded batch. The programs are `jax.jit`
+    over the talker's state (`params`, split once at load) with its graph definition bound, merged at trace time."""
 
-    def __init__(self, params: dict, cfg: ModelConfig):
-        self.params = params
+    def __init__(self, graph, cfg: ModelConfig):
         self.cfg = cfg
-        self._prefill = jax.jit(partial(self._prefill_batch, cfg=cfg), static_argnames="capacity")
-        self._step = jax.jit(partial(self._step_batch, cfg=cfg), donate_argnums=(1, 2))
+        self._prefill = jax.jit(partial(self._prefill_batch, graph=graph, cfg=cfg), static_argnames="capacity")
+        self._step = jax.jit(partial(self._step_batch, graph=graph, cfg=cfg), donate_argnums=(1, 2))
 
     @staticmethod
-    def _prefill_batch(params, text, codec, frames, speaker_row, speaker, valid, trailing_ids, *, cfg, capacity):
-        x = jax.vmap(partial(embed_prompt, params))(text, codec, frames, speaker_row, speaker)
-        logits, hidden, cache = jax.vmap(lambda x, v: talker.prefill(params, cfg, x, v, capacity))(x, valid)
+    def _prefill_batch(params, text, codec, frames, speaker_row, speaker, valid, trailing_ids, *, graph, cfg,
+                       capacity):
+        talker = nn.merge(graph, params)
+        x = jax.vmap(partial(embed_prompt, talker))(text, codec, frames, speaker_row, speaker)
+        logits, hidden, cache = jax.vmap(lambda x, v: talker.prefill(x, v, capacity))(x, valid)
         cache = rows_layout(cache)
         key_valid = jnp.zeros((x.shape[0], capacity), bool).at[:, : x.shape[1]].set(valid)
         seen = jnp.zeros(logits.shape, bool)
         state = RowState(key_valid, logits, hidden, seen, jnp.zeros(x.shape[0], bool))
-        return state, cache, talker.embed_text(params, trailing_ids)
+        return state, cache, talker.embed_text(trailing_ids)
 
     @staticmethod
-    def _step_batch(params, state, cache, settings, k, row, *, cfg):
+    def _step_batch(params, state, cache, settings, k, row, *, graph, cfg):
         b = state.done.shape[0]
-        return frame_step(params, cfg, state, cache, jnp.arange(b), settings, jnp.full(b, k), jnp.full(b, row))
+        return frame_step(nn.merge(graph, params), cfg, state, cache, jnp.arange(b), settings, jnp.full(b, k),
+                          jnp.full(b, row))
 
-    def run(self, prompts: list[Prompt], requests: list[Request]) -> list[np.ndarray]:
-        """Codes [frames, 16] per request (EOS and everything after it cut)."""
+    def run(self, params: dict, prompts: list[Prompt], requests: list[Request]) -> list[np.ndarray]:
+        """Codes [frames, 16] per request (EOS and everything after it cut), from the talker's state ``params``."""
         cfg = self.cfg
         length = _bucket(max(len(p) for p in prompts))
         horizon = max(r.max_frames for r in requests)
@@ -138,14 +141,14 @@ class Generator:
         trailing_ids = np.full((len(prompts), trailing_len), cfg.text.tts_pad, np.int32)
         for i, p in enumerate(prompts):
             trailing_ids[i, : len(p.trailing)] = p.trailing
-        state, cache, trailing = self._prefill(self.params, *batch, trailing_ids, capacity=capacity)
+        state, cache, trailing = self._prefill(params, *batch, trailing_ids, capacity=capacity)
         settings = jax.tree.map(
             lambda *xs: jnp.stack(xs),
             *[row_settings(r, len(p), t) for r, p, t in zip(requests, prompts, trailing)],
         )
         frames = []
         for k in range(horizon):
-            state, cache, frame = self._step(self.params, state, cache, settings, jnp.int32(k), jnp.int32(length + k))
+            state, cache, frame = self._step(params, state, cache, settings, jnp.int32(k), jnp.int32(length + k))
             frames.append(frame)
             if bool(state.done.all()):
                 break

@@ -9,18 +9,20 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from qtts_jax import presets, xla_flags
+from qtts_jax import nn, presets, xla_flags
 from qtts_jax.clone import VoiceEncoders
 from qtts_jax.codec import decoder as codec_decoder
+from qtts_jax.codec.decoder import CodecDecoder
 from qtts_jax.codec.config import SAMPLE_RATE, CodecConfig
-from qtts_jax.codec.weights import load_codec_params, random_codec_params
+from qtts_jax.codec.weights import load_codec_decoder, random_codec_decoder
 from qtts_jax.config import ModelConfig, SamplingDefaults, load_config
 from qtts_jax.generate import Generator
 from qtts_jax.prompt import build_prompt
 from qtts_jax.reference_audio import AudioLimits, ReferenceAudio, load_reference_audio, prepare_reference
 from qtts_jax.request import Request, RequestError, VoicePrompt
 from qtts_jax.text import TextTokenizer
-from qtts_jax.weights import load_params, random_params
+from qtts_jax.talker import Talker
+from qtts_jax.weights import load_talker, random_talker
 
 log = logging.getLogger(__name__)
 
@@ -36,20 +38,28 @@ class Result:
 
 
 class Model:
-    """A loaded checkpoint (or preset): config, talker/predictor params, codec params, text tokenizer."""
+    """A loaded checkpoint (or preset): config, the talker (an `nnx.Module` with the code predictor inside), the
+    speech tokenizer's decoder (`codec`, an `nnx.Module`), text tokenizer, and for Base models the voice encoders.
 
-    def __init__(self, name, cfg, defaults, params, codec_cfg, codec_params, tokenizer, is_noise=False,
-                 voice_encoders: VoiceEncoders | None = None):
+    The modules are split once, here: `graph` (the talker's static graph definition) and `params` (its state as a
+    plain nested dict of arrays) are what every jitted program takes, and `codec_params` the decoder's state;
+    `nn.merge(model.graph, model.params)` is the talker again (inside a traced function, at trace time only)."""
+
+    def __init__(self, name, cfg, defaults, talker: Talker, codec_cfg, codec: CodecDecoder, tokenizer,
+                 is_noise=False, voice_encoders: VoiceEncoders | None = None):
         self.name = name
         self.cfg: ModelConfig = cfg
         self.defaults: SamplingDefaults = defaults
-        self.params = params
+        self.talker = talker
+        self.graph, self.params = nn.split(talker)
+        self.dtype = talker.codec_embedding.dtype
         self.codec_cfg: CodecConfig = codec_cfg
-        self.codec_params = codec_params
+        self.codec = codec
+        self.codec_params = nn.split(codec)[1]
         self.tokenizer: TextTokenizer = tokenizer
         self.is_noise = is_noise
         self.voice_encoders = voice_encoders  # Base models only
-        self._generator = Generator(params, cfg)
+        self._generator = Generator(self.graph, cfg)
 
     def generate(self, requests: Request | list[Request]) -> list[Result]:
         """Synthesize one request or a padded batch; each result is what the request alone would give.
@@ -63,7 +73,7 @@ class Model:
             r if asked.max_frames is not None else dataclasses.replace(r, max_frames=min(r.max_frames, p.frame_cap()))
             for asked, r, p in zip(batch, resolved, prompts)
         ]
-        codes = self._generator.run(prompts, resolved)
+        codes = self._generator.run(self.params, prompts, resolved)
         return [self._result(r, c) for r, c in zip(resolved, codes)]
 
     def clone_voice(self, audio, ref_text: str | None = None, xvector_only: bool = False,
@@ -135,9 +145,9 @@ def load_model(path_or_preset: str | Path, dtype=jnp.float32, seed: int = 0) -> 
         name=directory.name,
         cfg=cfg,
         defaults=defaults,
-        params=load_params(directory, cfg, dtype),
+        talker=load_talker(directory, cfg, dtype),
         codec_cfg=codec_cfg,
-        codec_params=load_codec_params(codec_dir, codec_cfg),
+        codec=load_codec_decoder(codec_dir, codec_cfg),
         tokenizer=TextTokenizer.from_directory(directory),
         is_noise=False,
         voice_encoders=VoiceEncoders.load(directory, codec_cfg) if cfg.model_type == "base" else None,
@@ -157,9 +167,9 @@ def _preset(name: str, dtype, seed: int) -> Model:
         name=name,
         cfg=cfg,
         defaults=SamplingDefaults(),
-        params=random_params(cfg, seed, dtype),
+        talker=random_talker(cfg, seed, dtype),
         codec_cfg=codec_cfg,
-        codec_params=random_codec_params(codec_cfg, seed),
+        codec=random_codec_decoder(codec_cfg, seed),
         tokenizer=tokenizer,
         is_noise=True,
         voice_encoders=VoiceEncoders.random(cfg.talker.hidden_size, codec_cfg, seed, speaker_cfg)

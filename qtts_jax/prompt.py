@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qtts_jax import talker
+from qtts_jax.talker import Talker
 from qtts_jax.config import ModelConfig
 from qtts_jax.request import Request
 from qtts_jax.text import TextTokenizer
@@ -148,11 +148,11 @@ def text_entry_frames(prompt: Prompt, n_text: int) -> np.ndarray:
     return np.maximum(0, np.arange(n_text) + len(prompt.trailing) - n_text)
 
 
-def embed_prompt(params: dict, text, codec, frames, speaker_row, speaker) -> jax.Array:
+def embed_prompt(talker: Talker, text, codec, frames, speaker_row, speaker) -> jax.Array:
     """x [T, H] for one (padded) prompt: sum of the parts present at each position; pads give zeros."""
-    x = jnp.where((text >= 0)[:, None], talker.embed_text(params, jnp.maximum(text, 0)), 0)
-    x = x + jnp.where((codec >= 0)[:, None], params["codec_embedding"][jnp.maximum(codec, 0)], 0)
+    x = jnp.where((text >= 0)[:, None], talker.embed_text(jnp.maximum(text, 0)), 0)
+    x = x + jnp.where((codec >= 0)[:, None], talker.codec_embedding[...][jnp.maximum(codec, 0)], 0)
     has_frame = frames[:, 0] >= 0
-    x = x + jnp.where(has_frame[:, None], talker.embed_codes(params, jnp.maximum(frames, 0)), 0)
+    x = x + jnp.where(has_frame[:, None], talker.embed_codes(jnp.maximum(frames, 0)), 0)
     at_speaker = (jnp.arange(text.shape[0]) == speaker_row)[:, None]
     return jnp.where(at_speaker, x + speaker.astype(x.dtype), x)

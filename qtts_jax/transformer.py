@@ -1,9 +1,10 @@
 """The Qwen3 decoder stack shared by the talker and the code predictor, for ONE sequence.
 
 Both are the same block (RMSNorm → GQA attention with per-head q/k RMSNorm and RoPE → RMSNorm →
-SwiGLU), so one function serves both. It works on a single sequence with its own KV cache; batching
-is `jax.vmap` over it, which lets every sequence keep its own position and cache (the engine relies
-on this). Layers are stacked on a leading axis and run in one `lax.scan`.
+SwiGLU), so one module serves both: `DecoderStack`, whose `DecoderLayer` is created once under `nnx.vmap`
+so that every weight is stacked on a leading layer axis, and run in one `lax.scan`. `forward` works on a
+single sequence with its own KV cache; batching is `jax.vmap` over it, which lets every sequence keep its
+own position and cache (the engine relies on this).
 
 The talker's config declares interleaved multimodal RoPE, but its three position streams are always
 equal for speech, which makes it exactly ordinary 1-D RoPE (rotate-half layout).
@@ -15,8 +16,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from qtts_jax.config import DecoderConfig
+from qtts_jax import nn
+from qtts_jax.nn import dense, ones
 
 
 class KVCache(NamedTuple):
@@ -92,101 +96,119 @@ def rows_layout(cache: KVCache) -> KVCache:
     return KVCache(*(jnp.transpose(a, (1, 0, 3, 2, 4)) for a in cache))
 
 
-def forward(
-    params: dict,
-    cfg: DecoderConfig,
-    x: jax.Array,
-    positions: jax.Array,
-    cache: KVCache,
-    start: jax.Array,
-    key_valid: jax.Array,
-) -> tuple[jax.Array, KVCache]:
-    """Run T new tokens of one sequence through the stack.
+class DecoderLayer(nnx.Module):
+    """One block's weights, matrices as (in, out) for `x @ w`, and its arithmetic around the attention."""
 
-    x [T, hidden]; positions [T] RoPE positions; the new keys/values are written to cache rows
-    [start, start+T); token t attends cache row j iff key_valid[j] and j <= start+t.
-    Returns the final-normed hidden states [T, hidden] and the updated cache.
-    """
-    t = x.shape[0]
-    capacity = cache.k.shape[1]
-    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
-    rows = start + jnp.arange(t)
-    mask = key_valid[None, :] & (jnp.arange(capacity)[None, :] <= rows[:, None])
-    scale = cfg.head_dim**-0.5
+    def __init__(self, cfg: DecoderConfig, *, dtype, rngs: nnx.Rngs):
+        h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        self.wq = dense(rngs, (h, cfg.num_heads * d), dtype)
+        self.wk = dense(rngs, (h, cfg.num_kv_heads * d), dtype)
+        self.wv = dense(rngs, (h, cfg.num_kv_heads * d), dtype)
+        self.wo = dense(rngs, (cfg.num_heads * d, h), dtype)
+        self.q_norm, self.k_norm = ones((d,), dtype), ones((d,), dtype)
+        self.ln1, self.ln2 = ones((h,), dtype), ones((h,), dtype)
+        self.gate, self.up = dense(rngs, (h, f), dtype), dense(rngs, (h, f), dtype)
+        self.down = dense(rngs, (f, h), dtype)
 
-    def attend(q, k, v, cache, i):
-        # The whole cache rides in the carry and is updated in place at (layer i, row start), so a
-        # step never copies it (threading per-layer slices through xs/ys would).
-        at = (i, start, 0, 0)
-        cache = KVCache(
-            jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), at),
-            jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), at),
-        )
-        return _attention(q, cache.k[i], cache.v[i], mask, scale), cache
-
-    return _layers(params, cfg, x, cos, sin, cache, attend)
-
-
-def _layers(params: dict, cfg: DecoderConfig, x, cos, sin, cache: KVCache, attend) -> tuple[jax.Array, KVCache]:
-    """The layer stack in one scan: norms, projections, RoPE and the MLP around `attend(q, k, v, cache, i)`,
-    which writes layer i's new keys/values and returns the attention output [N, heads*D] (one sequence's
-    own cache, or rows of a shared one) and the cache."""
-    n = x.shape[0]
-    eps = cfg.rms_norm_eps
-
-    def layer(carry, xs):
-        h, cache = carry
-        p, i = xs
-        a = rms_norm(h, p["ln1"], eps)
-        q = (a @ p["wq"]).reshape(n, cfg.num_heads, cfg.head_dim)
-        k = (a @ p["wk"]).reshape(n, cfg.num_kv_heads, cfg.head_dim)
-        v = (a @ p["wv"]).reshape(n, cfg.num_kv_heads, cfg.head_dim)
-        q = apply_rope(rms_norm(q, p["q_norm"], eps), cos, sin)
-        k = apply_rope(rms_norm(k, p["k_norm"], eps), cos, sin)
+    def __call__(self, cfg: DecoderConfig, h, cos, sin, cache, i, attend):
+        """Norms, projections, RoPE and the MLP around `attend(q, k, v, cache, i)` (see `DecoderStack.layers_scan`)."""
+        n, eps = h.shape[0], cfg.rms_norm_eps
+        a = rms_norm(h, self.ln1[...], eps)
+        q = (a @ self.wq[...]).reshape(n, cfg.num_heads, cfg.head_dim)
+        k = (a @ self.wk[...]).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        v = (a @ self.wv[...]).reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        q = apply_rope(rms_norm(q, self.q_norm[...], eps), cos, sin)
+        k = apply_rope(rms_norm(k, self.k_norm[...], eps), cos, sin)
         out, cache = attend(q, k, v, cache, i)
-        h = h + out @ p["wo"]
-        m = rms_norm(h, p["ln2"], eps)
-        h = h + (jax.nn.silu(m @ p["gate"]) * (m @ p["up"])) @ p["down"]
-        return (h, cache), None
-
-    (h, cache), _ = jax.lax.scan(layer, (x, cache), (params["layers"], jnp.arange(cfg.num_layers)))
-    return rms_norm(h, params["norm"], eps), cache
+        h = h + out @ self.wo[...]
+        m = rms_norm(h, self.ln2[...], eps)
+        h = h + (jax.nn.silu(m @ self.gate[...]) * (m @ self.up[...])) @ self.down[...]
+        return h, cache
 
 
-def forward_rows(
-    params: dict,
-    cfg: DecoderConfig,
-    x: jax.Array,
-    positions: jax.Array,
-    cache: KVCache,
-    slots: jax.Array,
-    rows: jax.Array,
-    key_valid: jax.Array,
-    attention=gather_rows_attention,
-) -> tuple[jax.Array, KVCache]:
-    """One new token for each of B sequences that live in a shared, slot-major cache.
+class DecoderStack(nnx.Module):
+    """`cfg.num_layers` decoder layers, every weight stacked on a leading layer axis, and the final RMSNorm."""
 
-    x [B, hidden]; positions [B] RoPE positions; cache k/v [layers, slots, kv_heads, capacity, head_dim];
-    sequence b is slot `slots[b]` and writes its key/value at row `rows[b]`; key_valid [B, capacity].
-    A slot index past the cache's end marks a padding row: its writes are dropped. `attention` reads each row's
-    keys and values (`gather_rows_attention`, or the kernel `kernels.attention.rows_attention` of the same
-    signature).
+    def __init__(self, cfg: DecoderConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.layers = nn.stacked(cfg.num_layers, lambda rngs: DecoderLayer(cfg, dtype=dtype, rngs=rngs), rngs)
+        self.norm = ones((cfg.hidden_size,), dtype)
 
-    Each row's arithmetic is `forward`'s for T = 1 (the same projections, norms and softmax, per row), so
-    rows stay independent. Written batched rather than `vmap`-ed so that the cache is touched only where it
-    is read (the rows' keys/values) and written (one row per sequence and layer): the whole cache stays in
-    its one layout in the loop carry, with no per-call copy or transpose of it.
-    """
-    capacity = cache.k.shape[3]
-    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, x.dtype)  # [B, D]: row b's own position
-    mask = key_valid & (jnp.arange(capacity)[None, :] <= rows[:, None])  # [B, S]
-    scale = cfg.head_dim**-0.5
+    def forward(
+        self, x: jax.Array, positions: jax.Array, cache: KVCache, start: jax.Array, key_valid: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
+        """Run T new tokens of one sequence through the stack.
 
-    def attend(q, k, v, cache, i):
-        cache = KVCache(
-            cache.k.at[i, slots, :, rows].set(k.astype(cache.k.dtype), mode="drop"),
-            cache.v.at[i, slots, :, rows].set(v.astype(cache.v.dtype), mode="drop"),
-        )
-        return attention(q, cache.k, cache.v, i, slots, rows + 1, mask, scale=scale), cache
+        x [T, hidden]; positions [T] RoPE positions; the new keys/values are written to cache rows
+        [start, start+T); token t attends cache row j iff key_valid[j] and j <= start+t.
+        Returns the final-normed hidden states [T, hidden] and the updated cache.
+        """
+        cfg = self.cfg
+        t = x.shape[0]
+        capacity = cache.k.shape[1]
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        rows = start + jnp.arange(t)
+        mask = key_valid[None, :] & (jnp.arange(capacity)[None, :] <= rows[:, None])
+        scale = cfg.head_dim**-0.5
 
-    return _layers(params, cfg, x, cos, sin, cache, attend)
+        def attend(q, k, v, cache, i):
+            # The whole cache rides in the carry and is updated in place at (layer i, row start), so a
+            # step never copies it (threading per-layer slices through xs/ys would).
+            at = (i, start, 0, 0)
+            cache = KVCache(
+                jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), at),
+                jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), at),
+            )
+            return _attention(q, cache.k[i], cache.v[i], mask, scale), cache
+
+        return self.layers_scan(x, cos, sin, cache, attend)
+
+    def layers_scan(self, x, cos, sin, cache: KVCache, attend) -> tuple[jax.Array, KVCache]:
+        """The layer stack in one scan (`nn.scan`); `attend(q, k, v, cache, i)` writes layer i's new keys/values
+        and returns the attention output [N, heads*D] (one sequence's own cache, or rows of a shared one) and the
+        cache."""
+
+        def layer(layer, carry, i):
+            h, cache = carry
+            return layer(self.cfg, h, cos, sin, cache, i, attend), None
+
+        (h, cache), _ = nn.scan(self.layers, layer, (x, cache), jnp.arange(self.cfg.num_layers))
+        return rms_norm(h, self.norm[...], self.cfg.rms_norm_eps), cache
+
+    def forward_rows(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        slots: jax.Array,
+        rows: jax.Array,
+        key_valid: jax.Array,
+        attention=gather_rows_attention,
+    ) -> tuple[jax.Array, KVCache]:
+        """One new token for each of B sequences that live in a shared, slot-major cache.
+
+        x [B, hidden]; positions [B] RoPE positions; cache k/v [layers, slots, kv_heads, capacity, head_dim];
+        sequence b is slot `slots[b]` and writes its key/value at row `rows[b]`; key_valid [B, capacity].
+        A slot index past the cache's end marks a padding row: its writes are dropped. `attention` reads each row's
+        keys and values (`gather_rows_attention`, or the kernel `kernels.attention.rows_attention` of the same
+        signature).
+
+        Each row's arithmetic is `forward`'s for T = 1 (the same projections, norms and softmax, per row), so
+        rows stay independent. Written batched rather than `vmap`-ed so that the cache is touched only where it
+        is read (the rows' keys/values) and written (one row per sequence and layer): the whole cache stays in
+        its one layout in the loop carry, with no per-call copy or transpose of it.
+        """
+        cfg = self.cfg
+        capacity = cache.k.shape[3]
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, x.dtype)  # [B, D]: row b's own position
+        mask = key_valid & (jnp.arange(capacity)[None, :] <= rows[:, None])  # [B, S]
+        scale = cfg.head_dim**-0.5
+
+        def attend(q, k, v, cache, i):
+            cache = KVCache(
+                cache.k.at[i, slots, :, rows].set(k.astype(cache.k.dtype), mode="drop"),
+                cache.v.at[i, slots, :, rows].set(v.astype(cache.v.dtype), mode="drop"),
+            )
+            return attention(q, cache.k, cache.v, i, slots, rows + 1, mask, scale=scale), cache
+
+        return self.layers_scan(x, cos, sin, cache, attend)

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from qtts_jax.checkpoint import CheckpointError, read_safetensors
+from qtts_jax import nn
+from qtts_jax.checkpoint import CheckpointError, hf_shapes, read_safetensors
 from qtts_jax.codec.config import CodecConfig, tiny_config_dict
 from qtts_jax.codec.decoder import chunked_decode, decode
-from qtts_jax.codec.weights import load_codec_params
+from qtts_jax.codec.weights import codec_decoder_table, load_codec_decoder
 
 TOL = 1e-5
 SPF = 1920  # samples per frame at the real rates the tiny config keeps
@@ -47,8 +48,13 @@ def cfg(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def params(checkpoint, cfg):
-    return load_codec_params(checkpoint, cfg)
+def decoder(checkpoint, cfg):
+    return load_codec_decoder(checkpoint, cfg)
+
+
+@pytest.fixture(scope="module")
+def params(decoder):
+    return nn.split(decoder)[1]
 
 
 def reference_full(reference, codes: np.ndarray) -> np.ndarray:
@@ -58,7 +64,7 @@ def reference_full(reference, codes: np.ndarray) -> np.ndarray:
         return reference.decoder(torch.from_numpy(codes).transpose(1, 2)).squeeze(1).numpy()
 
 
-def test_loader_matches_reference_modules(reference, checkpoint, cfg, params):
+def test_loader_matches_reference_modules(reference, checkpoint, cfg, decoder):
     """Our leaves equal the reference modules' own tensors, in our layouts."""
     import torch
 
@@ -73,24 +79,39 @@ def test_loader_matches_reference_modules(reference, checkpoint, cfg, params):
     rest = ref.quantizer.rvq_rest.vq.layers
     with torch.no_grad():
         table4 = np_(rest[3]._codebook.decode(torch.arange(d.codebook_size)))  # codebook 4 = rest layer 3
-    np.testing.assert_allclose(params["quantizer"]["codebooks"][4], table4, rtol=1e-6)
-    assert params["quantizer"]["codebooks"].shape == (16, 2048, d.rvq_dim)
-    np.testing.assert_array_equal(params["quantizer"]["first_proj"], np_(ref.quantizer.rvq_first.output_proj.weight)[:, :, 0].T)
+    np.testing.assert_allclose(decoder.quantizer.codebooks[4], table4, rtol=1e-6)
+    assert decoder.quantizer.codebooks.shape == (16, 2048, d.rvq_dim)
+    np.testing.assert_array_equal(decoder.quantizer.first_proj, np_(ref.quantizer.rvq_first.output_proj.weight)[:, :, 0].T)
 
     layer1 = ref.pre_transformer.layers[1]
-    np.testing.assert_array_equal(params["transformer"]["layers"]["q"][1], np_(layer1.self_attn.q_proj.weight).T)
-    np.testing.assert_array_equal(params["transformer"]["layers"]["mlp_scale"][1], np_(layer1.mlp_layer_scale.scale))
+    np.testing.assert_array_equal(decoder.transformer.layers.q[1], np_(layer1.self_attn.q_proj.weight).T)
+    np.testing.assert_array_equal(decoder.transformer.layers.mlp_scale[1], np_(layer1.mlp_layer_scale.scale))
 
-    up = params["upsample"][1]
-    np.testing.assert_array_equal(up["conv"]["w"], np_(ref.upsample[1][0].conv.weight).transpose(2, 0, 1))
-    np.testing.assert_array_equal(up["convnext"]["dwconv"]["w"], np_(ref.upsample[1][1].dwconv.conv.weight).transpose(2, 1, 0))
+    up = decoder.upsample[1]
+    np.testing.assert_array_equal(up.conv.w, np_(ref.upsample[1][0].conv.weight).transpose(2, 0, 1))
+    np.testing.assert_array_equal(up.convnext.dwconv.w, np_(ref.upsample[1][1].dwconv.conv.weight).transpose(2, 1, 0))
 
-    block = params["vocoder"]["blocks"][2]
+    block = decoder.vocoder.blocks[2]
     ref_block = ref.decoder[3].block
-    np.testing.assert_array_equal(block["snake"]["alpha"], np_(ref_block[0].alpha))
-    np.testing.assert_array_equal(block["conv"]["w"], np_(ref_block[1].conv.weight).transpose(2, 0, 1))
-    np.testing.assert_array_equal(block["units"][1]["conv1"]["w"], np_(ref_block[3].conv1.conv.weight).transpose(2, 1, 0))
-    assert len(params["vocoder"]["blocks"]) == 4 and all(len(b["units"]) == 3 for b in params["vocoder"]["blocks"])
+    np.testing.assert_array_equal(block.snake.alpha, np_(ref_block[0].alpha))
+    np.testing.assert_array_equal(block.conv.w, np_(ref_block[1].conv.weight).transpose(2, 0, 1))
+    np.testing.assert_array_equal(block.units[1].conv1.w, np_(ref_block[3].conv1.conv.weight).transpose(2, 1, 0))
+    assert len(decoder.vocoder.blocks) == 4 and all(len(b.units) == 3 for b in decoder.vocoder.blocks)
+
+
+def test_decoder_state_is_exactly_the_checkpoint(checkpoint, cfg, decoder):
+    """Every parameter of the module is filled, through the name table or (the codebooks) from the raw sums and
+    usages, at its shape, and every decoder tensor of the checkpoint fills one, but for the RVQs' input
+    projections: only encoding through the decoder's quantizer would read them."""
+    entries, shapes = codec_decoder_table(cfg)
+    state = nn.state_shapes(decoder)
+    raw = {path for path in shapes if path.startswith("raw/")}
+    assert set(state) == set(shapes) - raw | {"quantizer/codebooks", "quantizer/first_proj", "quantizer/rest_proj"}
+    assert all(state[path] == shapes[path] for path in set(shapes) - raw)
+    tensors = read_safetensors(checkpoint)
+    unused = {f"decoder.quantizer.{rvq}.input_proj.weight" for rvq in ("rvq_first", "rvq_rest")}
+    assert hf_shapes(entries, shapes) == {k: v.shape for k, v in tensors.items()
+                                          if k.startswith("decoder.") and k not in unused}
 
 
 def test_full_decode_matches_reference(reference, cfg, params):
@@ -144,7 +165,7 @@ def write_variant(tmp_path, checkpoint, tensors):
 def test_missing_tensor_is_named(tmp_path, checkpoint, cfg, tensors, name):
     del tensors[name]
     with pytest.raises(CheckpointError, match=f"'{name}' is missing"):
-        load_codec_params(write_variant(tmp_path, checkpoint, tensors), cfg)
+        load_codec_decoder(write_variant(tmp_path, checkpoint, tensors), cfg)
 
 
 def test_misshaped_tensor_names_both_shapes(tmp_path, checkpoint, cfg, tensors):
@@ -152,7 +173,7 @@ def test_misshaped_tensor_names_both_shapes(tmp_path, checkpoint, cfg, tensors):
     assert tensors[name].shape == (32, 16, 10)
     tensors[name] = tensors[name][:, :, :9]
     with pytest.raises(CheckpointError, match=rf"'{name}' has shape \(32, 16, 9\), expected \(32, 16, 10\)"):
-        load_codec_params(write_variant(tmp_path, checkpoint, tensors), cfg)
+        load_codec_decoder(write_variant(tmp_path, checkpoint, tensors), cfg)
 
 
 def test_missing_config_names_the_file(tmp_path):

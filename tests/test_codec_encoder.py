@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 
 import numpy as np
 import pytest
 import safetensors.numpy
 
-from qtts_jax.checkpoint import CheckpointError, read_safetensors
+from qtts_jax import nn
+from qtts_jax.checkpoint import CheckpointError, hf_shapes, read_safetensors
 from qtts_jax.codec.config import (
     CodecConfig,
     CodecEncoderConfig,
@@ -26,7 +28,8 @@ from qtts_jax.codec.config import (
     tiny_config_dict,
 )
 from qtts_jax.codec.encoder import encode, encode_latents
-from qtts_jax.codec.encoder_weights import load_encoder_params, random_encoder_params
+from qtts_jax.codec.encoder import graph as encoder_graph
+from qtts_jax.codec.encoder_weights import codec_encoder_table, load_codec_encoder, random_codec_encoder
 
 TOL = 1e-5
 # Relative to |residual|^2 + |codeword|^2, the size of the terms the reference's cdist rounds. Our latent
@@ -68,7 +71,7 @@ def cfg(checkpoint):
 
 @pytest.fixture(scope="module")
 def params(checkpoint, cfg):
-    return load_encoder_params(checkpoint, cfg)
+    return nn.split(load_codec_encoder(checkpoint, cfg))[1]
 
 
 def run_reference(model, checkpoint, wav: np.ndarray) -> tuple[np.ndarray, dict]:
@@ -136,7 +139,7 @@ def test_config_and_loader_match_reference(reference, cfg, params):
         return np_(module.conv.weight).transpose(2, 1, 0)
 
     seanet, layers = params["seanet"], mimi.encoder.layers
-    assert len(seanet["stages"]) == 4 and all(len(s["blocks"]) == 2 for s in seanet["stages"])
+    assert len(seanet["stages"]) == 4 and all(len(s["blocks"]) == 2 for s in seanet["stages"].values())
     # layers: 0 conv, then per stage [block, block, ELU, conv]; stage 1's second block (dilation 2) is 6.
     np.testing.assert_array_equal(seanet["stages"][1]["blocks"][1]["conv1"]["w"], conv_w(layers[6].block[1]))
     np.testing.assert_array_equal(seanet["stages"][1]["down"]["w"], conv_w(layers[8]))
@@ -152,6 +155,25 @@ def test_config_and_loader_match_reference(reference, cfg, params):
     with torch.no_grad():
         table = np_(acoustic.layers[4].codebook.decode(torch.arange(e.codebook_size)))  # codebook 5 = acoustic 4
     np.testing.assert_allclose(quantizer["codebooks"][5], table, rtol=1e-6)
+
+
+def test_encoder_state_is_exactly_the_checkpoint(checkpoint, cfg, params):
+    """Every parameter of the module is filled, through the name table or (the codebooks) from the raw sums and
+    usages, at its shape; every encoder tensor of the checkpoint fills one, but for the codebooks past the 16
+    the tokenizer keeps, the codebooks' `initialized` flags (Mimi's training state, no weights) and the RVQs'
+    output projections (only decoding through the encoder's quantizer would read them)."""
+    entries, shapes = codec_encoder_table(cfg)
+    state = nn.state_shapes(nn.merge(encoder_graph(cfg), params))
+    raw = {path for path in shapes if path.startswith("raw/")}
+    assert set(state) == set(shapes) - raw | {"quantizer/codebooks", "quantizer/semantic_proj", "quantizer/acoustic_proj"}
+    assert all(state[path] == shapes[path] for path in set(shapes) - raw)
+    kept = cfg.encoder_valid_num_quantizers - cfg.encoder.num_semantic_quantizers
+    tensors = {k: v.shape for k, v in read_safetensors(checkpoint).items() if k.startswith("encoder.")}
+    past = {k for k in tensors if (m := re.search(r"acoustic_residual_vector_quantizer\.layers\.(\d+)\.", k))
+            and int(m[1]) >= kept}
+    flags = {k for k in tensors if k.endswith(".codebook.initialized")}
+    output = {f"encoder.quantizer.{rvq}_residual_vector_quantizer.output_proj.weight" for rvq in ("semantic", "acoustic")}
+    assert past and hf_shapes(entries, shapes) == {k: v for k, v in tensors.items() if k not in past | flags | output}
 
 
 @pytest.mark.parametrize("n", LENGTHS)
@@ -233,13 +255,13 @@ def write_variant(tmp_path, checkpoint, tensors):
 def test_missing_tensor_is_named(tmp_path, checkpoint, cfg, tensors, name):
     del tensors[name]
     with pytest.raises(CheckpointError, match=f"'{name}' is missing"):
-        load_encoder_params(write_variant(tmp_path, checkpoint, tensors), cfg)
+        load_codec_encoder(write_variant(tmp_path, checkpoint, tensors), cfg)
 
 
 def test_codebooks_past_the_kept_16_are_not_read(tmp_path, checkpoint, cfg, tensors):
     for name in [k for k in tensors if ".acoustic_residual_vector_quantizer.layers.15." in k]:
         del tensors[name]
-    load_encoder_params(write_variant(tmp_path, checkpoint, tensors), cfg)
+    load_codec_encoder(write_variant(tmp_path, checkpoint, tensors), cfg)
 
 
 def test_misshaped_tensor_names_both_shapes(tmp_path, checkpoint, cfg, tensors):
@@ -247,7 +269,7 @@ def test_misshaped_tensor_names_both_shapes(tmp_path, checkpoint, cfg, tensors):
     assert tensors[name].shape == (16, 16, 4)
     tensors[name] = tensors[name][:, :, :3]
     with pytest.raises(CheckpointError, match=rf"'{name}' has shape \(16, 16, 3\), expected \(16, 16, 4\)"):
-        load_encoder_params(write_variant(tmp_path, checkpoint, tensors), cfg)
+        load_codec_encoder(write_variant(tmp_path, checkpoint, tensors), cfg)
 
 
 def test_encoder_config_defaults_are_mimis():
@@ -278,6 +300,6 @@ def test_codec_config_encoder_fields(checkpoint):
 def test_random_params_at_released_shape():
     """Benchmarks' real-shape weights run: 0.2 s gives 3 frames of 16 codes in range."""
     cfg = CodecConfig.from_dict(released_config_dict())
-    codes = encode(random_encoder_params(cfg, seed=0), cfg, clip(4_800), bucket_frames=None)
+    codes = encode(nn.split(random_codec_encoder(cfg, seed=0))[1], cfg, clip(4_800), bucket_frames=None)
     assert codes.shape == (3, 16) and codes.dtype == np.int32
     assert codes.min() >= 0 and codes.max() < 2048

@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from qtts_jax import nn
 from qtts_jax.codec.config import CodecConfig, tiny_config_dict
 from qtts_jax.codec.decoder import decode
 from qtts_jax.codec.streaming import decode_step, init_state
-from qtts_jax.codec.weights import load_codec_params, random_codec_params
+from qtts_jax.codec.weights import load_codec_decoder, random_codec_decoder
 
 TOL = 1e-5
 SPF = 1920
@@ -36,7 +37,7 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def params(cfg):
-    return random_codec_params(cfg, seed=0)
+    return nn.split(random_codec_decoder(cfg, seed=0))[1]
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +147,7 @@ def test_streaming_matches_reference_full_decode(reference_codec, codec_checkpoi
 
     reference, checkpoint = reference_codec, codec_checkpoint
     cfg = CodecConfig.from_file(checkpoint)
-    params = load_codec_params(checkpoint, cfg)
+    params = nn.split(load_codec_decoder(checkpoint, cfg))[1]
     with torch.no_grad():
         ref = reference.decoder(torch.from_numpy(codes.astype(np.int64)).transpose(1, 2)).squeeze(1).numpy()
     assert rel_err(stream(params, cfg, codes, 7), ref) <= TOL

@@ -8,6 +8,7 @@ import json
 import jax
 import numpy as np
 
+from qtts_jax import nn
 from qtts_jax.checkpoint import read_safetensors
 from qtts_jax.finetune.export import SPEAKER_ROW, export
 from qtts_jax.model import load_model
@@ -17,12 +18,12 @@ FRAMES = 6
 TEXT = "hello there"
 
 
-def perturbed(params, seed=0):
-    """Stand-in for trained weights: every leaf moved, so the test sees which ones the export wrote."""
-    leaves, treedef = jax.tree.flatten(params)
+def perturbed(model, seed=0):
+    """Stand-in for a trained talker: every weight moved, so the test sees which ones the export wrote."""
+    leaves, treedef = jax.tree.flatten(model.params)
     rng = np.random.default_rng(seed)
     moved = [np.asarray(a) + 0.01 * rng.standard_normal(a.shape).astype(np.float32) for a in leaves]
-    return jax.tree.unflatten(treedef, moved)
+    return nn.merge(model.graph, jax.tree.unflatten(treedef, moved))
 
 
 def test_export_from_a_base_checkpoint_serves_the_speaker_as_the_reference_does(reference_checkpoint,
@@ -33,9 +34,9 @@ def test_export_from_a_base_checkpoint_serves_the_speaker_as_the_reference_does(
 
     _, source = reference_checkpoint("base")
     base = checkpoint_model("base")
-    params = perturbed(base.params)
+    talker = perturbed(base)
     xvector = np.random.default_rng(1).standard_normal(base.cfg.talker.hidden_size).astype(np.float32)
-    out = export(params, source, "Nova", xvector, tmp_path / "model")
+    out = export(talker, source, "Nova", xvector, tmp_path / "model")
 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no temporary left
     config = json.loads((out / "config.json").read_text())
@@ -47,9 +48,11 @@ def test_export_from_a_base_checkpoint_serves_the_speaker_as_the_reference_does(
     np.testing.assert_array_equal(tensors["talker.model.codec_embedding.weight"][SPEAKER_ROW], xvector)
 
     ours = load_model(out)
-    expected = jax.tree.map(np.asarray, params)
+    expected = jax.tree.map(np.array, nn.flat_params(talker))
     expected["codec_embedding"][SPEAKER_ROW] = xvector
-    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, ours.params), expected)
+    loaded = nn.flat_params(ours.talker)
+    assert loaded.keys() == expected.keys()  # every state path round-trips through the name table
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, loaded), expected)
     req = Request(text=TEXT, speaker="Nova", greedy=True, subtalker_greedy=True, max_frames=FRAMES)
     (got,) = ours.generate(req)
 
@@ -64,10 +67,10 @@ def test_export_from_a_base_checkpoint_serves_the_speaker_as_the_reference_does(
 def test_export_from_a_preset_loads_back_with_the_same_codec(tiny_base_model, tmp_path):
     m = tiny_base_model
     xvector = np.ones(m.cfg.talker.hidden_size, np.float32)
-    out = export(m.params, "tiny-random-base", "nova", xvector, tmp_path / "model", (m.codec_params, m.codec_cfg))
-    again = export(m.params, "tiny-random-base", "nova", xvector, tmp_path / "model", (m.codec_params, m.codec_cfg))
+    out = export(m.talker, "tiny-random-base", "nova", xvector, tmp_path / "model", (m.codec, m.codec_cfg))
+    again = export(m.talker, "tiny-random-base", "nova", xvector, tmp_path / "model", (m.codec, m.codec_cfg))
     assert again == out and sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # replaced in place
     loaded = load_model(out)
     assert loaded.cfg.model_type == "custom_voice" and set(loaded.cfg.speakers) == {"nova"}
     jax.tree.map(np.testing.assert_array_equal, loaded.codec_params, m.codec_params)
-    np.testing.assert_array_equal(loaded.params["talker"]["layers"]["wq"], m.params["talker"]["layers"]["wq"])
+    np.testing.assert_array_equal(loaded.params["stack"]["layers"]["wq"], m.params["stack"]["layers"]["wq"])

@@ -13,11 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from flax.traverse_util import flatten_dict
 
+from qtts_jax import nn
 from qtts_jax.checkpoint import load_table
 from qtts_jax.finetune import forward, layout
 from qtts_jax.finetune.data import Example
-from qtts_jax.weights import NAME_TABLE, param_shapes
+from qtts_jax.weights import NAME_TABLE
 
 TEXTS = ("hello there", "a longer sentence, with a comma")
 FRAMES = (5, 9)
@@ -98,41 +101,43 @@ def setup(reference_checkpoint, checkpoint_model):
     h = model.cfg.talker.hidden_size
     examples = [Example(t, rng.integers(0, 2048, (n, 16)).astype(np.int32), rng.standard_normal(h).astype(np.float32))
                 for t, n in zip(TEXTS, FRAMES)]
-    return ref, model, examples
+    graph, params = nnx.split(model.talker, nnx.Param)
+    return ref, model, examples, graph, nnx.to_pure_dict(params)
 
 
 def test_loss_and_gradients_equal_the_corrected_reference(setup):
-    ref, model, examples = setup
+    ref, model, examples, graph, params = setup
     ref.zero_grad()
     loss, talker, predictor = reference_loss(ref, model.cfg, model.tokenizer, examples)
     loss.backward()
     batch = layout.collate(model.cfg, model.tokenizer, examples)
-    loss_and_grad = jax.jit(jax.value_and_grad(forward.losses, has_aux=True), static_argnums=1)
-    (ours, parts), grads = loss_and_grad(model.params, model.cfg, batch.arrays())
+    loss_and_grad = jax.jit(jax.value_and_grad(forward.losses, has_aux=True), static_argnums=(1, 2))
+    (ours, parts), grads = loss_and_grad(params, graph, model.cfg, batch.arrays())
     np.testing.assert_allclose(float(parts["talker"]), talker.item(), rtol=1e-5)
     np.testing.assert_allclose(float(parts["predictor"]), predictor.item(), rtol=1e-5)
     np.testing.assert_allclose(float(ours), loss.item(), rtol=1e-5)
 
     torch_grads = {name: p.grad.numpy() for name, p in ref.named_parameters() if p.grad is not None}
-    expected = load_table(torch_grads, NAME_TABLE, param_shapes(model.cfg), np.float32, "reference gradients")
-    flat_ours = jax.tree_util.tree_flatten_with_path(grads)[0]
-    flat_ref = dict(jax.tree_util.tree_flatten_with_path(expected)[0])
-    assert len(flat_ours) == len(flat_ref)
-    for path, g in flat_ours:
-        want = flat_ref[path]
+    # the torch gradients through the loader's own name table, onto the talker's state paths
+    expected = load_table(torch_grads, NAME_TABLE, nn.state_shapes(model.talker), np.float32, "reference gradients")
+    flat_ours = flatten_dict(grads, sep="/")
+    assert flat_ours.keys() == expected.keys()
+    for path, g in flat_ours.items():
+        want = expected[path]
         scale = np.max(np.abs(want)) + 1e-12
-        np.testing.assert_allclose(np.asarray(g) / scale, want / scale, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(np.asarray(g) / scale, want / scale, atol=1e-5, err_msg=path)
     # every codebook is trained: each sub-talker head has a gradient
-    assert np.all(np.abs(np.asarray(grads["cp_heads"])).reshape(15, -1).max(axis=1) > 0)
+    assert np.all(np.abs(np.asarray(grads["predictor"]["heads"])).reshape(15, -1).max(axis=1) > 0)
 
 
 def test_padding_and_batching_do_not_change_the_loss(setup):
     """A batch's loss is the pooled loss of its rows: padding (longer buckets, longer neighbours, a filler row)
     changes nothing."""
-    _, model, examples = setup
-    fn = jax.jit(forward.losses, static_argnums=1)
-    both = fn(model.params, model.cfg, layout.collate(model.cfg, model.tokenizer, examples, size=3).arrays())[1]
-    alone = [fn(model.params, model.cfg, layout.collate(model.cfg, model.tokenizer, [e]).arrays())[1] for e in examples]
+    _, model, examples, graph, params = setup
+    fn = jax.jit(forward.losses, static_argnums=(1, 2))
+    both = fn(params, graph, model.cfg, layout.collate(model.cfg, model.tokenizer, examples, size=3).arrays())[1]
+    alone = [fn(params, graph, model.cfg, layout.collate(model.cfg, model.tokenizer, [e]).arrays())[1]
+             for e in examples]
     n = np.array(FRAMES)
     talker = sum(float(a["talker"]) * (k + 1) for a, k in zip(alone, n)) / np.sum(n + 1)
     predictor = sum(float(a["predictor"]) * k for a, k in zip(alone, n)) / np.sum(n)
@@ -143,10 +148,10 @@ def test_padding_and_batching_do_not_change_the_loss(setup):
 def test_bf16_compute_keeps_fp32_gradients_and_a_close_loss(setup):
     """--compute-dtype bfloat16: the loss moves by bf16 rounding only, and the gradients stay in the fp32 masters'
     dtype (checked on the traced shapes: no second backward program is compiled)."""
-    _, model, examples = setup
+    _, model, examples, graph, params = setup
     batch = layout.collate(model.cfg, model.tokenizer, examples).arrays()
-    fn = jax.jit(forward.losses, static_argnums=(1, 3))
-    full, half = (float(fn(model.params, model.cfg, batch, dtype)[0]) for dtype in (jnp.float32, jnp.bfloat16))
+    fn = jax.jit(forward.losses, static_argnums=(1, 2, 4))
+    full, half = (float(fn(params, graph, model.cfg, batch, dtype)[0]) for dtype in (jnp.float32, jnp.bfloat16))
     np.testing.assert_allclose(half, full, rtol=2e-2)
-    grads = jax.eval_shape(jax.grad(lambda p: forward.losses(p, model.cfg, batch, jnp.bfloat16)[0]), model.params)
+    grads = jax.eval_shape(jax.grad(lambda p: forward.losses(p, graph, model.cfg, batch, jnp.bfloat16)[0]), params)
     assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}

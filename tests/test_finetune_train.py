@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import jax
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 import soundfile as sf
 
 from qtts_cli.main import main
+from qtts_jax import nn
 from qtts_jax.finetune import train
 from qtts_jax.finetune.data import Example
 from qtts_jax.model import load_model
@@ -40,7 +42,7 @@ def examples(tiny_base_model):
 
 
 def run(model, examples, directory, resume=False, on_step=lambda *a: None):
-    return train.train(model.params, model.cfg, model.tokenizer, examples, SETTINGS, directory, resume, on_step)
+    return train.train(model.talker, model.cfg, model.tokenizer, examples, SETTINGS, directory, resume, on_step)
 
 
 def test_a_resumed_run_matches_an_uninterrupted_one(tiny_base_model, examples, tmp_path):
@@ -56,22 +58,24 @@ def test_a_resumed_run_matches_an_uninterrupted_one(tiny_base_model, examples, t
     partial.mkdir()
     (partial / "junk").write_bytes(b"half a checkpoint")
     with pytest.raises(train.ResumeError, match="seed"):  # another run's settings: refused, nothing trained
-        train.train(tiny_base_model.params, tiny_base_model.cfg, tiny_base_model.tokenizer, examples,
+        train.train(tiny_base_model.talker, tiny_base_model.cfg, tiny_base_model.tokenizer, examples,
                     dataclasses.replace(SETTINGS, seed=4), tmp_path / "cut", resume=True)
     resumed = run(tiny_base_model, examples, tmp_path / "cut", resume=True)
     assert resumed.resumed_from == 4
     assert [r["step"] for r in resumed.curve] == list(range(1, 7))
     assert resumed.curve == whole.curve
-    jax.tree.map(np.testing.assert_array_equal, resumed.params, whole.params)
+    jax.tree.map(np.testing.assert_array_equal, nn.flat_params(resumed.talker), nn.flat_params(whole.talker))
     steps = sorted(int(p.name) for p in (tmp_path / "whole").iterdir() if p.name.isdigit())
     assert steps == [4, 6]  # keep=2
     assert not any("tmp" in p.name for p in (tmp_path / "cut").iterdir())
 
 
 def test_the_model_learns_and_its_weights_are_left_alone(tiny_base_model, examples, tmp_path):
-    before = jax.tree.map(np.array, tiny_base_model.params)
+    before = jax.tree.map(np.array, (tiny_base_model.params, nn.flat_params(tiny_base_model.talker)))
     result = run(tiny_base_model, examples, tmp_path / "run")
-    jax.tree.map(np.testing.assert_array_equal, tiny_base_model.params, before)  # the model's own stay untouched
+    # the model's own weights (its split state and its module) stay untouched
+    jax.tree.map(np.testing.assert_array_equal, (tiny_base_model.params, nn.flat_params(tiny_base_model.talker)),
+                 before)
     first, last = result.curve[0], result.curve[-1]
     assert last["loss"] < first["loss"]
     written = train.write_curve(result.curve, tmp_path)
@@ -81,16 +85,16 @@ def test_the_model_learns_and_its_weights_are_left_alone(tiny_base_model, exampl
 def test_lora_starts_from_the_base_model_and_changes_only_the_projections(tiny_base_model, examples, tmp_path):
     settings = dataclasses.replace(SETTINGS, lora=2, steps=4, lr=1e-2)
     full = run(tiny_base_model, examples, tmp_path / "full")
-    adapted = train.train(tiny_base_model.params, tiny_base_model.cfg, tiny_base_model.tokenizer, examples, settings,
+    adapted = train.train(tiny_base_model.talker, tiny_base_model.cfg, tiny_base_model.tokenizer, examples, settings,
                           tmp_path / "lora")
     np.testing.assert_allclose(adapted.curve[0]["loss"], full.curve[0]["loss"], rtol=1e-6)  # B = 0 at the start
     assert adapted.curve[-1]["loss"] < adapted.curve[0]["loss"]
-    base = tiny_base_model.params
-    for stack in ("talker", "predictor"):
-        for name, value in adapted.params[stack]["layers"].items():
-            moved = not np.array_equal(np.asarray(value), np.asarray(base[stack]["layers"][name]))
-            assert moved == (name in ("wq", "wk", "wv", "wo", "gate", "up", "down")), (stack, name)
-    np.testing.assert_array_equal(adapted.params["codec_embedding"], base["codec_embedding"])
+    base, trained = nn.flat_params(tiny_base_model.talker), nn.flat_params(adapted.talker)
+    assert trained.keys() == base.keys()
+    for path, value in trained.items():
+        moved = not np.array_equal(np.asarray(value), np.asarray(base[path]))
+        projection = re.fullmatch(r"(predictor/)?stack/layers/(wq|wk|wv|wo|gate|up|down)", path) is not None
+        assert moved == projection, path  # the projections of both stacks moved, nothing else
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import ml_dtypes
@@ -13,7 +14,9 @@ import safetensors.numpy
 from qtts_jax.checkpoint import CheckpointError, read_safetensors
 from qtts_jax.config import load_config
 from qtts_jax.text import TextTokenizer
-from qtts_jax.weights import load_params
+from qtts_jax.checkpoint import hf_shapes
+from qtts_jax.nn import state_shapes
+from qtts_jax.weights import NAME_TABLE, load_talker
 
 
 @pytest.fixture()
@@ -27,12 +30,32 @@ def checkpoint_copy(reference_checkpoint, tmp_path):
 def test_params_are_the_reference_tensors(reference_checkpoint):
     ref, directory = reference_checkpoint("custom_voice")
     cfg, _ = load_config(directory)
-    params = load_params(directory, cfg, np.float32)
+    talker = load_talker(directory, cfg, np.float32)
     sd = {k: v.numpy() for k, v in ref.state_dict().items()}
-    np.testing.assert_array_equal(params["talker"]["layers"]["wq"][1], sd["talker.model.layers.1.self_attn.q_proj.weight"].T)
-    np.testing.assert_array_equal(params["cp_embedding"][14], sd["talker.code_predictor.model.codec_embedding.14.weight"])
-    np.testing.assert_array_equal(params["cp_heads"][3], sd["talker.code_predictor.lm_head.3.weight"].T)
-    np.testing.assert_array_equal(params["cp_proj"]["b"], sd["talker.code_predictor.small_to_mtp_projection.bias"])
+    np.testing.assert_array_equal(talker.stack.layers.wq[1], sd["talker.model.layers.1.self_attn.q_proj.weight"].T)
+    np.testing.assert_array_equal(talker.predictor.embedding[14],
+                                  sd["talker.code_predictor.model.codec_embedding.14.weight"])
+    np.testing.assert_array_equal(talker.predictor.heads[3], sd["talker.code_predictor.lm_head.3.weight"].T)
+    np.testing.assert_array_equal(talker.predictor.proj.b, sd["talker.code_predictor.small_to_mtp_projection.bias"])
+
+
+@pytest.mark.parametrize("shape", ["narrow_predictor_mqa", "equal_width_gqa"])
+def test_talker_state_is_exactly_the_checkpoint(reference_checkpoint, shape):
+    """The module's parameters map one to one onto the checkpoint's talker tensors through the name table: every
+    parameter is filled by its tensors at their shapes, and every talker tensor fills a parameter (with and without
+    the predictor's projection). The reference's predictor builds heads and tables for its own default of 32 code
+    groups; those past the talker's 16 are the only ones left over."""
+    _, directory = reference_checkpoint("custom_voice", "1b7", shape)
+    cfg, _ = load_config(directory)
+    tensors = {k: v.shape for k, v in read_safetensors(directory).items() if k.startswith("talker.")}
+    talker = load_talker(directory, cfg, np.float32)
+    shapes = state_shapes(talker)
+    assert len(shapes) == len(NAME_TABLE) - (cfg.talker.hidden_size == cfg.predictor.hidden_size) * 2
+    used = hf_shapes(NAME_TABLE, shapes)
+    assert {k: tensors.get(k) for k in used} == used
+    extra = [re.fullmatch(r"talker\.code_predictor\.(lm_head|model\.codec_embedding)\.(\d+)\.weight", k)
+             for k in set(tensors) - set(used)]
+    assert all(m and int(m[2]) >= cfg.num_code_groups - 1 for m in extra)
 
 
 def test_sharded_and_bf16_checkpoints(checkpoint_copy):
@@ -49,10 +72,10 @@ def test_sharded_and_bf16_checkpoints(checkpoint_copy):
         safetensors.numpy.save_file(tensors, str(checkpoint_copy / fname))
         weight_map.update({n: fname for n in chunk})
     (checkpoint_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    params = load_params(checkpoint_copy, cfg, np.float32)
+    talker = load_talker(checkpoint_copy, cfg, np.float32)
     expected = whole["talker.codec_head.weight"].astype(ml_dtypes.bfloat16).astype(np.float32).T
-    np.testing.assert_array_equal(params["codec_head"], expected)
-    np.testing.assert_array_equal(params["text_embedding"], whole["talker.model.text_embedding.weight"])
+    np.testing.assert_array_equal(talker.codec_head, expected)
+    np.testing.assert_array_equal(talker.text_embedding, whole["talker.model.text_embedding.weight"])
 
 
 def _rewrite(directory, edit):
@@ -67,7 +90,7 @@ def test_missing_tensor_is_named(checkpoint_copy):
     _rewrite(checkpoint_copy, lambda t: t.pop("talker.model.layers.1.mlp.up_proj.weight"))
     cfg, _ = load_config(checkpoint_copy)
     with pytest.raises(CheckpointError, match=r"talker\.model\.layers\.1\.mlp\.up_proj\.weight.*missing"):
-        load_params(checkpoint_copy, cfg, np.float32)
+        load_talker(checkpoint_copy, cfg, np.float32)
 
 
 def test_misshaped_tensor_names_both_shapes(checkpoint_copy):
@@ -77,7 +100,7 @@ def test_misshaped_tensor_names_both_shapes(checkpoint_copy):
     _rewrite(checkpoint_copy, shrink)
     cfg, _ = load_config(checkpoint_copy)
     with pytest.raises(CheckpointError, match=r"talker\.codec_head\.weight.*\(100, 64\).*\(3072, 64\)"):
-        load_params(checkpoint_copy, cfg, np.float32)
+        load_talker(checkpoint_copy, cfg, np.float32)
 
 
 def test_truncated_weights_file(checkpoint_copy):

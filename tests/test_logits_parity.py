@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from qtts_jax import code_predictor, sampling, talker
+from qtts_jax import nn, sampling
 from qtts_jax.prompt import build_prompt, embed_prompt
 from qtts_jax.request import Request
 from qtts_jax.transformer import rows_layout
@@ -32,9 +32,14 @@ def _prompt_vectors(model, req):
     req = req.resolved(model.cfg, model.defaults)
     p = build_prompt(model.cfg, model.tokenizer, req)
     speaker = np.zeros(model.cfg.talker.hidden_size, np.float32) if p.speaker is None else p.speaker
-    x = embed_prompt(model.params, p.text, p.codec, p.frames, p.speaker_row, speaker)
-    trailing = talker.embed_text(model.params, jnp.asarray(np.append(p.trailing, model.cfg.text.tts_pad)))
+    x = embed_prompt(model.talker, p.text, p.codec, p.frames, p.speaker_row, speaker)
+    trailing = model.talker.embed_text(jnp.asarray(np.append(p.trailing, model.cfg.text.tts_pad)))
     return x, trailing
+
+
+def _pure(model, method: str, static=()):
+    """A method of the talker as a jitted pure function of its state, as the engine's programs call it."""
+    return jax.jit(lambda params, *args: getattr(nn.merge(model.graph, params), method)(*args), static_argnums=static)
 
 
 def _t(a):
@@ -45,14 +50,12 @@ def _t(a):
 def test_talker_and_predictor_logits_every_step(reference_checkpoint, checkpoint_model, shape):
     ref, _ = reference_checkpoint("custom_voice", "1b7", shape)
     model = checkpoint_model("custom_voice", "1b7", shape)
-    cfg, params = model.cfg, model.params
+    params = model.params
     x, trailing = _prompt_vectors(model, Request("Parity, step by step.", speaker="ryan", non_streaming=False))
     n = x.shape[0]
     greedy = sampling.SamplingParams.make(True, 1.0, 0, 1.0)
 
-    logits, hidden, cache = jax.jit(talker.prefill, static_argnums=(1, 4))(
-        params, cfg, x, jnp.ones(n, bool), n + STEPS
-    )
+    logits, hidden, cache = _pure(model, "prefill", static=3)(params, x, jnp.ones(n, bool), n + STEPS)
     with torch.no_grad():
         out = ref.talker(
             inputs_embeds=_t(x)[None], attention_mask=torch.ones(1, n, dtype=torch.long), use_cache=True,
@@ -62,13 +65,12 @@ def test_talker_and_predictor_logits_every_step(reference_checkpoint, checkpoint
     pkv, past_hidden = out.past_key_values, out.past_hidden
     np.testing.assert_allclose(np.asarray(hidden), past_hidden[0, 0].numpy(), rtol=0, atol=1e-5)
 
-    predict = jax.jit(code_predictor.predict, static_argnums=1)
-    step = jax.jit(talker.decode_rows, static_argnums=1)
+    predict, step = _pure(model, "predict"), _pure(model, "decode_rows")
     cache = rows_layout(type(cache)(cache.k[None], cache.v[None]))  # the engine's shared layout, one slot
     key_valid = jnp.zeros(n + STEPS, bool).at[:n].set(True)
     for k in range(STEPS):
         token = jnp.argmax(logits[:2048]).astype(jnp.int32)  # any code; the processors are tested elsewhere
-        codes, cp_logits = predict(params, cfg, hidden, token, jax.random.PRNGKey(0), greedy)
+        codes, cp_logits = predict(params, hidden, token, jax.random.PRNGKey(0), greedy)
         with torch.no_grad():
             e0 = ref.talker.get_input_embeddings()(torch.tensor([[int(token)]]))
             cp = ref.talker.code_predictor.generate(
@@ -80,10 +82,10 @@ def test_talker_and_predictor_logits_every_step(reference_checkpoint, checkpoint
             assert rel(cp_logits[j], cp.logits[j][0]) < FP32_BOUND, (k, j)
 
         frame = jnp.concatenate([token[None], codes])
-        x_k = talker.embed_codes(params, frame) + trailing[min(k, trailing.shape[0] - 1)]
+        x_k = model.talker.embed_codes(frame) + trailing[min(k, trailing.shape[0] - 1)]
         key_valid = key_valid.at[n + k].set(True)
         at = jnp.full(1, n + k, jnp.int32)
-        logits, hidden, cache = step(params, cfg, x_k[None], cache, jnp.zeros(1, jnp.int32), at, at, key_valid[None])
+        logits, hidden, cache = step(params, x_k[None], cache, jnp.zeros(1, jnp.int32), at, at, key_valid[None])
         logits, hidden = logits[0], hidden[0]
         with torch.no_grad():
             out = ref.talker(
@@ -104,7 +106,7 @@ def test_bf16_prefill_within_stated_bound(reference_checkpoint, checkpoint_model
     model = checkpoint_model("custom_voice", dtype=jnp.bfloat16)
     x, _ = _prompt_vectors(model, Request("Half precision.", speaker="vivian"))
     n = x.shape[0]
-    logits, _, _ = jax.jit(talker.prefill, static_argnums=(1, 4))(model.params, model.cfg, x, jnp.ones(n, bool), n)
+    logits, _, _ = _pure(model, "prefill", static=3)(model.params, x, jnp.ones(n, bool), n)
     with torch.no_grad():
         fp32 = checkpoint_model("custom_voice")
         x32, _ = _prompt_vectors(fp32, Request("Half precision.", speaker="vivian"))

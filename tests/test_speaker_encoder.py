@@ -13,12 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qtts_jax.checkpoint import CheckpointError, read_safetensors
+from qtts_jax import nn
+from qtts_jax.checkpoint import CheckpointError, hf_shapes, read_safetensors
 from qtts_jax.speaker.config import SpeakerEncoderConfig
 from qtts_jax.speaker import ecapa
 from qtts_jax.speaker.ecapa import bucket_samples, encode, min_samples, speaker_embedding
 from qtts_jax.speaker.mel import FMAX, FMIN, HOP, N_FFT, N_MELS, SAMPLE_RATE, log_mel, mel_filterbank, num_frames
-from qtts_jax.speaker.weights import load_speaker_params, random_speaker_params
+from qtts_jax.speaker.weights import load_speaker_encoder, random_speaker_encoder, speaker_encoder_table
 
 TOL = 1e-5
 
@@ -50,7 +51,7 @@ def tiny():
         if seed not in built:
             ref = build_reference_speaker_encoder(TINY_CONFIG, seed)
             cfg = SpeakerEncoderConfig.from_dict(TINY_CONFIG)
-            built[seed] = ref, cfg, load_speaker_params(state_tensors(ref), cfg)
+            built[seed] = ref, cfg, nn.split(load_speaker_encoder(state_tensors(ref), cfg))[1]
         return built[seed]
 
     return get
@@ -104,7 +105,7 @@ def test_model_extract_speaker_embedding_from_checkpoint(reference_checkpoint):
     spk = json.loads((directory / "config.json").read_text())["speaker_encoder_config"]
     cfg = SpeakerEncoderConfig.from_dict(spk)
     assert cfg.enc_dim == model.config.talker_config.hidden_size
-    params = load_speaker_params(read_safetensors(directory), cfg)
+    params = nn.split(load_speaker_encoder(read_safetensors(directory), cfg))[1]
     wav = audio(36000, seed=7)
     ref = model.extract_speaker_embedding(wav, sr=24000).float().numpy()
     assert rel_err(speaker_embedding(params, cfg, wav), ref) <= TOL
@@ -158,18 +159,27 @@ def test_one_compilation_per_bucket_and_each_length_the_references(tiny):
         assert ecapa._embed._cache_size() == (1 if n <= boundary else 2), n
 
 
+def test_state_is_exactly_the_checkpoint(tiny):
+    """Every parameter of the module is filled through the name table at its shape, and every speaker-encoder
+    tensor of the checkpoint fills one."""
+    ref_encoder, cfg, _ = tiny(0)
+    entries, shapes = speaker_encoder_table(cfg)
+    assert nn.state_shapes(load_speaker_encoder(state_tensors(ref_encoder), cfg)) == shapes
+    assert hf_shapes(entries, shapes) == {k: v.shape for k, v in state_tensors(ref_encoder).items()}
+
+
 def test_missing_or_misshaped_tensor_is_named(tiny):
     ref_encoder, cfg, _ = tiny(0)
     name = "speaker_encoder.blocks.2.res2net_block.blocks.1.conv.weight"
     tensors = state_tensors(ref_encoder)
     del tensors[name]
     with pytest.raises(CheckpointError, match=re.escape(f"'{name}' is missing")):
-        load_speaker_params(tensors, cfg)
+        load_speaker_encoder(tensors, cfg)
     tensors = state_tensors(ref_encoder)
     name = "speaker_encoder.asp.tdnn.conv.bias"
     tensors[name] = tensors[name][:-1]
     with pytest.raises(CheckpointError, match=re.escape(f"'{name}' has shape")):
-        load_speaker_params(tensors, cfg)
+        load_speaker_encoder(tensors, cfg)
 
 
 def test_config_defaults_and_random_params(tiny):
@@ -184,7 +194,7 @@ def test_config_defaults_and_random_params(tiny):
     assert hash(SpeakerEncoderConfig.from_dict(ref)) == hash(ours)  # static jit argument
 
     _, cfg, loaded = tiny(0)
-    random = random_speaker_params(cfg, seed=0)
+    random = nn.split(random_speaker_encoder(cfg, seed=0))[1]
     assert jax.tree.map(np.shape, random) == jax.tree.map(np.shape, loaded)
     assert np.all(np.isfinite(speaker_embedding(random, cfg, audio(4000, seed=0))))
 

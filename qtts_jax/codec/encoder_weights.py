@@ -1,28 +1,29 @@
 """Loading the 12 Hz tokenizer's Mimi encoder from ``speech_tokenizer/model.safetensors`` (names ``encoder.*``).
 
-Pytree (channels-last convs as (k, in, out), linears as (in, out)):
+`CodecEncoder`'s state paths (channels-last convs as (k, in, out), linears as (in, out)):
 
-    seanet       conv_in {w, b}; stages: list per stride {blocks: list {conv1, conv2}, down {w, b}}; conv_out
+    seanet       conv_in {w, b}; stages (per stride 0, 1, ...): {blocks (0, 1, ...): {conv1, conv2}, down {w, b}};
+                 conv_out
     transformer  layers: q, k, v, o, fc1, fc2, attn_norm / mlp_norm {scale, bias}, attn_scale, mlp_scale,
                  every leaf stacked on a leading layer axis
     downsample   w (stride-2 conv, no bias)
     quantizer    semantic_proj / acoustic_proj [hidden, codebook_dim]; codebooks [Q, V, codebook_dim]
 
 Only the ``encoder_valid_num_quantizers`` codebooks the tokenizer keeps are read (semantic first): the
-RVQ is sequential, so the codes of the first 16 do not depend on the 16 after them.
+RVQ is sequential, so the codes of the first 16 do not depend on the 16 after them. The codebooks' raw sums
+and usages (and the RVQ projections as 1x1 convs) land under ``raw/`` and become ``quantizer/*`` (`_finish`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from qtts_jax.checkpoint import AS_IS, CONV, LINEAR, Entry, load_table, read_safetensors, unflatten
+from qtts_jax.checkpoint import AS_IS, CONV, LINEAR, Entry, load_module, load_table, read_safetensors
 from qtts_jax.codec.config import CodecConfig
-from qtts_jax.codec.weights import CODEBOOK_EPS, NameTable, attention_rows, layer_scale_rows, listify
+from qtts_jax.codec.encoder import CodecEncoder
+from qtts_jax.codec.weights import CODEBOOK_EPS, NameTable, attention_rows, layer_scale_rows
 
 _RVQ = {"semantic": "encoder.quantizer.semantic_residual_vector_quantizer",
         "acoustic": "encoder.quantizer.acoustic_residual_vector_quantizer"}
@@ -74,31 +75,31 @@ def codec_encoder_table(cfg: CodecConfig) -> tuple[list[Entry], dict[str, tuple[
     return t.entries, t.shapes
 
 
-def load_encoder_params(directory: Path, cfg: CodecConfig, dtype=np.float32) -> dict:
-    """Read ``directory/model.safetensors`` (the ``speech_tokenizer`` folder) into the encoder pytree."""
+def load_codec_encoder(directory: Path, cfg: CodecConfig, dtype=np.float32) -> CodecEncoder:
+    """`CodecEncoder` with the weights of ``directory/model.safetensors`` (the ``speech_tokenizer`` folder)."""
     tensors = read_safetensors(Path(directory), "model")
     entries, shapes = codec_encoder_table(cfg)
-    tree = load_table(tensors, entries, shapes, np.float32, f"speech tokenizer encoder ({directory})")
-    return _finish(tree, cfg, dtype)
+    flat = load_table(tensors, entries, shapes, np.float32, f"speech tokenizer encoder ({directory})")
+    return _finish(flat, cfg, dtype)
 
 
-def _finish(tree: dict, cfg: CodecConfig, dtype) -> dict:
-    """Codebooks = embed_sum / clamp(cluster_usage, eps), semantic first; 1x1 projections as matrices
-    (the identity where Mimi has none)."""
-    raw = tree.pop("raw")
+def _finish(flat: dict, cfg: CodecConfig, dtype) -> CodecEncoder:
+    """The module, its ``raw/`` leaves turned into ``quantizer/``'s: codebooks = embed_sum / clamp(cluster_usage,
+    eps), semantic first; 1x1 projections as matrices (the identity where Mimi has none)."""
+    raw = {k.removeprefix("raw/"): flat[k] for k in flat if k.startswith("raw/")}
     sums = np.concatenate([raw["semantic_sum"], raw["acoustic_sum"]])
     usage = np.concatenate([raw["semantic_usage"], raw["acoustic_usage"]])
     eye = np.eye(cfg.encoder.hidden_size, dtype=np.float32)
-    tree["quantizer"] = {
-        "semantic_proj": raw["semantic_proj"][0] if "semantic_proj" in raw else eye,
-        "acoustic_proj": raw["acoustic_proj"][0] if "acoustic_proj" in raw else eye,
-        "codebooks": sums / np.maximum(usage, CODEBOOK_EPS)[..., None],
-    }
-    return jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), listify(tree))
+    return load_module(lambda: CodecEncoder(cfg, dtype), {
+        **{k: v for k, v in flat.items() if not k.startswith("raw/")},
+        "quantizer/semantic_proj": raw["semantic_proj"][0] if "semantic_proj" in raw else eye,
+        "quantizer/acoustic_proj": raw["acoustic_proj"][0] if "acoustic_proj" in raw else eye,
+        "quantizer/codebooks": sums / np.maximum(usage, CODEBOOK_EPS)[..., None],
+    })
 
 
-def random_encoder_params(cfg: CodecConfig, seed: int, dtype=np.float32) -> dict:
-    """Seeded random encoder weights at ``cfg``'s shapes (benchmarks): matrices N(0, 1/fan_in), norms ~1,
+def random_codec_encoder(cfg: CodecConfig, seed: int, dtype=np.float32) -> CodecEncoder:
+    """`CodecEncoder` with seeded random weights at ``cfg``'s shapes (benchmarks): matrices N(0, 1/fan_in), norms ~1,
     layer scales ~0.4, codebooks N(0, 1) over usages in [0.5, 2], as tests/ref_codec.py randomises."""
     rng = np.random.default_rng(seed)
     entries, shapes = codec_encoder_table(cfg)
@@ -120,4 +121,4 @@ def random_encoder_params(cfg: CodecConfig, seed: int, dtype=np.float32) -> dict
             fan_in = shape[-3] * shape[-2] if layouts[path] is CONV else shape[-2]
             value = rng.standard_normal(shape) / np.sqrt(fan_in)
         flat[path] = value.astype(np.float32)
-    return _finish(unflatten(flat), cfg, dtype)
+    return _finish(flat, cfg, dtype)

@@ -18,25 +18,27 @@ The upsampling stages' transposed convs have kernel == stride and so need no sta
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from types import MappingProxyType
+from typing import Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax import lax
 
+from qtts_jax import nn
 from qtts_jax.codec.config import RESIDUAL_DILATIONS, CodecConfig, CodecDecoderConfig
+from qtts_jax.codec.decoder import CodecDecoder, CodecTransformer, graph
 from qtts_jax.codec.layers import (
     causal_conv,
     causal_conv_transpose,
     convnext,
     dequantize,
-    linear,
     residual_unit,
     rope_tables,
     snake,
     transformer_layer,
 )
-from qtts_jax.codec.weights import codec_decoder_table
 from qtts_jax.transformer import rms_norm
 
 
@@ -49,16 +51,18 @@ class StreamState(NamedTuple):
     tails: dict  # layer param path -> [B, frames, channels]: that layer's last inputs (see `tail_shapes`)
 
 
-def tail_shapes(cfg: CodecConfig) -> dict[str, tuple[int, int]]:
+@functools.lru_cache(maxsize=None)
+def tail_shapes(cfg: CodecConfig) -> Mapping[str, tuple[int, int]]:
     """(frames, channels) of the input history each stateful conv layer needs, keyed by its param path.
 
     A causal conv needs its last (k-1)*dilation inputs; a transposed conv with kernel k and stride s needs
     (k-1)//s (1 in the vocoder, where k = 2s). Vocoder tails hold the input *before* the SnakeBeta that
     precedes each conv (pointwise, so it is simply recomputed on the tail). Kernel sizes come from the
-    weight table, so this cannot drift from the parameters.
+    module's parameters, so this cannot drift from them. Cached per config: building the abstract module takes
+    a good fraction of a second, and every ICL voice primed (`init_state`) asks.
     """
     d = cfg.decoder
-    shapes = codec_decoder_table(cfg)[1]
+    shapes = nn.state_shapes(nnx.eval_shape(lambda: CodecDecoder(cfg)))
 
     def kernel(path: str) -> int:
         return shapes[f"{path}/w"][0]
@@ -74,7 +78,7 @@ def tail_shapes(cfg: CodecConfig) -> dict[str, tuple[int, int]]:
             frames = (kernel(f"{block}/units/{u}/conv1") - 1) * dilation
             tails[f"{block}/units/{u}"] = (frames, d.decoder_dim >> (b + 1))
     tails["vocoder/conv_out"] = (kernel("vocoder/conv_out") - 1, d.decoder_dim >> len(d.upsample_rates))
-    return tails
+    return MappingProxyType(tails)
 
 
 def init_state(cfg: CodecConfig, num_slots: int, dtype=jnp.float32) -> StreamState:
@@ -94,7 +98,7 @@ def decode_step(
     params: dict, cfg: CodecConfig, state: StreamState, codes: jax.Array, count: jax.Array
 ) -> tuple[jax.Array, StreamState]:
     """Decode the next ``count[b]`` frames of every slot: codes [B, n, Q] int -> (audio [B, n * 1920] in
-    [-1, 1], state).
+    [-1, 1], state). ``params``: a `CodecDecoder`'s state (`nn.split`), the full decoder's weights.
 
     Slot b decodes its first ``count[b]`` <= n frames; the rest of its row is ignored, so slots with chunks of
     different sizes share one call (compiled once per n). Its audio is valid for ``count[b] * 1920`` samples;
@@ -104,6 +108,7 @@ def decode_step(
     d = cfg.decoder
     n = codes.shape[1]
     tails = {}
+    m: CodecDecoder = nn.merge(graph(cfg), params)
 
     def with_history(name: str, x: jax.Array) -> tuple[jax.Array, int]:
         """x prefixed by the layer's stored inputs; records the inputs up to each slot's last valid frame
@@ -113,25 +118,25 @@ def decode_step(
         tails[name] = _window(extended, count * (x.shape[1] // n), kept)
         return extended, kept
 
-    x, history = with_history("pre_conv", dequantize(params["quantizer"], codes))
-    x = causal_conv(x, params["pre_conv"], history=history)
-    x, keys, values = _transformer_step(params["transformer"], d, x, state, count)
-    for s, (stage, factor) in enumerate(zip(params["upsample"], d.upsampling_ratios)):
-        x = causal_conv_transpose(x, stage["conv"], factor)  # kernel == stride (weights.py): no history
+    x, history = with_history("pre_conv", dequantize(m.quantizer, codes))
+    x = causal_conv(x, m.pre_conv, history=history)
+    x, keys, values = _transformer_step(m.transformer, d, x, state, count)
+    for s, (stage, factor) in enumerate(zip(m.upsample, d.upsampling_ratios)):
+        x = causal_conv_transpose(x, stage.conv, factor)  # kernel == stride (decoder.py): no history
         x, history = with_history(f"upsample/{s}/convnext", x)
-        x = convnext(x, stage["convnext"], history=history)
+        x = convnext(x, stage.convnext, history=history)
 
-    voc = params["vocoder"]
+    voc = m.vocoder
     x, history = with_history("vocoder/conv_in", x)
-    x = causal_conv(x, voc["conv_in"], history=history)
-    for b, (block, rate) in enumerate(zip(voc["blocks"], d.upsample_rates)):
+    x = causal_conv(x, voc.conv_in, history=history)
+    for b, (block, rate) in enumerate(zip(voc.blocks, d.upsample_rates)):
         x, history = with_history(f"vocoder/blocks/{b}/conv", x)
-        x = causal_conv_transpose(snake(x, block["snake"]), block["conv"], rate, history=history)
-        for u, (unit, dilation) in enumerate(zip(block["units"], RESIDUAL_DILATIONS)):
+        x = causal_conv_transpose(snake(x, block.snake), block.conv, rate, history=history)
+        for u, (unit, dilation) in enumerate(zip(block.units, RESIDUAL_DILATIONS)):
             x, history = with_history(f"vocoder/blocks/{b}/units/{u}", x)
             x = residual_unit(x, unit, dilation, history=history)
     x, history = with_history("vocoder/conv_out", x)
-    x = causal_conv(snake(x, voc["snake_out"]), voc["conv_out"], history=history)
+    x = causal_conv(snake(x, voc.snake_out), voc.conv_out, history=history)
     audio = jnp.clip(x[..., 0], -1.0, 1.0).astype(jnp.float32)
 
     new = StreamState(state.position + count, keys, values, tails)
@@ -144,7 +149,7 @@ def _window(x: jax.Array, start: jax.Array, length: int) -> jax.Array:
     return jax.vmap(lambda row, s: lax.dynamic_slice_in_dim(row, s, length, axis=0))(x, start)
 
 
-def _transformer_step(p: dict, d: CodecDecoderConfig, x: jax.Array, state: StreamState, count: jax.Array):
+def _transformer_step(p: CodecTransformer, d: CodecDecoderConfig, x: jax.Array, state: StreamState, count: jax.Array):
     """The pre-transformer on one chunk, attending over each slot's cached window; returns the output and
     the caches as of each slot's frame ``count``. Key j of the concatenated [cache, chunk] sits at position ``position - (W-1) + j``;
     the mask is the full decode's sliding window (0 <= query - key < W) plus "key position >= 0", which
@@ -157,13 +162,12 @@ def _transformer_step(p: dict, d: CodecDecoderConfig, x: jax.Array, state: Strea
     mask = mask[:, None, None]  # broadcast over [kv heads, group] of the scores
     cos, sin = rope_tables(d, query_pos, jnp)
 
-    def layer_step(h, xs):
-        layer, past_k, past_v = xs
+    def layer_step(layer, h, past_k, past_v):
         past_kv = (past_k.astype(h.dtype), past_v.astype(h.dtype))
         h, (k, v) = transformer_layer(h, layer, d, cos, sin, mask, past_kv)
         return h, (_window(k, count, past), _window(v, count, past))  # the window ending at frame count
 
     caches = (jnp.moveaxis(state.keys, 1, 0), jnp.moveaxis(state.values, 1, 0))  # scan over layers
-    x, (keys, values) = lax.scan(layer_step, linear(x, p["input_proj"]), (p["layers"], *caches))
-    x = linear(rms_norm(x, p["norm"], d.rms_norm_eps), p["output_proj"])
+    x, (keys, values) = nn.scan(p.layers, layer_step, p.input_proj(x), *caches)
+    x = p.output_proj(rms_norm(x, p.norm[...], d.rms_norm_eps))
     return x, jnp.moveaxis(keys, 0, 1), jnp.moveaxis(values, 0, 1)

@@ -1,13 +1,16 @@
-"""Loading the 12 Hz tokenizer decoder from ``speech_tokenizer/model.safetensors`` into a param pytree.
+"""Loading the 12 Hz tokenizer decoder from ``speech_tokenizer/model.safetensors`` into `CodecDecoder`.
 
-Pytree (channels-last convs as (k, in, out), linears as (in, out)):
+The module's state paths (channels-last convs as (k, in, out), linears as (in, out)):
 
     quantizer   codebooks [Q, V, D] (already divided by cluster usage), first_proj / rest_proj [D, C]
     pre_conv    w [3, C, latent], b
     transformer input_proj, output_proj {w, b}; norm [H]; layers: every leaf stacked on a leading layer axis
-    upsample    list per upsampling stage: {conv {w, b}, convnext {dwconv, norm, pwconv1, pwconv2, gamma}}
-    vocoder     conv_in; blocks (list per rate: {snake, conv, units: list of 3 {snake1, conv1, snake2, conv2}});
+    upsample    per upsampling stage (0, 1, ...): {conv {w, b}, convnext {dwconv, norm, pwconv1, pwconv2, gamma}}
+    vocoder     conv_in; blocks (per rate: {snake, conv, units (0..2): {snake1, conv1, snake2, conv2}});
                 snake_out; conv_out
+
+The name table maps every HF tensor onto these paths, except the codebooks: their raw sums and usages (and
+the RVQ projections as 1x1 convs) land under ``raw/`` and become ``quantizer/*`` (`_quantizer`).
 
 SnakeBeta ``alpha``/``beta`` stay in log space, as stored; the forward pass takes their exp.
 """
@@ -16,13 +19,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from qtts_jax.checkpoint import (AS_IS, CONV, CONV_TRANSPOSE, LINEAR, Entry, load_table, read_safetensors, table_tensors,
-                                 unflatten)
+from qtts_jax import nn
+from qtts_jax.checkpoint import (AS_IS, CONV, CONV_TRANSPOSE, LINEAR, Entry, load_module, load_table, read_safetensors,
+                                 table_tensors)
 from qtts_jax.codec.config import RESIDUAL_DILATIONS, CodecConfig
+from qtts_jax.codec.decoder import CodecDecoder
 
 CODEBOOK_EPS = 1e-5  # EuclideanCodebook.epsilon: usage is clamped to this before dividing
 
@@ -133,54 +136,44 @@ def codec_decoder_table(cfg: CodecConfig) -> tuple[list[Entry], dict[str, tuple[
     return t.entries, t.shapes
 
 
-def load_codec_params(directory: Path, cfg: CodecConfig, dtype=np.float32) -> dict:
-    """Read ``directory/model.safetensors`` (the ``speech_tokenizer`` folder) into the decoder pytree."""
+def load_codec_decoder(directory: Path, cfg: CodecConfig, dtype=np.float32) -> CodecDecoder:
+    """`CodecDecoder` with the weights of ``directory/model.safetensors`` (the ``speech_tokenizer`` folder)."""
     tensors = read_safetensors(Path(directory), "model")
     entries, shapes = codec_decoder_table(cfg)
     # Read in fp32: the codebook division and everything else is done before casting to ``dtype``.
-    tree = load_table(tensors, entries, shapes, np.float32, f"speech tokenizer decoder ({directory})")
-    raw = tree.pop("raw")
-    tree["quantizer"] = _quantizer(raw)
-    tree = listify(tree)
-    return jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), tree)
+    flat = load_table(tensors, entries, shapes, np.float32, f"speech tokenizer decoder ({directory})")
+    return load_module(lambda: CodecDecoder(cfg, dtype), _quantizer(flat))
 
 
-def codec_decoder_tensors(params: dict, cfg: CodecConfig) -> dict[str, np.ndarray]:
-    """The decoder pytree as ``speech_tokenizer`` tensors, the inverse of `load_codec_params` (exports). Each
-    codebook is written as its table over a cluster usage of 1, which loads back to the same table."""
-    entries, _ = codec_decoder_table(cfg)
-    tree = dict(params)
-    q = tree.pop("quantizer")
-    books = np.asarray(q["codebooks"], np.float32)
+def codec_decoder_tensors(decoder: CodecDecoder, cfg: CodecConfig) -> dict[str, np.ndarray]:
+    """The decoder's state as ``speech_tokenizer`` tensors through the same name table, the inverse of
+    `load_codec_decoder` (exports). Each codebook is written as its table over a cluster usage of 1, which loads
+    back to the same table."""
+    flat = nn.flat_params(decoder)
+    books = np.asarray(flat.pop("quantizer/codebooks"), np.float32)
     ones = np.ones(books.shape[:2], np.float32)
-    tree["raw"] = {"first_sum": books[0], "rest_sum": books[1:], "first_usage": ones[0], "rest_usage": ones[1:],
-                   "first_proj": np.asarray(q["first_proj"])[None], "rest_proj": np.asarray(q["rest_proj"])[None]}
-    return table_tensors(tree, entries)
+    flat.update({"raw/first_sum": books[0], "raw/rest_sum": books[1:], "raw/first_usage": ones[0],
+                 "raw/rest_usage": ones[1:], "raw/first_proj": np.asarray(flat.pop("quantizer/first_proj"))[None],
+                 "raw/rest_proj": np.asarray(flat.pop("quantizer/rest_proj"))[None]})
+    return table_tensors(flat, codec_decoder_table(cfg)[0])
 
 
-def _quantizer(raw: dict) -> dict:
-    """Codebook tables = embedding_sum / clamp(cluster_usage, eps), codebook 0 first; 1x1 convs as matrices."""
+def _quantizer(flat: dict) -> dict:
+    """The ``raw/`` leaves replaced by ``quantizer/``'s: codebook tables = embedding_sum / clamp(cluster_usage,
+    eps), codebook 0 first; the 1x1 convs as matrices."""
+    raw = {k.removeprefix("raw/"): flat[k] for k in flat if k.startswith("raw/")}
     sums = np.concatenate([raw["first_sum"][None], raw["rest_sum"]])
     usage = np.concatenate([raw["first_usage"][None], raw["rest_usage"]])
     return {
-        "codebooks": sums / np.maximum(usage, CODEBOOK_EPS)[..., None],
-        "first_proj": raw["first_proj"][0],
-        "rest_proj": raw["rest_proj"][0],
+        **{k: v for k, v in flat.items() if not k.startswith("raw/")},
+        "quantizer/codebooks": sums / np.maximum(usage, CODEBOOK_EPS)[..., None],
+        "quantizer/first_proj": raw["first_proj"][0],
+        "quantizer/rest_proj": raw["rest_proj"][0],
     }
 
 
-def listify(tree):
-    """Turn dicts keyed "0".."n-1" (per-block params of differing shapes) into lists."""
-    if not isinstance(tree, dict):
-        return tree
-    out = {k: listify(v) for k, v in tree.items()}
-    if out and all(k.isdigit() for k in out):
-        return [out[str(i)] for i in range(len(out))]
-    return out
-
-
-def random_codec_params(cfg: CodecConfig, seed: int, dtype=np.float32) -> dict:
-    """Seeded random decoder weights (presets, benchmarks): O(1) activations, audio mostly unclipped.
+def random_codec_decoder(cfg: CodecConfig, seed: int, dtype=np.float32) -> CodecDecoder:
+    """`CodecDecoder` with seeded random weights (presets, benchmarks): O(1) activations, audio mostly unclipped.
 
     Matrices get N(0, gain^2 / fan_in); the vocoder's residual branches and output conv get smaller gains,
     else twelve residual units compound and the clamped output saturates. Norms ~1, layer scales ~0.4.
@@ -212,6 +205,4 @@ def random_codec_params(cfg: CodecConfig, seed: int, dtype=np.float32) -> dict:
             gain = 0.3 if path.endswith("conv2/w") else 0.1 if path == "vocoder/conv_out/w" else 1.0
             value = gain * rng.standard_normal(shape) / np.sqrt(fan_in)
         flat[path] = value.astype(np.float32)
-    tree = unflatten(flat)
-    tree["quantizer"] = _quantizer(tree.pop("raw"))
-    return jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), listify(tree))
+    return load_module(lambda: CodecDecoder(cfg, dtype), _quantizer(flat))

@@ -97,18 +97,18 @@ class Engine:
             raise ValueError("the largest prompt bucket must leave room for frames in the context")
         codec_cfg = model.codec_cfg
         choose, attention = programs.chooser(c.sampler), programs.attender(c.attention)
-        self._jit_insert = jax.jit(partial(programs.insert, cfg=cfg), donate_argnums=(1,))
-        self._jit_step = jax.jit(partial(programs.step, cfg=cfg, choose=choose, attention=attention),
-                                 donate_argnums=(1,), static_argnames="n")
+        self._jit_insert = jax.jit(partial(programs.insert, graph=model.graph, cfg=cfg), donate_argnums=(1,))
+        self._jit_step = jax.jit(partial(programs.step, graph=model.graph, cfg=cfg, choose=choose,
+                                         attention=attention), donate_argnums=(1,), static_argnames="n")
         self._jit_codec = jax.jit(partial(programs.codec, cfg=codec_cfg), donate_argnums=(1,), static_argnames="n")
-        self._jit_first = jax.jit(partial(programs.first, cfg=cfg, codec_cfg=codec_cfg, choose=choose,
-                                          attention=attention),
+        self._jit_first = jax.jit(partial(programs.first, graph=model.graph, cfg=cfg, codec_cfg=codec_cfg,
+                                          choose=choose, attention=attention),
                                   donate_argnums=(2, 3))
         self._codec_one = jax.jit(
             lambda p, st, codes: codec_streaming.decode_step(p, codec_cfg, st, codes, jnp.full(1, codes.shape[1]))[1],
             donate_argnums=(1,),
         )
-        self._jit_append = jax.jit(programs.append_text, donate_argnums=(1,))
+        self._jit_append = jax.jit(partial(programs.append_text, graph=model.graph), donate_argnums=(1,))
         self._codec_load = jax.jit(  # a one-slot state into slot `slot` of the batched one
             lambda st, one, slot: programs.set_slot(st, slot, jax.tree.map(lambda v: v[0], one)), donate_argnums=(0,))
         # ("insert", bucket, requests) | ("step"|"codec", rung, frames) | ("first", rung, 1) | ("append", 1, ids)

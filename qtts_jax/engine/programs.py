@@ -5,7 +5,10 @@ and live text appended to a slot's trailing text. The loop (`core.Engine`) jits 
 donates the state.
 
 Rows are slots gathered by index; a row aimed past the last slot is padding: it reads the last slot (clipped) and
-its writes are dropped, so one compiled size serves any number of live rows up to it."""
+its writes are dropped, so one compiled size serves any number of live rows up to it.
+
+`params` is the talker's state as split once at load (`Model.params`, a plain dict) and `graph` its graph
+definition, bound by the engine: each program merges the two at trace time, so a call passes only arrays."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qtts_jax import sampling, talker, transformer
+from qtts_jax import nn, sampling, transformer
 from qtts_jax.codec import streaming as codec_streaming
 from qtts_jax.engine.config import EngineConfig
 from qtts_jax.generate import RowSettings, RowState, frame_step
@@ -59,7 +62,7 @@ def blank_prompt(cfg, length: int):
 def init_state(model: Model, c: EngineConfig) -> EngineState:
     """Every slot empty and done; shapes fixed for the engine's life."""
     cfg, b = model.cfg, c.slots
-    dtype = model.params["codec_embedding"].dtype
+    dtype = model.dtype
     t = cfg.talker
     shape = (t.num_layers, b, t.num_kv_heads, c.context, t.head_dim)
     cache = KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
@@ -83,13 +86,14 @@ def init_state(model: Model, c: EngineConfig) -> EngineState:
 
 
 def insert(params, state: EngineState, slots, text, codec, frames, speaker_row, speaker, valid, trailing, knobs,
-            ints, *, cfg):
+            ints, *, graph, cfg):
     """Prefill R prompts of one bucket (the bucket is their length) into `slots` [R] together, resetting those
     slots' state; rows aimed past the last slot are padding and change nothing. Returns the state and a small
     array to wait on (the state is donated to the next step)."""
     bucket = text.shape[1]
-    x = jax.vmap(partial(embed_prompt, params))(text, codec, frames, speaker_row, speaker)
-    logits, hidden, cache = jax.vmap(lambda x, v: talker.prefill(params, cfg, x, v, bucket))(x, valid)
+    talker = nn.merge(graph, params)
+    x = jax.vmap(partial(embed_prompt, talker))(text, codec, frames, speaker_row, speaker)
+    logits, hidden, cache = jax.vmap(lambda x, v: talker.prefill(x, v, bucket))(x, valid)
     cache = rows_layout(cache)
     big = KVCache(state.cache.k.at[:, slots, :, :bucket].set(cache.k, mode="drop"),
                   state.cache.v.at[:, slots, :, :bucket].set(cache.v, mode="drop"))
@@ -107,7 +111,7 @@ def insert(params, state: EngineState, slots, text, codec, frames, speaker_row, 
             predictor=sampling.SamplingParams(sub_greedy != 0, sub_temperature, sub_top_k.astype(jnp.int32),
                                               sub_top_p),
             penalty=penalty, max_frames=max_frames.astype(jnp.int32), position0=prompt_len.astype(jnp.int32),
-            trailing=talker.embed_text(params, trailing),
+            trailing=talker.embed_text(trailing),
         )
 
     settings = put_rows(state.settings, slots, jax.vmap(row_settings)(knobs, ints, trailing))
@@ -116,12 +120,12 @@ def insert(params, state: EngineState, slots, text, codec, frames, speaker_row, 
     return state._replace(rows=rows, cache=big, settings=settings, k=k, row0=row0), logits[:, 0]
 
 
-def append_text(params, state: EngineState, slot, start, ids, count, max_frames):
+def append_text(params, state: EngineState, slot, start, ids, count, max_frames, *, graph):
     """Live text: the first `count` of `ids` [L] become trailing text vectors `start`, `start` + 1 ... of slot
     `slot` (the rest of `ids` is padding, dropped), and the slot's frame cap becomes `max_frames`."""
     at = jnp.where(jnp.arange(ids.shape[0]) < count, start + jnp.arange(ids.shape[0]), state.settings.trailing.shape[1])
     trailing = state.settings.trailing.at[slot, at].set(
-        talker.embed_text(params, ids).astype(state.settings.trailing.dtype), mode="drop")
+        nn.merge(graph, params).embed_text(ids).astype(state.settings.trailing.dtype), mode="drop")
     max_frames = state.settings.max_frames.at[slot].set(max_frames)
     return state._replace(settings=state.settings._replace(trailing=trailing, max_frames=max_frames))
 
@@ -160,7 +164,7 @@ def attender(name: str):
     return _kernel_or_reference(name, "attention", transformer.gather_rows_attention, kernel)
 
 
-def step(params, state: EngineState, idx, limit, *, cfg, choose, attention, n: int):
+def step(params, state: EngineState, idx, limit, *, graph, cfg, choose, attention, n: int):
     """`n` frames for the rows of slots `idx` [B] in one scan, row j making at most `limit[j]` of them (a live
     text stream stops before the frame that would read text it does not have yet; padding rows aimed past the
     last slot have 0). Only those rows are read and written: a row past its limit keeps its state, and the cache
@@ -169,11 +173,12 @@ def step(params, state: EngineState, idx, limit, *, cfg, choose, attention, n: i
     rows = take_rows(state.rows, idx)
     rows = rows._replace(done=rows.done | (limit <= 0))
     settings, k0, row0 = take_rows(state.settings, idx), take_rows(state.k, idx), take_rows(state.row0, idx)
+    talker = nn.merge(graph, params)
 
     def body(carry, t):
         rows, cache, k, codes = carry
         active = t < limit
-        new_rows, cache, frame = frame_step(params, cfg, rows, cache, idx, settings, k, row0 + k, choose,
+        new_rows, cache, frame = frame_step(talker, cfg, rows, cache, idx, settings, k, row0 + k, choose,
                                             attention)
         new_rows = jax.tree.map(lambda a, b: jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, b),
                                 new_rows, rows)
@@ -186,12 +191,12 @@ def step(params, state: EngineState, idx, limit, *, cfg, choose, attention, n: i
                           codes=codes), out
 
 
-def first(params, codec_params, state: EngineState, codec_state, idx, live, fresh, decode, *, cfg, codec_cfg, choose,
-          attention):
+def first(params, codec_params, state: EngineState, codec_state, idx, live, fresh, decode, *, graph, cfg, codec_cfg,
+          choose, attention):
     """Newcomers' first frame and its audio in one program, so their first chunk is ready before the longer
     step of the playing streams that is queued behind it. Row j decodes its frame where `decode[j]` (its
     schedule starts with a one-frame chunk) and the frame is valid; `fresh[j]` starts its codec state at zero."""
-    state, (frames, valid) = step(params, state, idx, live.astype(jnp.int32), cfg=cfg, choose=choose,
+    state, (frames, valid) = step(params, state, idx, live.astype(jnp.int32), graph=graph, cfg=cfg, choose=choose,
                                   attention=attention, n=1)
     count = (decode & valid[0]).astype(jnp.int32)
     audio, codec_state = decode_frames(codec_params, codec_state, idx, fresh, jnp.moveaxis(frames, 0, 1), count,

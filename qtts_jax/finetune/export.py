@@ -1,13 +1,14 @@
 """Export a fine-tuned talker as a Hugging Face-layout CustomVoice checkpoint, as the official recipe writes it.
 
 config.json: ``tts_model_type = "custom_voice"``, ``talker_config.spk_id = {name: 3000}``,
-``spk_is_dialect = {name: false}``. model.safetensors: the trained talker and code predictor in the source's
-names and dtypes, the speaker's x-vector written into row 3000 of the talker's codec embedding (the row
-``spk_id`` names, so choosing the speaker feeds exactly the embedding the training fed in the speaker slot),
-``speaker_encoder.*`` dropped. Everything else (speech tokenizer, text tokenizer, generation config) comes from
-the source directory; a random preset is written out in full (its speech tokenizer's decoder only: the export
-is a CustomVoice model, which never encodes audio). The directory is built under a temporary name and renamed
-into place, so a crash never leaves half an export.
+``spk_is_dialect = {name: false}``. model.safetensors: the trained `Talker` module's state (code predictor
+included) written through the same name table that loads it (`weights.NAME_TABLE`, inverted by
+`checkpoint.table_tensors`, so every name round-trips), in the source's dtypes; the speaker's x-vector written
+into row 3000 of the talker's codec embedding (the row ``spk_id`` names, so choosing the speaker feeds exactly
+the embedding the training fed in the speaker slot); ``speaker_encoder.*`` dropped. Everything else (speech
+tokenizer, text tokenizer, generation config) comes from the source directory; a random preset is written out
+in full (its speech tokenizer's decoder only: the export is a CustomVoice model, which never encodes audio). The
+directory is built under a temporary name and renamed into place, so a crash never leaves half an export.
 """
 
 from __future__ import annotations
@@ -19,23 +20,25 @@ from pathlib import Path
 
 import numpy as np
 
-from qtts_jax import presets
+from qtts_jax import nn, presets
 from qtts_jax.checkpoint import read_safetensors, table_tensors, write_safetensors_file
 from qtts_jax.codec.config import CodecConfig
+from qtts_jax.codec.decoder import CodecDecoder
 from qtts_jax.codec.weights import codec_decoder_tensors
 from qtts_jax.model import PRESETS
+from qtts_jax.talker import Talker
 from qtts_jax.weights import NAME_TABLE
 
 SPEAKER_ROW = 3000  # the official recipe's codec id for the fine-tuned speaker
 CODEC_EMBEDDING = "talker.model.codec_embedding.weight"
 
 
-def export(params: dict, source: str | Path, speaker: str, xvector: np.ndarray, out: Path,
-           codec: tuple[dict, CodecConfig] | None = None) -> Path:
-    """Write the CustomVoice checkpoint to ``out`` (replacing an earlier export there).
+def export(talker: Talker, source: str | Path, speaker: str, xvector: np.ndarray, out: Path,
+           codec: tuple[CodecDecoder, CodecConfig] | None = None) -> Path:
+    """Write ``talker`` as a CustomVoice checkpoint to ``out`` (replacing an earlier export there).
 
     ``source``: the Base checkpoint directory trained from, or a preset name (then ``codec``, the model's
-    (decoder params, codec config), provides its speech tokenizer)."""
+    (decoder module, codec config), provides its speech tokenizer)."""
     out = Path(out)
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -54,7 +57,7 @@ def export(params: dict, source: str | Path, speaker: str, xvector: np.ndarray, 
         (tmp / "speech_tokenizer" / "config.json").write_text(json.dumps(codec_dict, indent=2))
         write_safetensors_file(tmp / "speech_tokenizer" / "model.safetensors", codec_decoder_tensors(*codec))
         tensors = {}
-    trained = table_tensors(params, NAME_TABLE)
+    trained = table_tensors(nn.flat_params(talker), NAME_TABLE)
     trained[CODEC_EMBEDDING][SPEAKER_ROW] = np.asarray(xvector, np.float32)
     for name, value in trained.items():
         dtype = tensors[name].dtype if name in tensors else np.float32

@@ -1,4 +1,4 @@
-"""The training forward: the loss of a `layout.Batch` from the parameter pytree (the one module that reads it).
+"""The training forward: the loss of a `layout.Batch` from the talker's trainable state (the one module that reads it).
 
 loss = CE(talker, code0 of every frame and the final EOS) + 0.3 × CE(code predictor, codebooks 1-15), both
 means over their real targets, as the official recipe weighs them, with the alignment inference uses:
@@ -7,37 +7,27 @@ means over their real targets, as the official recipe weighs them, with the alig
   output at ``start + frames`` against EOS: one shift, not two;
 - the code predictor of frame j reads that same hidden state, then E(code0), then codebooks 1..14 through their
   tables, and its head k-1 at position k is scored against codebook k, for k = 1..15: every codebook is trained;
-- text ids go through the text projection (`talker.embed_text`), as at inference.
+- text ids go through the text projection (`Talker.embed_text`), as at inference.
 
-Sequences run without a KV cache (one causal pass over the whole padded sequence); parameters are cast to
-``compute_dtype`` inside the loss, so the gradients come back in the parameters' own dtype (fp32 masters).
+The state is `nnx.split(talker, nnx.Param, ...)`'s Param state (as a plain dict); the loss merges it back into the
+`Talker` (at trace time) and runs the modules' own teacher-forced forwards, `Talker.forward` over each whole
+right-padded sequence (pads come after every real position, so causal attention never reads them) and
+`CodePredictor.forward` per frame. The state is cast to ``compute_dtype`` inside the loss, so the gradients come
+back in its own dtype (fp32 masters).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from qtts_jax import transformer
-from qtts_jax.code_predictor import _project
-from qtts_jax.config import DecoderConfig, ModelConfig
+from qtts_jax import nn
+from qtts_jax.config import ModelConfig
 from qtts_jax.prompt import embed_prompt
+from qtts_jax.talker import Talker
 
 SUB_TALKER_WEIGHT = 0.3  # the official recipe's weight of the code predictor's loss
-
-
-def causal_stack(params: dict, cfg: DecoderConfig, x: jax.Array) -> jax.Array:
-    """x [T, H] through a decoder stack with a causal mask and positions 0..T-1, no cache: final-normed [T, H]."""
-    t = x.shape[0]
-    cos, sin = transformer.rope_tables(jnp.arange(t), cfg.head_dim, cfg.rope_theta, x.dtype)
-    mask = jnp.tril(jnp.ones((t, t), bool))
-    scale = cfg.head_dim**-0.5
-
-    def attend(q, k, v, cache, i):
-        return transformer._attention(q, k, v, mask, scale), cache
-
-    h, _ = transformer._layers(params, cfg, x, cos, sin, (), attend)
-    return h
 
 
 def _cross_entropy(logits: jax.Array, labels: jax.Array, valid: jax.Array) -> jax.Array:
@@ -48,29 +38,28 @@ def _cross_entropy(logits: jax.Array, labels: jax.Array, valid: jax.Array) -> ja
     return jnp.sum(jnp.where(valid, nll, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
 
 
-def losses(params: dict, cfg: ModelConfig, batch: tuple, compute_dtype=jnp.float32) -> tuple[jax.Array, dict]:
+def losses(state: dict, graph: nnx.GraphDef, cfg: ModelConfig, batch: tuple, compute_dtype=jnp.float32
+           ) -> tuple[jax.Array, dict]:
     """(total loss, {"talker", "predictor"}) of one batch, given as `layout.Batch.arrays()` (a filler row's
-    length, -1, leaves it without targets)."""
+    length, -1, leaves it without targets). ``graph``, ``state``: `nnx.split(talker, nnx.Param, ...)`'s first two."""
     text, codec, frames, speaker_row, speaker, start, codes, lengths = batch
-    p = jax.tree.map(lambda a: a.astype(compute_dtype), params)
+    talker: Talker = nn.merge(graph, jax.tree.map(lambda a: a.astype(compute_dtype), state))
     n = codes.shape[1]
-    x = jax.vmap(embed_prompt, (None, 0, 0, 0, 0, 0))(p, text, codec, frames, speaker_row, speaker)
-    h = jax.vmap(causal_stack, (None, None, 0))(p["talker"], cfg.talker, x)  # [B, T, H]
+    x = jax.vmap(lambda *row: embed_prompt(talker, *row))(text, codec, frames, speaker_row, speaker)  # [B, T, H]
+    logits, h = jax.vmap(talker.forward, (0, None))(x, jnp.ones(x.shape[1], bool))  # [B, T, V], [B, T, H]
 
     j = jnp.arange(n + 1)
     at = jnp.minimum(start[:, None] + j, h.shape[1] - 1)  # outputs that predict frames 0..n (n: EOS)
-    read = jnp.take_along_axis(h, at[..., None], axis=1)  # [B, n+1, H]
     labels = jnp.concatenate([codes[..., 0], jnp.zeros_like(codes[:, :1, 0])], axis=1)
     labels = jnp.where(j == lengths[:, None], cfg.codec.eos, labels)
-    talker = _cross_entropy(read @ p["codec_head"], labels, j <= lengths[:, None])
+    read = jnp.take_along_axis(logits, at[..., None], axis=1)  # [B, n+1, V]
+    talker_loss = _cross_entropy(read, labels, j <= lengths[:, None])
 
-    hidden = read[:, :n]  # [B, n, H]: frame j's predictor input has not seen frame j
     groups = cfg.num_code_groups - 1
-    rest = p["cp_embedding"][jnp.arange(groups - 1), codes[..., 1:groups]]  # codebooks 1..14 [B, n, 14, H]
-    seq = jnp.concatenate([hidden[:, :, None], p["codec_embedding"][codes[..., 0]][:, :, None], rest], axis=2)
-    seq = _project(p, seq.reshape(-1, groups + 1, seq.shape[-1]))
-    hp = jax.vmap(causal_stack, (None, None, 0))(p["predictor"], cfg.predictor, seq)  # [B*n, 16, Hc]
-    logits = jnp.einsum("fkh,khv->fkv", hp[:, 1:], p["cp_heads"])  # head k-1 at position k
+    hidden = jnp.take_along_axis(h, at[:, :n, None], axis=1)  # [B, n, H]: frame j's input has not seen frame j
+    frame_codes = codes.reshape(-1, groups + 1)  # [B*n, 16]
+    code0 = talker.codec_embedding[...][frame_codes[:, 0]]
+    cp_logits = jax.vmap(talker.predictor.forward)(hidden.reshape(-1, h.shape[-1]), code0, frame_codes[:, 1:groups])
     valid = (jnp.arange(n)[None, :] < lengths[:, None]).reshape(-1)
-    predictor = _cross_entropy(logits, codes[..., 1:].reshape(-1, groups), valid[:, None])
-    return talker + SUB_TALKER_WEIGHT * predictor, {"talker": talker, "predictor": predictor}
+    predictor = _cross_entropy(cp_logits, frame_codes[:, 1:], valid[:, None])
+    return talker_loss + SUB_TALKER_WEIGHT * predictor, {"talker": talker_loss, "predictor": predictor}

@@ -10,30 +10,42 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-STACKS = ("talker", "predictor")
-TARGETS = ("wq", "wk", "wv", "wo", "gate", "up", "down")
+# the two `DecoderStack`s, by their path in `Talker`'s state (adapters and checkpoints key them by name)
+STACKS = {"talker": ("stack",), "predictor": ("predictor", "stack")}
+TARGETS = ("wq", "wk", "wv", "wo", "gate", "up", "down")  # `DecoderLayer`'s projections
 
 
-def init(params: dict, rank: int, seed: int = 0) -> dict:
-    """{stack: {target: {"a", "b"}}} in fp32 for every adapted projection of ``params``."""
+def init(state: dict, rank: int, seed: int = 0) -> dict:
+    """{stack: {target: {"a", "b"}}} in fp32 for every adapted projection of the talker's Param ``state``."""
     keys = iter(jax.random.split(jax.random.PRNGKey(seed), len(STACKS) * len(TARGETS)))
     adapters = {}
-    for stack in STACKS:
+    for stack, path in STACKS.items():
         adapters[stack] = {}
         for target in TARGETS:
-            layers, n_in, n_out = params[stack]["layers"][target].shape
+            layers, n_in, n_out = _node(state, path)["layers"][target].shape
             a = jax.random.normal(next(keys), (layers, n_in, rank), jnp.float32) * n_in**-0.5
             adapters[stack][target] = {"a": a, "b": jnp.zeros((layers, rank, n_out), jnp.float32)}
     return adapters
 
 
-def merge(params: dict, adapters: dict) -> dict:
-    """``params`` with every adapted projection replaced by W + A @ B (in W's dtype)."""
-    out = dict(params)
+def merge(state: dict, adapters: dict) -> dict:
+    """``state`` with every adapted projection replaced by W + A @ B (in W's dtype); the rest shared, not copied."""
+    out = dict(state)
     for stack, by_target in adapters.items():
-        layers = dict(params[stack]["layers"])
+        *parents, last = STACKS[stack]
+        node = out
+        for key in parents:
+            node[key] = dict(node[key])
+            node = node[key]
+        layers = dict(node[last]["layers"])
         for target, ab in by_target.items():
             w = layers[target]
             layers[target] = (w + jnp.einsum("lir,lro->lio", ab["a"], ab["b"])).astype(w.dtype)
-        out[stack] = {**params[stack], "layers": layers}
+        node[last] = {**node[last], "layers": layers}
     return out
+
+
+def _node(state: dict, path: tuple[str, ...]) -> dict:
+    for key in path:
+        state = state[key]
+    return state

@@ -20,11 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
+from qtts_jax import nn
 from qtts_jax.config import ModelConfig
 from qtts_jax.finetune import forward, layout, lora, optimizer
 from qtts_jax.finetune.checkpoints import Checkpoints
 from qtts_jax.finetune.data import Example
+from qtts_jax.talker import Talker
 from qtts_jax.text import TextTokenizer
 
 
@@ -71,19 +74,22 @@ def _identity(settings: Settings, n_examples: int) -> dict:
 
 @dataclasses.dataclass
 class Run:
-    params: dict
+    talker: Talker  # the trained talker (fp32), LoRA adapters merged
     curve: list[dict]  # one {"step", "loss", "talker", "predictor"} per step, from step 1
     resumed_from: int | None
 
 
-def train(params: dict, cfg: ModelConfig, tok: TextTokenizer, examples: list[Example], settings: Settings,
+def train(talker: Talker, cfg: ModelConfig, tok: TextTokenizer, examples: list[Example], settings: Settings,
           checkpoint_dir: Path, resume: bool = False, on_step: Callable[[int, int, dict], None] = lambda *a: None
           ) -> Run:
-    """Train ``params`` (a copy in fp32) on ``examples``; ``on_step(step, total, losses)`` after every step.
-    With ``settings.lora``, only adapters train (the state and the checkpoints hold them alone) and the returned
-    parameters have them merged."""
-    init, step_fn, result = _programs(cfg, settings.lr, settings.accumulate, settings.compute_dtype, settings.lora)
-    state, frozen = init(params)
+    """Train a copy of ``talker`` (its `nnx.Param` state, in fp32; the module itself is left alone) on
+    ``examples``; ``on_step(step, total, losses)`` after every step. With ``settings.lora``, only adapters train
+    (the state and the checkpoints hold them alone) and the returned talker has them merged."""
+    # Exhaustive: the talker holds nothing but Params, so this state is all there is to train and to merge back.
+    graph, params = nnx.split(talker, nnx.Param)
+    init, step_fn, result = _programs(graph, cfg, settings.lr, settings.accumulate, settings.compute_dtype,
+                                      settings.lora)
+    state, frozen = init(nnx.to_pure_dict(params))
     ckpt = Checkpoints(checkpoint_dir, settings.checkpoint_every, settings.keep)
     total = settings.total_steps(len(examples))
     done, curve, resumed = 0, [], None
@@ -109,15 +115,18 @@ def train(params: dict, cfg: ModelConfig, tok: TextTokenizer, examples: list[Exa
             on_step(step + 1, total, record)
     finally:
         ckpt.close()
-    return Run(result(frozen, state["params"]), curve, resumed)
+    return Run(nn.merge(graph, result(frozen, state["params"])), curve, resumed)
 
 
 @functools.lru_cache(maxsize=8)
-def _programs(cfg: ModelConfig, lr: float, accumulate: int, compute_dtype: str, lora_rank: int = 0):
-    """(init, step, result), jitted and kept per configuration: runs of the same settings in one process compile
-    them once. init(params) -> (state, frozen): the trained part and its optimiser state (the steps donate it),
-    and what stays fixed (LoRA: the base weights; else nothing), copied to fp32 in one program (an eager op per
-    leaf would compile one per shape). step(state, frozen, batch); result(frozen, trained) -> full parameters."""
+def _programs(graph: nnx.GraphDef, cfg: ModelConfig, lr: float, accumulate: int, compute_dtype: str,
+              lora_rank: int = 0):
+    """(init, step, result), jitted and kept per talker graph and configuration: runs of the same settings in one
+    process compile them once. init(params) -> (state, frozen): the trained part and its optimiser state (the steps
+    donate it), and what stays fixed (LoRA: the base weights; else nothing), copied to fp32 in one program (an eager
+    op per leaf would compile one per shape); ``params`` is the talker's Param state as a plain dict (`init` of
+    optax and the checkpoints take it as it is). step(state, frozen, batch); result(frozen, trained) -> the full
+    Param state."""
     tx = optimizer.make(lr, accumulate)
     combine = lora.merge if lora_rank else (lambda frozen, trained: trained)
 
@@ -128,7 +137,7 @@ def _programs(cfg: ModelConfig, lr: float, accumulate: int, compute_dtype: str, 
 
     def step(state, frozen, batch):
         def loss(trained):
-            return forward.losses(combine(frozen, trained), cfg, batch, jnp.dtype(compute_dtype))
+            return forward.losses(combine(frozen, trained), graph, cfg, batch, jnp.dtype(compute_dtype))
 
         (total, parts), grads = jax.value_and_grad(loss, has_aux=True)(state["params"])
         updates, opt = tx.update(grads, state["opt"], state["params"])

@@ -7,6 +7,9 @@ audio is padded to a length bucket (one compilation serves every length in it) a
 T is traced: convs reflect at frame T, and every reduction over time (SE means, pooling statistics, the
 attention softmax) sees only the first T frames, so the result is the reference's up to float rounding.
 Frames past T carry finite, meaningless values that nothing reads.
+
+`SpeakerEncoder` is the `nnx.Module` of its weights; the jitted forward takes its state as a plain pytree
+(`nn.split`) and rebuilds the module at trace time from the config's graph definition (`graph`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from qtts_jax import nn
+from qtts_jax.nn import Conv
 from qtts_jax.speaker.config import SpeakerEncoderConfig
 from qtts_jax.speaker.mel import HOP, N_FFT, PAD, log_mel, num_frames, reflect_pad
 
@@ -24,21 +30,68 @@ STATS_EPS = 1e-12  # AttentiveStatisticsPooling clamps the variance to this befo
 BUCKET_FRAMES = 64  # the smallest length bucket, in hops; each next bucket doubles it
 
 
-def conv(p: dict, x: jnp.ndarray, frames=None, dilation: int = 1) -> jnp.ndarray:
+class SqueezeExcite(nnx.Module):
+    def __init__(self, channels: int, hidden: int, dtype=jnp.float32):
+        self.conv1, self.conv2 = Conv(1, channels, hidden, dtype=dtype), Conv(1, hidden, channels, dtype=dtype)
+
+
+class SERes2NetBlock(nnx.Module):
+    """TDNN, the Res2Net's scale-1 sub-convs (stacked on a leading axis), TDNN, squeeze-excitation."""
+
+    def __init__(self, cfg: SpeakerEncoderConfig, cin: int, channels: int, kernel: int, dtype=jnp.float32):
+        sub = channels // cfg.enc_res2net_scale
+        self.tdnn1 = Conv(1, cin, channels, dtype=dtype)
+        self.res2net = nn.stacked(cfg.enc_res2net_scale - 1, lambda: Conv(kernel, sub, sub, dtype=dtype))
+        self.tdnn2 = Conv(1, channels, channels, dtype=dtype)
+        self.se = SqueezeExcite(channels, cfg.enc_se_channels, dtype)
+
+
+class AttentivePool(nnx.Module):
+    def __init__(self, cfg: SpeakerEncoderConfig, dtype=jnp.float32):
+        channels = cfg.enc_channels[-1]
+        self.tdnn = Conv(1, 3 * channels, cfg.enc_attention_channels, dtype=dtype)
+        self.conv = Conv(1, cfg.enc_attention_channels, channels, dtype=dtype)
+
+
+class SpeakerEncoder(nnx.Module):
+    """ECAPA-TDNN: input TDNN, SE-Res2Net blocks, multi-layer feature aggregation, attentive statistics pooling,
+    and the final 1x1 conv to the x-vector."""
+
+    def __init__(self, cfg: SpeakerEncoderConfig, dtype=jnp.float32):
+        ch, ks = cfg.enc_channels, cfg.enc_kernel_sizes
+        self.tdnn = Conv(ks[0], cfg.mel_dim, ch[0], dtype=dtype)
+        self.blocks = nnx.List([SERes2NetBlock(cfg, ch[j - 1], ch[j], ks[j], dtype)
+                                for j in range(1, cfg.num_blocks + 1)])
+        self.mfa = Conv(ks[-1], ch[-1], ch[-1], dtype=dtype)
+        self.asp = AttentivePool(cfg, dtype)
+        self.fc = Conv(1, 2 * ch[-1], cfg.enc_dim, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def graph(cfg: SpeakerEncoderConfig) -> nnx.GraphDef:
+    """`SpeakerEncoder`'s graph definition for ``cfg`` (built abstractly, once per config)."""
+    return nnx.graphdef(nnx.eval_shape(lambda: SpeakerEncoder(cfg)))
+
+
+def conv(p: Conv, x: jnp.ndarray, frames=None, dilation: int = 1) -> jnp.ndarray:
     """[T, Cin] -> [T, Cout] with reflect 'same' padding at the ends of the first ``frames`` rows (default
-    all; may be traced); ``p["w"]`` is (k, Cin, Cout)."""
-    k = p["w"].shape[0]
+    all; may be traced)."""
+    return _conv(p.w[...], p.b[...], x, frames, dilation)
+
+
+def _conv(w: jnp.ndarray, b: jnp.ndarray, x: jnp.ndarray, frames, dilation: int) -> jnp.ndarray:
+    k = w.shape[0]
     total = dilation * (k - 1)
     if total:
         x = reflect_pad(x, total // 2, total - total // 2, x.shape[0] if frames is None else frames)
     y = jax.lax.conv_general_dilated(
-        x[None], p["w"], window_strides=(1,), padding="VALID", rhs_dilation=(dilation,),
+        x[None], w, window_strides=(1,), padding="VALID", rhs_dilation=(dilation,),
         dimension_numbers=("NWC", "WIO", "NWC"),
     )[0]
-    return y + p["b"]
+    return y + b
 
 
-def tdnn(p: dict, x: jnp.ndarray, frames=None, dilation: int = 1) -> jnp.ndarray:
+def tdnn(p: Conv, x: jnp.ndarray, frames=None, dilation: int = 1) -> jnp.ndarray:
     return jax.nn.relu(conv(p, x, frames, dilation))
 
 
@@ -47,17 +100,17 @@ def _valid(x: jnp.ndarray, frames) -> jnp.ndarray:
     return (jnp.arange(x.shape[0]) < frames)[:, None]
 
 
-def se_res2net(p: dict, x: jnp.ndarray, frames, scale: int, dilation: int) -> jnp.ndarray:
+def se_res2net(p: SERes2NetBlock, x: jnp.ndarray, frames, scale: int, dilation: int) -> jnp.ndarray:
     """TDNN -> Res2Net (chunk i>0 convolved after adding the previous chunk's output) -> TDNN -> SE, plus x."""
-    h = tdnn(p["tdnn1"], x)
+    h = tdnn(p.tdnn1, x)
     chunks = jnp.split(h, scale, axis=-1)
     outs = [chunks[0]]
     for i in range(1, scale):
-        sub = jax.tree.map(lambda a: a[i - 1], p["res2net"])
-        outs.append(tdnn(sub, chunks[i] if i == 1 else chunks[i] + outs[-1], frames, dilation))
-    h = tdnn(p["tdnn2"], jnp.concatenate(outs, axis=-1))
+        x_i = chunks[i] if i == 1 else chunks[i] + outs[-1]
+        outs.append(jax.nn.relu(_conv(p.res2net.w[i - 1], p.res2net.b[i - 1], x_i, frames, dilation)))
+    h = tdnn(p.tdnn2, jnp.concatenate(outs, axis=-1))
     gate = jnp.sum(jnp.where(_valid(h, frames), h, 0), axis=0, keepdims=True) / jnp.asarray(frames, h.dtype)
-    gate = jax.nn.sigmoid(conv(p["se"]["conv2"], jax.nn.relu(conv(p["se"]["conv1"], gate))))
+    gate = jax.nn.sigmoid(conv(p.se.conv2, jax.nn.relu(conv(p.se.conv1, gate))))
     return h * gate + x
 
 
@@ -68,7 +121,7 @@ def _weighted_stats(x: jnp.ndarray, w: jnp.ndarray) -> tuple[jnp.ndarray, jnp.nd
     return mean, jnp.sqrt(jnp.maximum(var, STATS_EPS))
 
 
-def attentive_stats_pool(p: dict, x: jnp.ndarray, frames) -> jnp.ndarray:
+def attentive_stats_pool(p: AttentivePool, x: jnp.ndarray, frames) -> jnp.ndarray:
     """[T, C] -> [2C]: attention-weighted mean and std over the first ``frames`` rows, the attention also
     seeing their global mean and std.
 
@@ -78,21 +131,23 @@ def attentive_stats_pool(p: dict, x: jnp.ndarray, frames) -> jnp.ndarray:
     valid = _valid(x, frames)
     mean, std = _weighted_stats(x, jnp.where(valid, 1 / jnp.asarray(frames, x.dtype), 0))
     context = jnp.concatenate([x, jnp.broadcast_to(mean, x.shape), jnp.broadcast_to(std, x.shape)], axis=-1)
-    scores = conv(p["conv"], jnp.tanh(tdnn(p["tdnn"], context)))
+    scores = conv(p.conv, jnp.tanh(tdnn(p.tdnn, context)))
     mean, std = _weighted_stats(x, jax.nn.softmax(jnp.where(valid, scores, -jnp.inf), axis=0))
     return jnp.concatenate([mean, std])
 
 
 def encode(params: dict, cfg: SpeakerEncoderConfig, mel: jnp.ndarray, frames) -> jnp.ndarray:
-    """Log-mel [T_max, mel_dim] whose first ``frames`` rows (may be traced) are the utterance -> x-vector [enc_dim]."""
-    h = tdnn(params["tdnn"], mel, frames, cfg.enc_dilations[0])
+    """Log-mel [T_max, mel_dim] whose first ``frames`` rows (may be traced) are the utterance -> x-vector [enc_dim].
+    ``params``: a `SpeakerEncoder`'s state (`nn.split`)."""
+    m: SpeakerEncoder = nn.merge(graph(cfg), params)
+    h = tdnn(m.tdnn, mel, frames, cfg.enc_dilations[0])
     outs = []
-    for i, block in enumerate(params["blocks"]):
+    for i, block in enumerate(m.blocks):
         h = se_res2net(block, h, frames, cfg.enc_res2net_scale, cfg.enc_dilations[i + 1])
         outs.append(h)
-    h = tdnn(params["mfa"], jnp.concatenate(outs, axis=-1), frames, cfg.enc_dilations[-1])
-    pooled = attentive_stats_pool(params["asp"], h, frames)
-    return conv(params["fc"], pooled[None])[0]
+    h = tdnn(m.mfa, jnp.concatenate(outs, axis=-1), frames, cfg.enc_dilations[-1])
+    pooled = attentive_stats_pool(m.asp, h, frames)
+    return conv(m.fc, pooled[None])[0]
 
 
 @functools.partial(jax.jit, static_argnames="cfg")

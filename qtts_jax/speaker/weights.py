@@ -1,9 +1,8 @@
-"""Speaker-encoder parameters: the name table from ``speaker_encoder.*`` in the main ``model.safetensors``.
-
-Pytree (convs channels last as w (k, in, out) and b (out,)):
+"""Speaker-encoder weights: the name table from ``speaker_encoder.*`` in the main ``model.safetensors`` onto
+`SpeakerEncoder`'s state paths (convs channels last as w (k, in, out) and b (out,)):
 
     tdnn                 input TDNN
-    blocks               list per SE-Res2Net block: tdnn1, tdnn2; res2net (the scale-1 sub-convs stacked
+    blocks               per SE-Res2Net block (0, 1, ...): tdnn1, tdnn2; res2net (the scale-1 sub-convs stacked
                          on a leading axis); se {conv1, conv2}
     mfa                  multi-layer feature aggregation TDNN
     asp                  attentive statistics pooling: tdnn, conv
@@ -14,12 +13,11 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from qtts_jax.checkpoint import CONV, Entry, load_table, unflatten
+from qtts_jax.checkpoint import CONV, Entry, load_module, load_table
 from qtts_jax.speaker.config import SpeakerEncoderConfig
+from qtts_jax.speaker.ecapa import SpeakerEncoder
 
 PREFIX = "speaker_encoder"
 
@@ -53,15 +51,16 @@ def speaker_encoder_table(cfg: SpeakerEncoderConfig) -> tuple[list[Entry], dict[
     return entries, shapes
 
 
-def load_speaker_params(tensors: Mapping[str, np.ndarray], cfg: SpeakerEncoderConfig, dtype=np.float32) -> dict:
-    """Speaker-encoder pytree from the main checkpoint's tensors (other tensors are ignored)."""
+def load_speaker_encoder(tensors: Mapping[str, np.ndarray], cfg: SpeakerEncoderConfig,
+                         dtype=np.float32) -> SpeakerEncoder:
+    """`SpeakerEncoder` with the main checkpoint's ``speaker_encoder.*`` tensors (other tensors are ignored)."""
     entries, shapes = speaker_encoder_table(cfg)
-    tree = load_table(tensors, entries, shapes, np.float32, "speaker encoder")
-    return _finish(tree, cfg, dtype)
+    return load_module(lambda: SpeakerEncoder(cfg, dtype),
+                       load_table(tensors, entries, shapes, np.float32, "speaker encoder"))
 
 
-def random_speaker_params(cfg: SpeakerEncoderConfig, seed: int, dtype=np.float32) -> dict:
-    """Seeded random weights at the config's shapes (benchmarks): He-scaled convs, small biases."""
+def random_speaker_encoder(cfg: SpeakerEncoderConfig, seed: int, dtype=np.float32) -> SpeakerEncoder:
+    """`SpeakerEncoder` with seeded random weights (benchmarks): He-scaled convs, small biases."""
     rng = np.random.default_rng(seed)
     _, shapes = speaker_encoder_table(cfg)
     flat = {}
@@ -70,9 +69,4 @@ def random_speaker_params(cfg: SpeakerEncoderConfig, seed: int, dtype=np.float32
             flat[path] = 0.05 * rng.standard_normal(shape)
         else:
             flat[path] = rng.standard_normal(shape) * np.sqrt(2.0 / np.prod(shape[-3:-1]))
-    return _finish(unflatten(flat), cfg, dtype)
-
-
-def _finish(tree: dict, cfg: SpeakerEncoderConfig, dtype) -> dict:
-    tree["blocks"] = [tree["blocks"][str(j)] for j in range(cfg.num_blocks)]
-    return jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), tree)
+    return load_module(lambda: SpeakerEncoder(cfg, dtype), flat)

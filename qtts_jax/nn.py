@@ -1,0 +1,83 @@
+"""What every model part shares as a Flax NNX module: the initialisers of its `nnx.Param`s (random-weight presets
+and benchmarks draw from these, the output is noise; a checkpoint replaces every one, `checkpoint.load_module`),
+and the split/merge through which the jitted programs take a module's weights as a plain pytree."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def dense(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> nnx.Param:
+    """A weight for `x @ w` ((in, out), maybe behind stacking axes): N(0, 1/fan_in), so random-weight
+    presets keep activations O(1) through the stacks."""
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * shape[-2] ** -0.5).astype(dtype))
+
+
+def embedding(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> nnx.Param:
+    """A lookup table: N(0, 1) rows."""
+    return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype))
+
+
+def ones(shape: tuple[int, ...], dtype) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, dtype))
+
+
+def zeros(shape: tuple[int, ...], dtype) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, dtype))
+
+
+class Conv(nnx.Module):
+    """A Conv1d's (or a ConvTranspose1d's, kept unflipped) weights, channels last: w [k, in, out] and bias [out]
+    (or none). Zeros: the codec's and the speaker encoder's weights come from a checkpoint or a seeded draw."""
+
+    def __init__(self, k: int, cin: int, cout: int, bias: bool = True, dtype=jnp.float32):
+        self.w = zeros((k, cin, cout), dtype)
+        self.b = zeros((cout,), dtype) if bias else None
+
+
+def split(module: nnx.Module) -> tuple[nnx.GraphDef, dict]:
+    """A module's graph definition (static: what a jitted program closes over) and its state as a plain nested
+    dict of arrays (what the program takes). Done once at load; a dict flattens in C++, an `nnx.State` in Python,
+    which a per-frame call would pay on every dispatch."""
+    graph, state = nnx.split(module)
+    return graph, nnx.to_pure_dict(state)
+
+
+def merge(graph: nnx.GraphDef, state) -> nnx.Module:
+    """The module back from `split`'s halves (or from `nnx.split(module, nnx.Param)`'s): inside a traced function
+    this runs once, at trace time, and the module's arrays are the function's inputs."""
+    return nnx.merge(graph, state)
+
+
+def stacked(n: int, make: Callable[..., nnx.Module], rngs: nnx.Rngs | None = None) -> nnx.Module:
+    """``make()`` (or ``make(rngs)``, each copy from its own keys) built ``n`` times under `nnx.vmap`: one module
+    whose every parameter has a leading axis of ``n``, the layer stack that `scan` runs."""
+    if rngs is None:
+        return nnx.vmap(make, in_axes=(), out_axes=0, axis_size=n)()
+    return nnx.split_rngs(splits=n)(nnx.vmap(make, in_axes=0, out_axes=0))(rngs)
+
+
+def scan(layers: nnx.Module, body: Callable, carry, *xs):
+    """`jax.lax.scan` over a `stacked` module: ``body(layer, carry, *x) -> (carry, y)``, each step's layer
+    merged back from its slice of the stacked state (at trace time: the scan's arrays are the state's)."""
+    graph, state = nnx.split(layers)
+    return jax.lax.scan(lambda c, a: body(nnx.merge(graph, a[0]), c, *a[1:]), carry, (state, *xs))
+
+
+def state_shapes(module: nnx.Module) -> dict[str, tuple[int, ...]]:
+    """Every `nnx.Param` of a module (or of its `nnx.eval_shape` abstract twin): "a/b/c" path -> shape."""
+    return {path: tuple(v.shape) for path, v in _flat(module)}
+
+
+def flat_params(module: nnx.Module) -> dict[str, jax.Array]:
+    """Every `nnx.Param` of a module: "a/b/c" path -> array, the form `checkpoint.load_module` fills a module from
+    and `checkpoint.table_tensors` writes out (exports)."""
+    return {path: v[...] for path, v in _flat(module)}
+
+
+def _flat(module: nnx.Module):
+    return (("/".join(map(str, path)), v) for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param)))

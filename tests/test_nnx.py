@@ -1,0 +1,53 @@
+"""The model's parts as Flax NNX modules: their trainable state is a pytree of `nnx.Param`s, and the talker and code
+predictor forwards are pure functions of it (`nn.merge` inside `jax.jit` / `jax.grad`), equal to the hot path's."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from qtts_jax import nn, sampling
+
+FP32_BOUND = 1e-5
+
+
+def rel(ours, ref) -> float:
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+
+
+def test_trainable_state_and_pure_forwards(tiny_model):
+    """Every weight is an `nnx.Param` (nothing else is left in the state); teacher-forced forwards of the talker and
+    of the code predictor give the logits that `prefill` and `predict` give, and gradients reach every layer."""
+    model = tiny_model
+    graph, params, rest = nnx.split(model.talker, nnx.Param, ...)
+    assert not jax.tree.leaves(rest)
+    assert jax.tree.structure(nnx.to_pure_dict(params)) == jax.tree.structure(model.params)
+    n = 12
+    x = jax.random.normal(jax.random.PRNGKey(0), (n, model.cfg.talker.hidden_size))
+    valid = jnp.arange(n) >= 3  # left padding
+    greedy = sampling.SamplingParams.make(True, 1.0, 0, 1.0)
+
+    @jax.jit
+    def run(params, x, valid):
+        talker = nn.merge(graph, params)
+        logits, hidden = talker.forward(x, valid)
+        last, last_hidden, _ = talker.prefill(x, valid, n)
+        code0 = jnp.argmax(last[:2048]).astype(jnp.int32)
+        codes, cp_logits = talker.predict(last_hidden, code0, jax.random.PRNGKey(1), greedy)
+        forced = talker.predictor.forward(last_hidden, talker.codec_embedding[...][code0], codes[:-1])
+
+        def loss(params):
+            t = nn.merge(graph, params)
+            return t.forward(x, valid)[0][-1].sum() + t.predictor.forward(last_hidden, x[-1], codes[:-1]).sum()
+
+        return logits, last, cp_logits, forced, jax.grad(loss)(params)
+
+    logits, last, cp_logits, forced, grads = run(params, x, valid)
+    assert rel(logits[-1], last) < FP32_BOUND
+    assert rel(forced, cp_logits) < FP32_BOUND
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+    for layers in (grads["stack"]["layers"], grads["predictor"]["stack"]["layers"]):
+        assert np.all(np.abs(np.asarray(layers["wq"])).reshape(layers["wq"].shape[0], -1).max(axis=1) > 0)
