@@ -33,8 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent / "refstub"))
 # One persistent compilation cache per test session, empty when it starts: an engine or model loads a program
 # that another compiled earlier in the run (same shapes: either tiny model, any engine of the same
 # configuration) instead of compiling it again; xdist workers share it. Every run still compiles each program it
-# runs at least once. (The `qtts-jax serve` subprocesses some tests start keep their own default, as any server
-# does.) Set QTTS_TEST_COMPILE_CACHE to a directory to keep the cache between runs (it is then not removed).
+# runs at least once. Set QTTS_TEST_COMPILE_CACHE to a directory to keep the cache between runs (it is then not removed).
 if not os.environ.get("QTTS_TEST_COMPILE_CACHE"):
     os.environ["QTTS_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="qtts-test-xla-")
     atexit.register(shutil.rmtree, os.environ["QTTS_TEST_COMPILE_CACHE"], ignore_errors=True)
@@ -47,6 +46,10 @@ jax.config.update("jax_default_matmul_precision", "highest")
 from qtts_jax import compile_cache  # noqa: E402
 
 compile_cache.enable(os.environ["QTTS_TEST_COMPILE_CACHE"])
+# The `qtts-jax serve` subprocesses share the session's cache too (their programs, compiled at the default
+# optimisation level, have keys of their own): a test run never reads or fills the user's cache, so a run here
+# compiles what a fresh CI machine compiles.
+os.environ.setdefault("QTTS_COMPILE_CACHE", os.environ["QTTS_TEST_COMPILE_CACHE"])
 jax.jit(lambda x: x + 1)(0)  # XLA reads XLA_FLAGS once, at its first compile
 os.environ["XLA_FLAGS"] = _SERVER_XLA_FLAGS
 
