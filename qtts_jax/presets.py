@@ -13,7 +13,7 @@ from pathlib import Path
 from tokenizers import pre_tokenizers
 
 from qtts_jax.codec.config import SAMPLE_RATE, released_config_dict, tiny_config_dict
-from qtts_jax.text import byte_level_bpe
+from qtts_jax.io.text import byte_level_bpe
 
 LANGUAGES = {
     "chinese": 2055, "english": 2050, "german": 2053, "italian": 2070, "portuguese": 2071,

@@ -13,7 +13,7 @@ import pytest
 import safetensors.numpy
 
 from qtts_jax import nn
-from qtts_jax.checkpoint import CheckpointError, hf_shapes, read_safetensors
+from qtts_jax.io.checkpoint import CheckpointError, hf_shapes, read_safetensors
 from qtts_jax.codec.config import CodecConfig, tiny_config_dict
 from qtts_jax.codec.decoder import chunked_decode, decode
 from qtts_jax.codec.weights import codec_decoder_table, load_codec_decoder

@@ -19,7 +19,7 @@ import pytest
 import safetensors.numpy
 
 from qtts_jax import nn
-from qtts_jax.checkpoint import CheckpointError, hf_shapes, read_safetensors
+from qtts_jax.io.checkpoint import CheckpointError, hf_shapes, read_safetensors
 from qtts_jax.codec.config import (
     CodecConfig,
     CodecEncoderConfig,
