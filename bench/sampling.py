@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 from qtts_jax.kernels import sampling as ks  # noqa: E402
-from qtts_jax.sampling import SamplingParams  # noqa: E402
+from qtts_jax.talker.sampling import SamplingParams  # noqa: E402
 
 EOS = 2150
 BATCHES = (1, 8, 32, 64, 128, 256, 512)

@@ -28,7 +28,7 @@ class Replica:
     the router never sees a replica that would answer 503."""
 
     async def __init__(self, settings: Settings):
-        from qtts_jax import compile_cache
+        from qtts_jax.engine import compile_cache
         from serving.app import create_app
         from serving.keys import WARMUP_ERROR, WARMUP_TASK
 

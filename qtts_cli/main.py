@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from fleet.cli import add_cluster_parser, cluster
-from qtts_jax.checkpoint import CheckpointError
+from qtts_jax.io.checkpoint import CheckpointError
 from qtts_cli.finetune import add_finetune_parser, finetune
 from qtts_jax.request import Request, RequestError
 from serving.aliases import DEFAULT as VOICE_ALIASES
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         return finetune(args)
     import jax.numpy as jnp
 
-    from qtts_jax.audio import write_wav
+    from qtts_jax.io.audio import write_wav
     from qtts_jax.model import load_model
 
     try:

@@ -15,13 +15,13 @@ import jax
 import numpy as np
 
 from qtts_jax import nn
-from qtts_jax.checkpoint import CheckpointError, read_safetensors
+from qtts_jax.io.checkpoint import CheckpointError, read_safetensors
 from qtts_jax.codec import encoder as codec_encoder
 from qtts_jax.codec.config import SAMPLE_RATE, CodecConfig
 from qtts_jax.codec.encoder import CodecEncoder
 from qtts_jax.codec.encoder_weights import load_codec_encoder, random_codec_encoder
 from qtts_jax.config import read_json
-from qtts_jax.reference_audio import ReferenceAudio
+from qtts_jax.io.reference_audio import ReferenceAudio
 from qtts_jax.request import RequestError, VoicePrompt
 from qtts_jax.speaker.config import SpeakerEncoderConfig
 from qtts_jax.speaker.ecapa import SpeakerEncoder, bucket_samples, min_samples, speaker_embedding

@@ -17,12 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qtts_jax import nn, sampling, transformer
+from qtts_jax import nn
+from qtts_jax.talker import sampling, transformer
 from qtts_jax.config import ModelConfig
 from qtts_jax.prompt import Prompt, embed_prompt
 from qtts_jax.request import Request
 from qtts_jax.talker import Talker
-from qtts_jax.transformer import KVCache, rows_layout
+from qtts_jax.talker.transformer import KVCache, rows_layout
 
 
 class RowState(NamedTuple):

@@ -18,11 +18,11 @@ from qtts_jax.codec.weights import load_codec_decoder, random_codec_decoder
 from qtts_jax.config import ModelConfig, SamplingDefaults, load_config
 from qtts_jax.generate import Generator
 from qtts_jax.prompt import build_prompt
-from qtts_jax.reference_audio import AudioLimits, ReferenceAudio, load_reference_audio, prepare_reference
+from qtts_jax.io.reference_audio import AudioLimits, ReferenceAudio, load_reference_audio, prepare_reference
 from qtts_jax.request import Request, RequestError, VoicePrompt
-from qtts_jax.text import TextTokenizer
+from qtts_jax.io.text import TextTokenizer
 from qtts_jax.talker import Talker
-from qtts_jax.weights import load_talker, random_talker
+from qtts_jax.talker.weights import load_talker, random_talker
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Named models that need no checkpoint: `tiny-random` (runs anywhere, says noise) and the real shapes.
 
-Each preset is written as the `config.json` dict a checkpoint would carry, so it goes through exactly
-the same parsing as a real directory. `0.6b` / `1.7b` carry the released shapes and special ids
+Each preset is written as the `config.json` dict a checkpoint would carry (and the codec's as its
+`speech_tokenizer/config.json`), so it goes through exactly the same parsing as a real directory. `0.6b` / `1.7b` carry the released shapes and special ids
 (architecture note §2) with random weights: for benchmarks, not for listening.
 """
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 from tokenizers import pre_tokenizers
 
-from qtts_jax.codec.config import SAMPLE_RATE, released_config_dict, tiny_config_dict
-from qtts_jax.text import byte_level_bpe
+from qtts_jax.codec.config import MODEL_TYPE, SAMPLE_RATE, SAMPLES_PER_FRAME
+from qtts_jax.io.text import byte_level_bpe
 
 LANGUAGES = {
     "chinese": 2055, "english": 2050, "german": 2053, "italian": 2070, "portuguese": 2071,
@@ -127,8 +127,110 @@ def preset_configs(name: str) -> tuple[dict, dict]:
     kind = "base" if name.endswith("-base") else "custom_voice"
     size = name.removesuffix("-base")
     if size == "tiny-random":
-        return tiny_config(kind), tiny_config_dict()
-    return real_config({"0.6b": "0b6", "1.7b": "1b7"}[size], kind), released_config_dict()
+        return tiny_config(kind), tiny_codec_config()
+    return real_config({"0.6b": "0b6", "1.7b": "1b7"}[size], kind), real_codec_config()
+
+
+# Top-level fields of the released file: 16 of the encoder's codebooks, and the family's audio rates.
+_RELEASED_TOP_LEVEL = {
+    "model_type": MODEL_TYPE,
+    "encoder_valid_num_quantizers": 16,
+    "input_sample_rate": SAMPLE_RATE,
+    "output_sample_rate": SAMPLE_RATE,
+    "decode_upsample_rate": SAMPLES_PER_FRAME,
+    "encode_downsample_rate": SAMPLES_PER_FRAME,
+}
+
+
+def tiny_codec_config(num_hidden_layers: int = 2) -> dict:
+    """A complete tiny ``speech_tokenizer/config.json``: small widths, but the real codebook layout and rates.
+
+    Keeping 2048 codes x 16 quantizers and rates [8,5,4,3]x[2,2] (1920 samples per frame at 24 kHz) makes
+    tiny runs exercise the same indexing, chunking and output lengths as the released model.
+    The tiny ``encoder_config`` (Mimi) keeps the released structure where it matters for the port: 32
+    codebooks of which 16 are kept, an RVQ input projection (codebook_dim != hidden_size), and, beyond the
+    release, two residual layers per stage (dilation 2) and grouped-query attention.
+    """
+    return {
+        **_RELEASED_TOP_LEVEL,
+        "decoder_config": {
+            "codebook_size": 2048,
+            "codebook_dim": 32,
+            "num_quantizers": 16,
+            "num_semantic_quantizers": 1,
+            "latent_dim": 32,
+            "decoder_dim": 64,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": num_hidden_layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "attention_bias": False,
+            "sliding_window": 72,
+            "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-5,
+            "layer_scale_initial_scale": 0.01,
+            "max_position_embeddings": 8000,
+            "hidden_act": "silu",
+            "upsample_rates": [8, 5, 4, 3],
+            "upsampling_ratios": [2, 2],
+        },
+        "encoder_config": {
+            "sampling_rate": SAMPLE_RATE,
+            "frame_rate": SAMPLE_RATE / SAMPLES_PER_FRAME,
+            "audio_channels": 1,
+            "hidden_size": 16,
+            "num_filters": 4,
+            "num_residual_layers": 2,
+            "upsampling_ratios": [8, 6, 5, 4],
+            "codebook_size": 2048,
+            "codebook_dim": 8,
+            "vector_quantization_hidden_dimension": 8,
+            "num_quantizers": 32,
+            "num_semantic_quantizers": 1,
+            "upsample_groups": 16,
+            "num_hidden_layers": 2,
+            "intermediate_size": 32,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 8,
+            "sliding_window": 250,
+        },
+    }
+
+
+def real_codec_encoder_config() -> dict:
+    """The released ``encoder_config`` (architecture note §2.3): HF ``MimiConfig`` defaults, spelled out."""
+    return {
+        "sampling_rate": SAMPLE_RATE, "frame_rate": SAMPLE_RATE / SAMPLES_PER_FRAME, "audio_channels": 1, "num_filters": 64,
+        "num_residual_layers": 1, "upsampling_ratios": [8, 6, 5, 4], "kernel_size": 7, "last_kernel_size": 3,
+        "residual_kernel_size": 3, "dilation_growth_rate": 2, "use_causal_conv": True, "pad_mode": "constant",
+        "compress": 2, "trim_right_ratio": 1.0, "use_conv_shortcut": False, "hidden_size": 512,
+        "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64,
+        "intermediate_size": 2048, "hidden_act": "gelu", "norm_eps": 1e-5, "rope_theta": 10000.0,
+        "sliding_window": 250, "max_position_embeddings": 8000, "attention_bias": False,
+        "layer_scale_initial_scale": 0.01, "codebook_size": 2048, "codebook_dim": 256,
+        "vector_quantization_hidden_dimension": 256, "num_quantizers": 32, "num_semantic_quantizers": 1,
+        "upsample_groups": 512,
+    }
+
+
+def real_codec_config() -> dict:
+    """The released ``speech_tokenizer/config.json`` (architecture note §2.3), for random-weight benchmarks
+    at the real shapes."""
+    return {
+        **_RELEASED_TOP_LEVEL,
+        "encoder_config": real_codec_encoder_config(),
+        "decoder_config": {
+            "codebook_size": 2048, "codebook_dim": 512, "num_quantizers": 16, "num_semantic_quantizers": 1,
+            "latent_dim": 1024, "decoder_dim": 1536, "hidden_size": 512, "intermediate_size": 1024,
+            "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 64,
+            "attention_bias": False, "sliding_window": 72, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+            "layer_scale_initial_scale": 0.01, "max_position_embeddings": 8000, "hidden_act": "silu",
+            "upsample_rates": [8, 5, 4, 3], "upsampling_ratios": [2, 2],
+        },
+    }
 
 
 def write_tiny_tokenizer(directory: Path) -> None:

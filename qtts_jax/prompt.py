@@ -17,7 +17,7 @@ import numpy as np
 from qtts_jax.talker import Talker
 from qtts_jax.config import ModelConfig
 from qtts_jax.request import Request
-from qtts_jax.text import TextTokenizer
+from qtts_jax.io.text import TextTokenizer
 
 NONE = -1
 

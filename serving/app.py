@@ -18,8 +18,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from qtts_jax import compile_cache, sizing
-from qtts_jax.bridge import AsyncEngine
+from qtts_jax.engine import compile_cache, sizing
+from serving.bridge import AsyncEngine
 from qtts_jax.engine import Engine
 from qtts_jax.request import Request
 from serving import aliases, page, routes, ws

@@ -24,7 +24,7 @@ import struct
 
 import numpy as np
 
-from qtts_jax.audio import to_int16
+from qtts_jax.io.audio import to_int16
 from qtts_jax.codec.config import SAMPLE_RATE, SAMPLES_PER_FRAME
 from serving import g711
 

@@ -8,7 +8,7 @@ import weakref
 
 from aiohttp import web
 
-from qtts_jax.bridge import AsyncEngine
+from serving.bridge import AsyncEngine
 from qtts_jax.engine import Engine
 from serving.metrics import Metrics
 from serving.scheduler import Scheduler

@@ -28,7 +28,7 @@ import itertools
 import math
 import time
 
-from qtts_jax.stream import FRAME_SECONDS
+from qtts_jax.engine.stream import FRAME_SECONDS
 from serving.errors import ApiError
 
 

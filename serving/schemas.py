@@ -12,7 +12,7 @@ import math
 import re
 from typing import Any
 
-from qtts_jax.job import Job
+from qtts_jax.engine.job import Job
 from qtts_jax.request import Request, RequestError, VoicePrompt
 from serving.audio_encoders import FORMATS, STREAM_BY_DEFAULT
 from serving.audio_out import output_rate

@@ -9,7 +9,7 @@ import dataclasses
 
 from qtts_jax.codec.config import SAMPLE_RATE, SAMPLES_PER_FRAME
 from qtts_jax.engine import PromptTooLong
-from qtts_jax.job import Job
+from qtts_jax.engine.job import Job
 from qtts_jax.request import Request, RequestError
 from serving import long_text, ssml
 from serving.errors import bad, from_request_error

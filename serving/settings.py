@@ -15,7 +15,7 @@ class Settings:
     model: str = "tiny-random"
     host: str = "127.0.0.1"
     port: int = 8000
-    slots: int | str = 8  # or "auto": as many as the accelerator's free memory holds (qtts_jax/sizing.py)
+    slots: int | str = 8  # or "auto": as many as the accelerator's free memory holds (qtts_jax/engine/sizing.py)
     context: int = 1024
     frames_per_step: int = 4
     lead_ms: float = 1000.0  # playback lead each stream builds from spare compute (EngineConfig.lead_s)

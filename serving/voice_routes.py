@@ -18,7 +18,7 @@ import time
 from aiohttp import BodyPartReader, hdrs, web
 from aiohttp.multipart import parse_content_disposition
 
-from qtts_jax.reference_audio import AudioLimits, decode_base64_audio, load_reference_audio
+from qtts_jax.io.reference_audio import AudioLimits, decode_base64_audio, load_reference_audio
 from qtts_jax.request import Request, RequestError, VoicePrompt
 from serving.errors import ApiError, bad, from_request_error
 from serving.keys import ENGINE, MODEL, SETTINGS, VOICES

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import re
 
-from qtts_jax.job import Job
+from qtts_jax.engine.job import Job
 from qtts_jax.prompt import text_entry_frames
 
 _CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"  # kana and ideographs: a word each, no spaces

@@ -43,7 +43,7 @@ import jax  # noqa: E402
 # Parity is checked in fp32; XLA's default matmul precision on CPU is already full fp32, but say so.
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from qtts_jax import compile_cache  # noqa: E402
+from qtts_jax.engine import compile_cache  # noqa: E402
 
 compile_cache.enable(os.environ["QTTS_TEST_COMPILE_CACHE"])
 # The `qtts-jax serve` subprocesses share the session's cache too (their programs, compiled at the default

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from qtts_jax.codec.config import tiny_config_dict
+from qtts_jax.presets import tiny_codec_config
 
 PREPROCESSOR_CONFIG = {
     "feature_extractor_type": "EncodecFeatureExtractor",
@@ -27,7 +27,7 @@ def build_reference_codec(config_dict: dict | None = None, seed: int = 0):
     from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Config
     from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Model
 
-    cfg = Qwen3TTSTokenizerV2Config(**(config_dict or tiny_config_dict()))
+    cfg = Qwen3TTSTokenizerV2Config(**(config_dict or tiny_codec_config()))
     for c in (cfg, cfg.encoder_config, cfg.decoder_config):
         c._attn_implementation = "eager"
     model = Qwen3TTSTokenizerV2Model(cfg).eval()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from qtts_jax.engine import EngineStats, rung, step_frames
-from qtts_jax.stream import FRAME_SECONDS
+from qtts_jax.engine.stream import FRAME_SECONDS
 from serving.scheduler import AdmissionConfig, Scheduler
 from serving.errors import ApiError
 

@@ -9,7 +9,7 @@ import pytest
 
 from qtts_jax.kernels.attention import rows_attention
 from qtts_jax.request import Request
-from qtts_jax.transformer import gather_rows_attention
+from qtts_jax.talker.transformer import gather_rows_attention
 from support import GREEDY, assert_same_codes, run_small
 
 

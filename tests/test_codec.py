@@ -13,8 +13,9 @@ import pytest
 import safetensors.numpy
 
 from qtts_jax import nn
-from qtts_jax.checkpoint import CheckpointError, hf_shapes, read_safetensors
-from qtts_jax.codec.config import CodecConfig, tiny_config_dict
+from qtts_jax.io.checkpoint import CheckpointError, hf_shapes, read_safetensors
+from qtts_jax.codec.config import CodecConfig
+from qtts_jax.presets import tiny_codec_config
 from qtts_jax.codec.decoder import chunked_decode, decode
 from qtts_jax.codec.weights import codec_decoder_table, load_codec_decoder
 
@@ -194,4 +195,4 @@ def test_config_lacking_a_field_is_refused(checkpoint, tmp_path):
 def test_config_with_other_audio_rates_is_refused(field, value):
     """Stream timing, the server and the studies use codec.config's SAMPLE_RATE and SAMPLES_PER_FRAME."""
     with pytest.raises(CheckpointError, match=f"{value}.*this port serves 24000 Hz audio in frames of 1920 samples"):
-        CodecConfig.from_dict({**tiny_config_dict(), field: value})
+        CodecConfig.from_dict({**tiny_codec_config(), field: value})

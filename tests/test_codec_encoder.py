@@ -19,17 +19,12 @@ import pytest
 import safetensors.numpy
 
 from qtts_jax import nn
-from qtts_jax.checkpoint import CheckpointError, hf_shapes, read_safetensors
-from qtts_jax.codec.config import (
-    CodecConfig,
-    CodecEncoderConfig,
-    released_config_dict,
-    released_encoder_config_dict,
-    tiny_config_dict,
-)
+from qtts_jax.io.checkpoint import CheckpointError, hf_shapes, read_safetensors
+from qtts_jax.codec.config import CodecConfig, CodecEncoderConfig
 from qtts_jax.codec.encoder import encode, encode_latents
 from qtts_jax.codec.encoder import graph as encoder_graph
 from qtts_jax.codec.encoder_weights import codec_encoder_table, load_codec_encoder, random_codec_encoder
+from qtts_jax.presets import real_codec_config, real_codec_encoder_config, tiny_codec_config
 
 TOL = 1e-5
 # Relative to |residual|^2 + |codeword|^2, the size of the terms the reference's cdist rounds. Our latent
@@ -224,7 +219,7 @@ def test_reference_ignores_the_sliding_window(reference, checkpoint, reference_r
     clip (25 steps), so the port attends to all past steps."""
     from ref_codec import build_reference_codec
 
-    config = tiny_config_dict()
+    config = tiny_codec_config()
     config["encoder_config"]["sliding_window"] = 8
     narrow = build_reference_codec(config, seed=0)
     n = LENGTHS[1]
@@ -280,8 +275,8 @@ def test_encoder_config_defaults_are_mimis():
     for field in dataclasses.fields(CodecEncoderConfig):
         expected = getattr(mimi, field.name)
         assert getattr(ours, field.name) == (tuple(expected) if isinstance(expected, list) else expected), field.name
-    assert CodecEncoderConfig.from_dict(released_encoder_config_dict()) == ours
-    assert CodecConfig.from_dict(released_config_dict()).encoder == ours
+    assert CodecEncoderConfig.from_dict(real_codec_encoder_config()) == ours
+    assert CodecConfig.from_dict(real_codec_config()).encoder == ours
 
 
 def test_codec_config_encoder_fields(checkpoint):
@@ -299,7 +294,7 @@ def test_codec_config_encoder_fields(checkpoint):
 
 def test_random_params_at_released_shape():
     """Benchmarks' real-shape weights run: 0.2 s gives 3 frames of 16 codes in range."""
-    cfg = CodecConfig.from_dict(released_config_dict())
+    cfg = CodecConfig.from_dict(real_codec_config())
     codes = encode(nn.split(random_codec_encoder(cfg, seed=0))[1], cfg, clip(4_800), bucket_frames=None)
     assert codes.shape == (3, 16) and codes.dtype == np.int32
     assert codes.min() >= 0 and codes.max() < 2048

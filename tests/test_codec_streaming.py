@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from qtts_jax import nn
-from qtts_jax.codec.config import CodecConfig, tiny_config_dict
+from qtts_jax.codec.config import CodecConfig
+from qtts_jax.presets import tiny_codec_config
 from qtts_jax.codec.decoder import decode
 from qtts_jax.codec.streaming import decode_step, init_state
 from qtts_jax.codec.weights import load_codec_decoder, random_codec_decoder
@@ -32,7 +33,7 @@ def rel_err(ours, ref) -> float:
 
 @pytest.fixture(scope="module")
 def cfg():
-    return CodecConfig.from_dict(tiny_config_dict())
+    return CodecConfig.from_dict(tiny_codec_config())
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from qtts_jax import nn
-from qtts_jax.checkpoint import read_safetensors
+from qtts_jax.io.checkpoint import read_safetensors
 from qtts_jax.finetune.export import SPEAKER_ROW, export
 from qtts_jax.model import load_model
 from qtts_jax.request import Request

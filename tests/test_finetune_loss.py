@@ -17,10 +17,10 @@ from flax import nnx
 from flax.traverse_util import flatten_dict
 
 from qtts_jax import nn
-from qtts_jax.checkpoint import load_table
+from qtts_jax.io.checkpoint import load_table
 from qtts_jax.finetune import forward, layout
 from qtts_jax.finetune.data import Example
-from qtts_jax.weights import NAME_TABLE
+from qtts_jax.talker.weights import NAME_TABLE
 
 TEXTS = ("hello there", "a longer sentence, with a comma")
 FRAMES = (5, 9)

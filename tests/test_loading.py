@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from qtts_jax.checkpoint import CheckpointError, read_safetensors
+from qtts_jax.io.checkpoint import CheckpointError, read_safetensors
 from qtts_jax.config import load_config
-from qtts_jax.text import TextTokenizer
-from qtts_jax.checkpoint import hf_shapes
+from qtts_jax.io.text import TextTokenizer
+from qtts_jax.io.checkpoint import hf_shapes
 from qtts_jax.nn import state_shapes
-from qtts_jax.weights import NAME_TABLE, load_talker
+from qtts_jax.talker.weights import NAME_TABLE, load_talker
 
 
 @pytest.fixture()

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from qtts_jax import nn, sampling
+from qtts_jax import nn
+from qtts_jax.talker import sampling
 from qtts_jax.prompt import build_prompt, embed_prompt
 from qtts_jax.request import Request
-from qtts_jax.transformer import rows_layout
+from qtts_jax.talker.transformer import rows_layout
 
 FP32_BOUND = 1e-5
 BF16_BOUND = 0.03  # bf16 weights and activations vs the fp32 reference (measured 7.6e-3 on this model)

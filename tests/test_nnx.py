@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qtts_jax import nn, sampling
+from qtts_jax import nn
+from qtts_jax.talker import sampling
 
 FP32_BOUND = 1e-5
 

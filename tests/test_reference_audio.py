@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from qtts_jax.reference_audio import SAMPLE_RATE, AudioLimits, load_reference_audio, prepare_reference
+from qtts_jax.io.reference_audio import SAMPLE_RATE, AudioLimits, load_reference_audio, prepare_reference
 from qtts_jax.request import RequestError
 
 

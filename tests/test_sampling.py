@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from qtts_jax import sampling
+from qtts_jax.talker import sampling
 
 V, EOS = 3072, 2150
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from qtts_jax.kernels import sampling as ks
-from qtts_jax.sampling import SamplingParams
+from qtts_jax.talker.sampling import SamplingParams
 
 TALKER_V, PLAIN_V, EOS = 3072, 2048, 2150
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from qtts_jax.engine import Jitter, chunks_due, step_frames
-from qtts_jax.stream import FRAME_SECONDS
+from qtts_jax.engine.stream import FRAME_SECONDS
 
 COSTS = {1: 0.030, 2: 0.055, 4: 0.100}  # seconds of a step iteration (codec included) by frames
 

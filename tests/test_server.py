@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from qtts_jax.audio import to_int16
+from qtts_jax.io.audio import to_int16
 from qtts_jax.engine import Engine
 from qtts_jax.request import Request
 from serving.app import ENGINE, METRICS, SCHEDULER, Settings, create_app, drain

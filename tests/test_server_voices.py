@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 import soundfile as sf
 
-from qtts_jax.audio import to_int16
+from qtts_jax.io.audio import to_int16
 from qtts_jax.engine import Engine
 from qtts_jax.request import Request
 from serving import voice_routes

@@ -17,7 +17,7 @@ import urllib.request
 import jax
 import pytest
 
-from qtts_jax import compile_cache, sizing
+from qtts_jax.engine import compile_cache, sizing
 from qtts_jax.codec import streaming as codec_streaming
 from qtts_jax.engine import EngineConfig, init_state
 from serving.app import ENGINE, SETTINGS, Settings, create_app, run

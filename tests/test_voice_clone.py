@@ -11,7 +11,7 @@ import pytest
 import soundfile as sf
 
 import qtts_cli.main as cli
-from qtts_jax.audio import to_int16
+from qtts_jax.io.audio import to_int16
 from qtts_jax.request import Request
 from support import read_wav
 

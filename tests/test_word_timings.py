@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from qtts_jax.job import Job
+from qtts_jax.engine.job import Job
 from qtts_jax.prompt import build_prompt, text_entry_frames
 from qtts_jax.request import Request
 from serving.word_timings import estimate

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
-from qtts_jax.checkpoint import CheckpointError
+from qtts_jax.io.checkpoint import CheckpointError
 
 MODEL_TYPE = "qwen3_tts_tokenizer_12hz"
 # The 12 Hz family's audio: 24 kHz mono in frames of 1920 samples (80 ms). `CodecConfig.from_dict` refuses a
@@ -243,105 +243,3 @@ def _require(d: Mapping[str, Any], where: str, keys: list[str]) -> None:
     missing = [k for k in keys if k not in d]
     if missing:
         raise CheckpointError(f"{where} lacks required field(s): {', '.join(missing)}")
-
-
-# Top-level fields of the released file: 16 of the encoder's codebooks, and the family's audio rates.
-_RELEASED_TOP_LEVEL = {
-    "model_type": MODEL_TYPE,
-    "encoder_valid_num_quantizers": 16,
-    "input_sample_rate": SAMPLE_RATE,
-    "output_sample_rate": SAMPLE_RATE,
-    "decode_upsample_rate": SAMPLES_PER_FRAME,
-    "encode_downsample_rate": SAMPLES_PER_FRAME,
-}
-
-
-def tiny_config_dict(num_hidden_layers: int = 2) -> dict:
-    """A complete tiny ``speech_tokenizer/config.json``: small widths, but the real codebook layout and rates.
-
-    Keeping 2048 codes x 16 quantizers and rates [8,5,4,3]x[2,2] (1920 samples per frame at 24 kHz) makes
-    tiny runs exercise the same indexing, chunking and output lengths as the released model.
-    The tiny ``encoder_config`` (Mimi) keeps the released structure where it matters for the port: 32
-    codebooks of which 16 are kept, an RVQ input projection (codebook_dim != hidden_size), and, beyond the
-    release, two residual layers per stage (dilation 2) and grouped-query attention.
-    """
-    return {
-        **_RELEASED_TOP_LEVEL,
-        "decoder_config": {
-            "codebook_size": 2048,
-            "codebook_dim": 32,
-            "num_quantizers": 16,
-            "num_semantic_quantizers": 1,
-            "latent_dim": 32,
-            "decoder_dim": 64,
-            "hidden_size": 16,
-            "intermediate_size": 32,
-            "num_hidden_layers": num_hidden_layers,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 8,
-            "attention_bias": False,
-            "sliding_window": 72,
-            "rope_theta": 10000.0,
-            "rms_norm_eps": 1e-5,
-            "layer_scale_initial_scale": 0.01,
-            "max_position_embeddings": 8000,
-            "hidden_act": "silu",
-            "upsample_rates": [8, 5, 4, 3],
-            "upsampling_ratios": [2, 2],
-        },
-        "encoder_config": {
-            "sampling_rate": SAMPLE_RATE,
-            "frame_rate": SAMPLE_RATE / SAMPLES_PER_FRAME,
-            "audio_channels": 1,
-            "hidden_size": 16,
-            "num_filters": 4,
-            "num_residual_layers": 2,
-            "upsampling_ratios": [8, 6, 5, 4],
-            "codebook_size": 2048,
-            "codebook_dim": 8,
-            "vector_quantization_hidden_dimension": 8,
-            "num_quantizers": 32,
-            "num_semantic_quantizers": 1,
-            "upsample_groups": 16,
-            "num_hidden_layers": 2,
-            "intermediate_size": 32,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 8,
-            "sliding_window": 250,
-        },
-    }
-
-
-def released_encoder_config_dict() -> dict:
-    """The released ``encoder_config`` (architecture note §2.3): HF ``MimiConfig`` defaults, spelled out."""
-    return {
-        "sampling_rate": SAMPLE_RATE, "frame_rate": SAMPLE_RATE / SAMPLES_PER_FRAME, "audio_channels": 1, "num_filters": 64,
-        "num_residual_layers": 1, "upsampling_ratios": [8, 6, 5, 4], "kernel_size": 7, "last_kernel_size": 3,
-        "residual_kernel_size": 3, "dilation_growth_rate": 2, "use_causal_conv": True, "pad_mode": "constant",
-        "compress": 2, "trim_right_ratio": 1.0, "use_conv_shortcut": False, "hidden_size": 512,
-        "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64,
-        "intermediate_size": 2048, "hidden_act": "gelu", "norm_eps": 1e-5, "rope_theta": 10000.0,
-        "sliding_window": 250, "max_position_embeddings": 8000, "attention_bias": False,
-        "layer_scale_initial_scale": 0.01, "codebook_size": 2048, "codebook_dim": 256,
-        "vector_quantization_hidden_dimension": 256, "num_quantizers": 32, "num_semantic_quantizers": 1,
-        "upsample_groups": 512,
-    }
-
-
-def released_config_dict() -> dict:
-    """The released ``speech_tokenizer/config.json`` (architecture note §2.3), for random-weight benchmarks
-    at the real shapes."""
-    return {
-        **_RELEASED_TOP_LEVEL,
-        "encoder_config": released_encoder_config_dict(),
-        "decoder_config": {
-            "codebook_size": 2048, "codebook_dim": 512, "num_quantizers": 16, "num_semantic_quantizers": 1,
-            "latent_dim": 1024, "decoder_dim": 1536, "hidden_size": 512, "intermediate_size": 1024,
-            "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 64,
-            "attention_bias": False, "sliding_window": 72, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
-            "layer_scale_initial_scale": 0.01, "max_position_embeddings": 8000, "hidden_act": "silu",
-            "upsample_rates": [8, 5, 4, 3], "upsampling_ratios": [2, 2],
-        },
-    }

@@ -38,7 +38,7 @@ from qtts_jax.codec.layers import (
     transformer_layer,
 )
 from qtts_jax.nn import Conv, zeros
-from qtts_jax.transformer import rms_norm
+from qtts_jax.talker.transformer import rms_norm
 
 
 class CodecTransformer(nnx.Module):

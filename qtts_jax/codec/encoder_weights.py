@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qtts_jax.checkpoint import AS_IS, CONV, LINEAR, Entry, load_module, load_table, read_safetensors
+from qtts_jax.io.checkpoint import AS_IS, CONV, LINEAR, Entry, load_module, load_table, read_safetensors
 from qtts_jax.codec.config import CodecConfig
 from qtts_jax.codec.encoder import CodecEncoder
 from qtts_jax.codec.weights import CODEBOOK_EPS, NameTable, attention_rows, layer_scale_rows

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from qtts_jax import nn
-from qtts_jax.checkpoint import (AS_IS, CONV, CONV_TRANSPOSE, LINEAR, Entry, load_module, load_table, read_safetensors,
+from qtts_jax.io.checkpoint import (AS_IS, CONV, CONV_TRANSPOSE, LINEAR, Entry, load_module, load_table, read_safetensors,
                                  table_tensors)
 from qtts_jax.codec.config import RESIDUAL_DILATIONS, CodecConfig
 from qtts_jax.codec.decoder import CodecDecoder

@@ -1,5 +1,7 @@
-"""The streaming engine: configuration and ladders (`config`), the compiled programs (`programs`), the loop's pure
-decisions (`scheduler`), the published snapshot (`stats`) and the loop itself (`core`)."""
+"""The runtime: the streaming engine's configuration and ladders (`config`), the compiled programs (`programs`), the
+loop's pure decisions (`scheduler`), the published snapshot (`stats`) and the loop itself (`core`); one prepared
+request (`job`), its stream handle and chunk schedule (`stream`), text that arrives in pieces (`live_text`), the
+slots that fit in device memory (`sizing`) and the persistent compilation cache (`compile_cache`)."""
 
 from qtts_jax.engine.config import EngineConfig, rung
 from qtts_jax.engine.core import Engine, PromptTooLong

@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
-from qtts_jax.stream import DEFAULT_SCHEDULE
+from qtts_jax.engine.stream import DEFAULT_SCHEDULE
 
 
 def geometric(low: int, high: int, factor: int = 4) -> tuple[int, ...]:

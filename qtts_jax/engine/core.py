@@ -70,11 +70,11 @@ from qtts_jax.engine.config import EngineConfig, rung
 from qtts_jax.engine.scheduler import Jitter, StepPlan, chunks_due, newcomers_that_fit, step_frames
 from qtts_jax.engine.stats import EngineStats, cost_in_calls
 from qtts_jax.generate import pad_prompts
-from qtts_jax.job import Job
+from qtts_jax.engine.job import Job
 from qtts_jax.model import Model
 from qtts_jax.prompt import build_prompt
 from qtts_jax.request import Request, RequestError
-from qtts_jax.stream import FRAME_SECONDS, Chunk, Stream
+from qtts_jax.engine.stream import FRAME_SECONDS, Chunk, Stream
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class Engine:
         chunk schedule (the engine's by default). Raises `RequestError` (incl. `PromptTooLong`) at once, before
         anything is queued; safe from any thread (it reads only the model and the config).
 
-        `live`: the request's text is what has arrived so far (at least one token, `qtts_jax.live_text`); more
+        `live`: the request's text is what has arrived so far (at least one token, `qtts_jax.engine.live_text`); more
         comes through `append_text`. It takes the streaming-text layout (the text fed beside the codes, one id a
         frame: the only layout text can join while the stream plays), without the tts_eos that ends the text."""
         model, c = self.model, self.config

@@ -19,13 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qtts_jax import nn, sampling, transformer
+from qtts_jax import nn
+from qtts_jax.talker import sampling, transformer
 from qtts_jax.codec import streaming as codec_streaming
 from qtts_jax.engine.config import EngineConfig
 from qtts_jax.generate import RowSettings, RowState, frame_step
 from qtts_jax.model import Model
 from qtts_jax.prompt import Prompt, embed_prompt
-from qtts_jax.transformer import KVCache, rows_layout
+from qtts_jax.talker.transformer import KVCache, rows_layout
 
 class EngineState(NamedTuple):
     rows: RowState  # each leaf [slots, ...]

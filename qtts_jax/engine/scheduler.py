@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from qtts_jax.stream import FRAME_SECONDS
+from qtts_jax.engine.stream import FRAME_SECONDS
 
 
 @dataclasses.dataclass(frozen=True)

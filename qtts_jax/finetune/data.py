@@ -20,7 +20,7 @@ import numpy as np
 
 from qtts_jax.clone import VoiceEncoders
 from qtts_jax.codec import encoder as codec_encoder
-from qtts_jax.reference_audio import AudioLimits, ReferenceAudio, load_reference_audio
+from qtts_jax.io.reference_audio import AudioLimits, ReferenceAudio, load_reference_audio
 from qtts_jax.request import RequestError
 from qtts_jax.speaker.ecapa import speaker_embedding
 

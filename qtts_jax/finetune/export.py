@@ -21,13 +21,13 @@ from pathlib import Path
 import numpy as np
 
 from qtts_jax import nn, presets
-from qtts_jax.checkpoint import read_safetensors, table_tensors, write_safetensors_file
+from qtts_jax.io.checkpoint import read_safetensors, table_tensors, write_safetensors_file
 from qtts_jax.codec.config import CodecConfig
 from qtts_jax.codec.decoder import CodecDecoder
 from qtts_jax.codec.weights import codec_decoder_tensors
 from qtts_jax.model import PRESETS
 from qtts_jax.talker import Talker
-from qtts_jax.weights import NAME_TABLE
+from qtts_jax.talker.weights import NAME_TABLE
 
 SPEAKER_ROW = 3000  # the official recipe's codec id for the fine-tuned speaker
 CODEC_EMBEDDING = "talker.model.codec_embedding.weight"

@@ -18,7 +18,7 @@ from qtts_jax.config import ModelConfig
 from qtts_jax.finetune.data import Example
 from qtts_jax.prompt import NONE, build_prompt
 from qtts_jax.request import Request, VoicePrompt
-from qtts_jax.text import TextTokenizer
+from qtts_jax.io.text import TextTokenizer
 
 BUCKET = 32  # sequence and frame lengths are padded up to a multiple of this
 FILLER = -1  # `Batch.lengths` of a row that pads a short batch to its size: it has no targets

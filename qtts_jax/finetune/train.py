@@ -28,7 +28,7 @@ from qtts_jax.finetune import forward, layout, lora, optimizer
 from qtts_jax.finetune.checkpoints import Checkpoints
 from qtts_jax.finetune.data import Example
 from qtts_jax.talker import Talker
-from qtts_jax.text import TextTokenizer
+from qtts_jax.io.text import TextTokenizer
 
 
 @dataclasses.dataclass(frozen=True)

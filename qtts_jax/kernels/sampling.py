@@ -1,6 +1,6 @@
 """Batched token selection: a Pallas kernel and the jnp reference it must equal, with one signature.
 
-The reference (`*_ref`) vmaps `qtts_jax.sampling` over rows and sorts every row twice (top-k, then
+The reference (`*_ref`) vmaps `qtts_jax.talker.sampling` over rows and sorts every row twice (top-k, then
 top-p's ascending sort). Pallas GPU lowers no sort, and the kernel (one program per row, the whole
 row in registers) replaces each sort by an exact threshold search built from reductions only:
 
@@ -43,8 +43,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from qtts_jax import sampling
-from qtts_jax.sampling import SamplingParams
+from qtts_jax.talker import sampling
+from qtts_jax.talker.sampling import SamplingParams
 
 NUM_WARPS = 4  # 4096-wide rows: 32 elements per thread
 _INT32_MAX = 2**31 - 1
@@ -201,7 +201,7 @@ def sample_plain_ref(logits, params: SamplingParams, gumbel, *, interpret=False)
 
 
 def choose_row(logits, gumbel, p: SamplingParams, *, interpret=False):
-    """One row through the kernel, with `qtts_jax.sampling.choose`'s signature: the engine's frame
+    """One row through the kernel, with `qtts_jax.talker.sampling.choose`'s signature: the engine's frame
     step is written per stream and vmapped, and vmap turns this into one batched kernel launch."""
     params = jax.tree.map(lambda a: jnp.asarray(a)[None], p)
     return _call(logits[None], params, gumbel[None], interpret)[0]

@@ -15,7 +15,7 @@ from typing import Mapping
 
 import numpy as np
 
-from qtts_jax.checkpoint import CONV, Entry, load_module, load_table
+from qtts_jax.io.checkpoint import CONV, Entry, load_module, load_table
 from qtts_jax.speaker.config import SpeakerEncoderConfig
 from qtts_jax.speaker.ecapa import SpeakerEncoder
 

@@ -2,7 +2,7 @@
 
 Bytes per slot = state + workspace:
 
-- **state** is exact: `jax.eval_shape` of `engine.init_state` (talker KV cache, sampling settings,
+- **state** is exact: `jax.eval_shape` of `programs.init_state` (talker KV cache, sampling settings,
   trailing text vectors, ...) at two slot counts, differenced, plus the streaming codec decoder's state of
   one slot (`codec.streaming.init_state`). Nothing is allocated to find it.
 - **workspace** is an estimate of the activations that grow with the batch, from the config's shapes:
@@ -29,8 +29,9 @@ import math
 
 import jax
 
-from qtts_jax import engine
 from qtts_jax.codec import streaming as codec_streaming
+from qtts_jax.engine.config import EngineConfig
+from qtts_jax.engine.programs import init_state
 from qtts_jax.model import Model
 
 LIVE_BUFFERS = 4
@@ -63,7 +64,7 @@ class SlotPlan:
                 f"{_gib(self.fixed_bytes)} kept back")
 
 
-def plan(model: Model, config: engine.EngineConfig, device: jax.Device | None = None) -> SlotPlan:
+def plan(model: Model, config: EngineConfig, device: jax.Device | None = None) -> SlotPlan:
     """Per-slot bytes for `config` (its slot count is ignored) and how many slots `device`'s free memory holds."""
     state = _nbytes(_state_shapes(model, config, 2)) - _nbytes(_state_shapes(model, config, 1))
     codec_slot = _nbytes(jax.eval_shape(lambda: codec_streaming.init_state(model.codec_cfg, 1)))
@@ -77,7 +78,7 @@ def plan(model: Model, config: engine.EngineConfig, device: jax.Device | None = 
     return SlotPlan(fit, state, workspace, fixed, free, source)
 
 
-def resolve_slots(model: Model, config: engine.EngineConfig, requested: int | str,
+def resolve_slots(model: Model, config: EngineConfig, requested: int | str,
                   device: jax.Device | None = None) -> tuple[int, SlotPlan]:
     """`requested` slots ("auto": as many as fit; `CPU_SLOTS` on a CPU), or `SlotsDoNotFit` saying what fits."""
     device = device or jax.devices()[0]
@@ -103,8 +104,8 @@ def available_bytes(device: jax.Device) -> tuple[int, str]:
     return kib * 1024, "of available host RAM"
 
 
-def _state_shapes(model: Model, config: engine.EngineConfig, slots: int):
-    return jax.eval_shape(lambda: engine.init_state(model, dataclasses.replace(config, slots=slots)))
+def _state_shapes(model: Model, config: EngineConfig, slots: int):
+    return jax.eval_shape(lambda: init_state(model, dataclasses.replace(config, slots=slots)))
 
 
 def _nbytes(tree) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import unicodedata
 
 from qtts_jax.prompt import text_ids_of
-from qtts_jax.text import TextTokenizer
+from qtts_jax.io.text import TextTokenizer
 
 
 def stable_end(text: str) -> int:

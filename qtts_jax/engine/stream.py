@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from qtts_jax.codec.config import SAMPLE_RATE, SAMPLES_PER_FRAME
-from qtts_jax.job import Job
+from qtts_jax.engine.job import Job
 
 _ids = itertools.count(1)
 

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qtts_jax.checkpoint import AS_IS, LINEAR, Entry, load_module, load_table, read_safetensors
+from qtts_jax.io.checkpoint import AS_IS, LINEAR, Entry, load_module, load_table, read_safetensors
 from qtts_jax.config import ModelConfig
-from qtts_jax.talker import Talker
+from qtts_jax.talker.talker import Talker
 
 _LAYER = [
     ("self_attn.q_proj.weight", "wq", LINEAR),

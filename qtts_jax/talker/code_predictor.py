@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qtts_jax import sampling
+from qtts_jax.talker import sampling
 from qtts_jax.config import ModelConfig
 from qtts_jax.nn import dense, embedding, zeros
-from qtts_jax.transformer import DecoderStack, KVCache
+from qtts_jax.talker.transformer import DecoderStack, KVCache
 
 
 class Projection(nnx.Module):

@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from qtts_jax import sampling, transformer
-from qtts_jax.code_predictor import CodePredictor
+from qtts_jax.talker import sampling, transformer
+from qtts_jax.talker.code_predictor import CodePredictor
 from qtts_jax.config import ModelConfig
 from qtts_jax.nn import dense, embedding, zeros
-from qtts_jax.transformer import DecoderStack, KVCache
+from qtts_jax.talker.transformer import DecoderStack, KVCache
 
 
 class TextProjection(nnx.Module):

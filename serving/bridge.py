@@ -17,8 +17,8 @@ from functools import partial
 import jax
 
 from qtts_jax.engine import Engine
-from qtts_jax.job import Job
-from qtts_jax.stream import Chunk, Stream
+from qtts_jax.engine.job import Job
+from qtts_jax.engine.stream import Chunk, Stream
 
 
 class AsyncStream:
