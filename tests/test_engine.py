@@ -167,6 +167,22 @@ def test_stats_follow_a_cancel_that_leaves_the_engine_idle(engine):
     assert (st.live, st.queued, st.frames_left) == (0, 0, ())
 
 
+def test_stats_read_the_streams_in_slots_and_their_frames_left_together(engine, monkeypatch):
+    """Between two published snapshots, streams join slots (and leave them): `stats()` counts them as they are
+    now, and must count their frames left with them, or admission's slot arithmetic runs out of slots (an
+    IndexError that turned a burst's 429s into 500s)."""
+    streams = [engine.submit(engine.prepare(Request(t, speaker="ryan", max_frames=50, **GREEDY)), Collector())
+               for t in TEXTS[: engine.config.slots]]
+    engine.run_once()
+    monkeypatch.setattr(engine, "_stats", dataclasses.replace(engine.stats(), live=0, frames_left=()))  # stale
+    st = engine.stats()
+    assert st.live == engine.config.slots and len(st.frames_left) == st.live and min(st.frames_left) > 0
+    for s in streams:
+        s.cancel()
+    while engine.run_once():
+        pass
+
+
 def test_guards(engine, model):
     with pytest.raises(PromptTooLong) as err:
         engine.prepare(Request("x" * 400, speaker="ryan"))

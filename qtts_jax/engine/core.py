@@ -400,11 +400,13 @@ class Engine:
         """The latest published snapshot, with the queue, the streams in slots and the rungs in use as they are
         now: requests submitted since the last iteration count at once, so a burst is judged request by request,
         and a stream that has ended (its final chunk may reach its client before the iteration publishes) no
-        longer counts (safe from any thread)."""
+        longer counts; the frames left are read with the streams in slots, so the two always agree (safe from any
+        thread)."""
         with self._lock:
             queued = list(self.queue)
+            in_slots = [s for s in self.slots if s is not None]
             return dataclasses.replace(
-                self._stats, live=sum(s is not None for s in self.slots), queued=len(queued),
+                self._stats, live=len(in_slots), frames_left=_frames_left(in_slots), queued=len(queued),
                 queued_frames=tuple(s.frames_cap for s in queued),
                 oldest_wait_s=self.clock() - queued[0].timings.submitted if queued else 0.0, **self._sizes())
 
@@ -528,7 +530,7 @@ class Engine:
         return EngineStats(
             live=len(in_slots), queued=len(queued), **self._sizes(),
             oldest_wait_s=now - queued[0].timings.submitted if queued else 0.0,
-            frames_left=tuple(0 if s.lm_done else max(s.frames_cap - len(s.codes), 0) for s in in_slots),
+            frames_left=_frames_left(in_slots),
             queued_frames=tuple(s.frames_cap for s in queued),
 
             headroom_margin_s=self._margin_s, lead_s=c.lead_s, late_chunks=self.late_chunks,
@@ -881,6 +883,11 @@ def _swap(out: tuple) -> tuple:
     """The codec's (audio, state) as (state, audio) (for `_timed`)."""
     audio, state = out
     return state, audio
+
+
+def _frames_left(in_slots: list[Stream]) -> tuple[int, ...]:
+    """Per stream in a slot: frames it may still produce (0 once its LM is done)."""
+    return tuple(0 if s.lm_done else max(s.frames_cap - len(s.codes), 0) for s in in_slots)
 
 
 def _timed(call, donated):
