@@ -306,6 +306,30 @@ def test_audio_goes_out_while_the_step_is_being_dispatched(engine, clock, cheap,
     assert sum(c.frames for c in playing.chunks) == len(old.codes)
 
 
+def test_a_failed_step_ends_each_stream_after_the_audio_the_sender_still_had(engine, cheap, monkeypatch):
+    """A device failure ends every stream with an error chunk, and that chunk is the last: audio the sender
+    thread was still handing out (here slowed to 0.2 s) goes out before it, never after."""
+    col = Collector()
+    engine.submit(engine.prepare(Request("Doomed.", speaker="ryan", max_frames=20, **GREEDY)), col)
+    send_first, program = engine._send_first, engine._program
+
+    def slow_send_first(*args):
+        time.sleep(0.2)
+        return send_first(*args)
+
+    def failing(kind, a, b):
+        if kind == "step":
+            raise RuntimeError("device lost")
+        return program(kind, a, b)
+
+    monkeypatch.setattr(engine, "_send_first", slow_send_first)
+    monkeypatch.setattr(engine, "_program", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.run_once()
+    engine._fail_all("engine failure: device lost")  # what the loop does with the exception
+    assert [c.final for c in col.chunks] == [False, True] and col.final.error == "engine failure: device lost"
+
+
 def test_delivery_lag_reported_by_the_bridge_widens_the_margin(engine):
     """Chunks that reach the event loop late are jitter the playback margin must cover."""
     floor = engine.config.min_margin_s

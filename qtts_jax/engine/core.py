@@ -865,6 +865,7 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         self._audio = None
+        self._sender.submit(lambda: None).result()  # what the sender still hands out goes before the final chunks
         for s in list(self.slots):
             if s is not None:
                 self._finish(s, error=message)
