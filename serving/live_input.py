@@ -11,11 +11,28 @@ and the seam falls where the last stable id ended (a word's end)."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Awaitable, Callable
 
 from serving.bridge import AsyncEngine, AsyncStream
 from qtts_jax.engine import Engine, PromptTooLong
 from qtts_jax.engine.live_text import LiveText
 from serving.errors import from_request_error
+from serving.keys import BRIDGE, ENGINE
+
+
+async def append_live(session, text: str | None, start: Callable[["LiveInput"], Awaitable[None]]) -> None:
+    """`text` into a WebSocket session's open live utterance, `session.live` (one is opened if none is; either
+    protocol): `start` queues the utterance once its first id is stable; text that outgrows the engine's trailing
+    text buffer opens the next one."""
+    while text is not None:
+        if session.live is None:
+            session.live = LiveInput(session.app[ENGINE], session.app[BRIDGE])
+        live = session.live
+        text = live.add(text)
+        if live.ready and not live.started:
+            await start(live)
+        if text is not None:
+            session.live = None
 
 
 class LiveInput:

@@ -39,7 +39,7 @@ from serving import script, ssml, voice_routes
 from serving.audio_out import StreamOut, output_rate, whole
 from serving.errors import ApiError, bad
 from serving.keys import ALIASES, BRIDGE, ENGINE, MODEL, SERVED_NAMES, SETTINGS, VOICES
-from serving.live_input import LiveInput
+from serving.live_input import LiveInput, append_live
 from serving.schemas import Field, check_text, parse_options, speech_fields, speech_options, task_type
 from serving.script import Script
 from serving.sentences import GRANULARITIES, split_units
@@ -106,7 +106,7 @@ class OmniSession:
             if len(held) + len(text) > self.settings.max_input_chars:
                 raise bad("text", f"the utterance would exceed {self.settings.max_input_chars} characters", "too_long")
             if self.config.get("split_granularity") == "live" and not ssml.is_input(held + text, self.config):
-                await self._append_live(text)
+                await append_live(self, text, lambda live: self._queue_unit(live.text.stable, live))
                 return
             self.buffer += text  # an SSML document is spoken whole, at input.done
             units, self.buffer = split_units(self.buffer, "none" if ssml.is_input(self.buffer, self.config) else
@@ -121,19 +121,6 @@ class OmniSession:
             await self._queue_unit(text)
             await self.queue.put(("done", self.utterance, self.sentences))
             self.utterance, self.sentences = self.utterance + 1, 0
-
-    async def _append_live(self, text: str | None) -> None:
-        """Text of the open live sentence (one is opened if none is), queued once its first id is stable; text
-        that outgrows the engine's trailing text buffer opens the next sentence (serving/live_input.py)."""
-        while text is not None:
-            if self.live is None:
-                self.live = LiveInput(self.app[ENGINE], self.app[BRIDGE])
-            live = self.live
-            text = live.add(text)
-            if live.ready and not live.started:
-                await self._queue_unit(live.text.stable, live)
-            if text is not None:
-                self.live = None
 
     async def _queue_unit(self, text: str, live: LiveInput | None = None) -> None:
         if text.strip():

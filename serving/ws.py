@@ -52,7 +52,7 @@ from serving.audio_encoders import SAMPLE_RATE
 from serving.audio_out import StreamOut, output_rate
 from serving.errors import ApiError, bad
 from serving.keys import ALIASES, BRIDGE, ENGINE, SCHEDULER, SERVED_NAMES, SETTINGS, SOCKETS, VOICES
-from serving.live_input import LiveInput
+from serving.live_input import LiveInput, append_live
 from serving.schemas import Field, base64_chars, check_text, parse_options, speech_fields
 from serving.script import Script
 from serving.sentences import GRANULARITIES, split_units
@@ -142,7 +142,7 @@ class Session:
                 raise bad("text", f"the text buffer would exceed {self.settings.max_input_chars} characters",
                           "too_long")
             if self.options.get("split_granularity") == "live" and not ssml.is_input(held + text, self.options):
-                await self._append_live(text)
+                await append_live(self, text, self._start_live)
                 return
             text = self.buffer + text  # an SSML document is spoken whole, at commit
             units, self.buffer = split_units(text, "none" if ssml.is_input(text, self.options) else
@@ -168,22 +168,13 @@ class Session:
             raise bad("type", f"unknown message type {kind!r}; expected session.update, input_text.append, "
                               "input_text.commit, flush, cancel or close", "unknown_type")
 
-    async def _append_live(self, text: str | None) -> None:
-        """Text of the open live utterance (one is opened if none is): it is queued once its first id is stable;
-        text that outgrows the engine's trailing text buffer opens the next one (serving/live_input.py)."""
-        while text is not None:
-            if self.live is None:
-                self.live = LiveInput(self.app[ENGINE], self.app[BRIDGE])
-            live = self.live
-            text = live.add(text)
-            if live.ready and not live.started:
-                try:
-                    await self._commit(live.start(), live)
-                except ApiError:
-                    self.live = None  # refused: the text after this starts another
-                    raise
-            if text is not None:
-                self.live = None
+    async def _start_live(self, live: LiveInput) -> None:
+        """Queue the open live utterance once its first id is stable (`live_input.append_live`)."""
+        try:
+            await self._commit(live.start(), live)
+        except ApiError:
+            self.live = None  # refused: the text after this starts another
+            raise
 
     async def _complete_live(self) -> None:
         """The open live utterance's text is complete (commit, close): one whose first id never became stable
