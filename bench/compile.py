@@ -48,25 +48,6 @@ def engine_for(args, model=None, **overrides):
                   dataclasses.replace(Settings(slots=args.slots, context=args.context).engine_config(), **overrides))
 
 
-def call(engine, kind: str, a: int, b: int, exe):
-    """One call of a compiled program on padding rows (every write dropped), the engine's state threaded."""
-    import numpy as np
-
-    c, cfg = engine.config, engine.model.cfg
-    idx, zeros = np.full(a, c.slots, np.int32), np.zeros(a, bool)
-    if kind == "step":
-        engine.state, out = exe(engine.model.params, engine.state, idx, zeros)
-    elif kind == "first":
-        engine.state, engine.codec_state, out = exe(engine.model.params, engine.codec_params, engine.state,
-                                                    engine.codec_state, idx, zeros, zeros, zeros)
-    elif kind == "codec":
-        out, engine.codec_state = exe(engine.codec_params, engine.codec_state, engine.state.codes, idx, zeros,
-                                      np.zeros(a, np.int32), np.full(a, b, np.int32))
-    else:
-        engine.state, out = exe(engine.model.params, engine.state, *engine._dummy_inserts(a, b))
-    return out
-
-
 def child(args) -> dict:
     """This process's variant: compile each program alone, then time them all under the shared lock."""
     import jax
@@ -77,23 +58,24 @@ def child(args) -> dict:
         kind, a, b = spec.split(":")
         a, b = int(a), int(b)
         t0 = time.perf_counter()
-        lowered = engine._lower(kind, a, b)
+        lowered = engine.runner.lower(kind, a, b)
         lower_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        compiled[spec] = (kind, a, b, lowered.compile())
+        compiled[spec] = key = (kind, a, b)
+        engine.runner.programs[key] = lowered.compile()
         compile_s = time.perf_counter() - t0
-        mem = compiled[spec][3].memory_analysis()
+        mem = engine.runner.programs[key].memory_analysis()
         rows[spec] = {"lower_s": round(lower_s, 2), "compile_s": round(compile_s, 2),
                       "temp_gib": round(getattr(mem, "temp_size_in_bytes", 0) / 2**30, 3)}
         print(spec, rows[spec], file=sys.stderr, flush=True)
     with open(args.lock, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        for spec, (kind, a, b, exe) in compiled.items():
-            jax.block_until_ready(call(engine, kind, a, b, exe))
+        for spec, key in compiled.items():  # each on padding rows (every write dropped), the state threaded
+            jax.block_until_ready(engine.runner.idle_call(key))
             host, total = [], []
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
-                out = call(engine, kind, a, b, exe)
+                out = engine.runner.idle_call(key)
                 host.append(time.perf_counter() - t0)
                 jax.block_until_ready(out)
                 total.append(time.perf_counter() - t0)

@@ -81,9 +81,9 @@ def full_cache_ops(engine: Engine, rows: int, frames: int) -> dict:
     a copy, transpose or loop fusion of that shape is a per-call copy of the whole cache."""
     import re
 
-    k = engine.state.cache.k
+    k = engine.runner.state.cache.k
     shape = f"{jnp.dtype(k.dtype).name.replace('bfloat16', 'bf16').replace('float32', 'f32')}[{','.join(map(str, k.shape))}]"
-    text = engine._program("step", rows, frames).as_text()
+    text = engine.runner.program("step", rows, frames).as_text()
     ops: dict[str, int] = {}
     for line in text.splitlines():
         m = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (\S+?)(?:\{[^}]*\})? ([\w\-]+)\(", line)
@@ -105,7 +105,7 @@ def bench_slots(model, slots: int, args) -> dict:
     )
     before = device_bytes()
     engine = Engine(model, config)
-    jax.block_until_ready(engine.state)
+    jax.block_until_ready(engine.runner.state)
     at_rest = device_bytes()
     t0 = time.perf_counter()
     engine.warmup()
@@ -196,7 +196,7 @@ def bench_clone(model, args) -> dict:
     wav = (0.3 * rng.standard_normal(10 * SAMPLE_RATE)).astype(np.float32)
     icl = model.clone_voice((wav, SAMPLE_RATE), "The ten seconds of reference speech say this sentence, and more.")
     xvec = VoicePrompt(icl.xvector)
-    prime = timed(lambda: engine._prime(icl.ref_codes), args.repeats)
+    prime = timed(lambda: engine.runner.prime(icl.ref_codes), args.repeats)
     engine.prepare_voice(icl.ref_codes)
     out = {"registration": registration, "encoder_warmup_30s_remaining_buckets_s": round(warmup_s, 1),
            "clone_slots": slots, "icl_reference_frames": len(icl.ref_codes),

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.compile import call, engine_for, model_for  # noqa: E402
+from bench.compile import engine_for, model_for  # noqa: E402
 
 
 def device_events(trace: dict) -> tuple[dict[str, list[dict]], dict]:
@@ -120,7 +120,7 @@ def main() -> None:
     engines = {name: engine_for(args, model, **overrides) for name, overrides in variants(args.variants).items()}
     keys = [(kind, int(a), int(b)) for kind, a, b in (x.split(":") for x in args.programs.split(","))]
     jobs = [(name, engine, key) for name, engine in engines.items() for key in keys]
-    lowered = [engine._lower(*key) for _, engine, key in jobs]
+    lowered = [engine.runner.lower(*key) for _, engine, key in jobs]
 
     def compile_one(low):
         t0 = time.perf_counter()
@@ -131,14 +131,15 @@ def main() -> None:
     result = {"model": args.model, "dtype": args.dtype, "slots": args.slots, "context": args.context,
               "device": str(jax.devices()[0]), "command": " ".join(sys.argv), "programs": {}}
     for (variant, engine, key), (exe, compile_s) in zip(jobs, compiled):
+        engine.runner.programs[key] = exe
         for _ in range(2):  # the first call of an executable pays its one-off set-up
-            jax.block_until_ready(call(engine, *key, exe))
+            jax.block_until_ready(engine.runner.idle_call(key))
         walls = []
         with tempfile.TemporaryDirectory() as tmp:
             jax.profiler.start_trace(tmp, create_perfetto_trace=True)
             for _ in range(args.calls):
                 t0 = time.perf_counter()
-                jax.block_until_ready(call(engine, *key, exe))
+                jax.block_until_ready(engine.runner.idle_call(key))
                 walls.append(time.perf_counter() - t0)
             jax.profiler.stop_trace()
             traces = glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)

@@ -280,26 +280,20 @@ def test_audio_goes_out_while_the_step_is_being_dispatched(engine, clock, cheap,
     new = engine.submit(engine.prepare(Request("Newcomer.", speaker="aiden", max_frames=20, **GREEDY)), newcomer)
     chunks_before = len(playing.chunks)
     seen_during_step = []
-    program = engine._program
+    step = engine.runner.step
 
-    def slow_step(kind, a, b):
-        exe = program(kind, a, b)
-        if kind != "step":
-            return exe
+    def slow_step(*args):
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (newcomer.chunks and len(playing.chunks) > chunks_before):
+            time.sleep(0.001)
+        seen_during_step.append((len(newcomer.chunks), len(playing.chunks) - chunks_before))
+        return step(*args)
 
-        def call(*args):
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and not (newcomer.chunks and len(playing.chunks) > chunks_before):
-                time.sleep(0.001)
-            seen_during_step.append((len(newcomer.chunks), len(playing.chunks) - chunks_before))
-            return exe(*args)
-        return call
-
-    monkeypatch.setattr(engine, "_program", slow_step)
+    monkeypatch.setattr(engine.runner, "step", slow_step)
     engine.run_once()
     assert seen_during_step == [(1, 1)]
     assert newcomer.chunks[0].frames == 1 and len(new.codes) > 1
-    monkeypatch.setattr(engine, "_program", program)
+    monkeypatch.setattr(engine.runner, "step", step)
     while engine.run_once():
         pass
     assert playing.final.error is None and newcomer.final.error is None
@@ -311,19 +305,17 @@ def test_a_failed_step_ends_each_stream_after_the_audio_the_sender_still_had(eng
     thread was still handing out (here slowed to 0.2 s) goes out before it, never after."""
     col = Collector()
     engine.submit(engine.prepare(Request("Doomed.", speaker="ryan", max_frames=20, **GREEDY)), col)
-    send_first, program = engine._send_first, engine._program
+    send_first = engine._send_first
 
     def slow_send_first(*args):
         time.sleep(0.2)
         return send_first(*args)
 
-    def failing(kind, a, b):
-        if kind == "step":
-            raise RuntimeError("device lost")
-        return program(kind, a, b)
+    def failing(*args):
+        raise RuntimeError("device lost")
 
     monkeypatch.setattr(engine, "_send_first", slow_send_first)
-    monkeypatch.setattr(engine, "_program", failing)
+    monkeypatch.setattr(engine.runner, "step", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         engine.run_once()
     engine._fail_all("engine failure: device lost")  # what the loop does with the exception

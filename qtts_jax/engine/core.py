@@ -1,12 +1,11 @@
 """Continuous-batching streaming engine: a playback-deadline loop over one compiled step per live-batch size.
 
-A fixed number of slots holds the per-stream state (one donated pytree): the talker KV cache, slot-major
-[layers, slots, kv heads, rows, head dim], and per-slot logits/hidden state, seen-code mask, done flag,
-sampling settings, trailing text vectors, frame counter, cache offset and the frames made so far (the codes
-ring the codec reads). Cost follows the live load:
-every program is compiled for a ladder of batch sizes, and each call takes only the live slots' rows
-(gathered by index, padded to the next rung with rows whose writes are dropped), so a large engine with
-few live streams steps as fast as a small one, and the cache is only touched where it is read and written.
+The loop holds the streams and makes the decisions (`scheduler`'s pure functions); the device work is the
+`runner`'s: a fixed number of slots of per-stream state on the device (the talker KV cache, per-slot sampling
+state, trailing text, frame counters and the codes ring the codec reads), and the programs compiled for a ladder
+of batch sizes. Each call takes only the live slots' rows (gathered by index, padded to the next rung with rows
+whose writes are dropped), so a large engine with few live streams steps as fast as a small one. The loop and the
+runner meet at the runner's calls and their typed outcomes (`StepOutcome`, `FirstOutcome`, `Calibration`).
 
 One iteration of the loop (`run_once`); its decisions are `scheduler`'s pure functions:
 1. waiting requests that have a free slot are prefilled, all of them in one call per prompt bucket, so a
@@ -42,7 +41,7 @@ batched talker call; nothing mixes rows, so a seeded request gives the same code
 An ICL voice's audio continues its reference recording, as the reference decodes reference + new codes and
 cuts the reference's share: the slot's codec state starts from the state after the reference codes
 (computed once per voice and cached). Everything the loop calls is compiled by `warmup` (in parallel, and
-timed: the costs drive step sizes and admission); nothing compiles in steady state. A server's warm-up returns
+timed by `Runner.calibrate`: the costs drive step sizes and admission); nothing compiles in steady state. A server's warm-up returns
 once the smallest rung can serve and compiles the larger rungs in the background, the slots in use growing with
 them.
 """
@@ -52,29 +51,23 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import hashlib
 import logging
-import os
 import threading
 import time
-from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from qtts_jax.codec import streaming as codec_streaming
 from qtts_jax.codec.config import SAMPLES_PER_FRAME
-from qtts_jax.engine import programs
 from qtts_jax.engine.config import EngineConfig, rung
+from qtts_jax.engine.job import Job
+from qtts_jax.engine.runner import Calibration, FirstOutcome, Key, Runner
 from qtts_jax.engine.scheduler import Jitter, StepPlan, chunks_due, newcomers_that_fit, step_frames
 from qtts_jax.engine.stats import EngineStats, cost_in_calls
-from qtts_jax.generate import pad_prompts
-from qtts_jax.engine.job import Job
+from qtts_jax.engine.stream import FRAME_SECONDS, Chunk, Stream
 from qtts_jax.model import Model
 from qtts_jax.prompt import build_prompt
 from qtts_jax.request import Request, RequestError
-from qtts_jax.engine.stream import FRAME_SECONDS, Chunk, Stream
 
 log = logging.getLogger(__name__)
 
@@ -83,52 +76,21 @@ class PromptTooLong(RequestError):
     """The request cannot fit this engine's cache (a clean refusal, not a crash)."""
 
 
-APPEND_IDS = 8  # live text ids one append call writes (more take several calls)
-
-
 class Engine:
-    """Device state plus the host loop that admits, steps, decodes and hands out audio."""
+    """The host loop that admits, steps, decodes and hands out audio, over a `Runner` that owns the device."""
 
     def __init__(self, model: Model, config: EngineConfig = EngineConfig()):
         self.model = model
         self.config = config
-        cfg, c = model.cfg, config
+        c = config
         if max(c.prompt_buckets) >= c.context:
             raise ValueError("the largest prompt bucket must leave room for frames in the context")
-        codec_cfg = model.codec_cfg
-        choose, attention = programs.chooser(c.sampler), programs.attender(c.attention)
-        self._jit_insert = jax.jit(partial(programs.insert, graph=model.graph, cfg=cfg), donate_argnums=(1,))
-        self._jit_step = jax.jit(partial(programs.step, graph=model.graph, cfg=cfg, choose=choose,
-                                         attention=attention), donate_argnums=(1,), static_argnames="n")
-        self._jit_codec = jax.jit(partial(programs.codec, cfg=codec_cfg), donate_argnums=(1,), static_argnames="n")
-        self._jit_first = jax.jit(partial(programs.first, graph=model.graph, cfg=cfg, codec_cfg=codec_cfg,
-                                          choose=choose, attention=attention),
-                                  donate_argnums=(2, 3))
-        self._codec_one = jax.jit(
-            lambda p, st, codes: codec_streaming.decode_step(p, codec_cfg, st, codes, jnp.full(1, codes.shape[1]))[1],
-            donate_argnums=(1,),
-        )
-        self._jit_append = jax.jit(partial(programs.append_text, graph=model.graph), donate_argnums=(1,))
-        self._codec_load = jax.jit(  # a one-slot state into slot `slot` of the batched one
-            lambda st, one, slot: programs.set_slot(st, slot, jax.tree.map(lambda v: v[0], one)), donate_argnums=(0,))
-        # ("insert", bucket, requests) | ("step"|"codec", rung, frames) | ("first", rung, 1) | ("append", 1, ids)
-        # -> compiled
-        self._programs: dict = {}
-        self._primed: collections.OrderedDict[bytes, codec_streaming.StreamState] = collections.OrderedDict()
-        self._primed_lock = threading.Lock()
-        self.state = programs.init_state(model, c)
-        codec_dtype = jnp.dtype(c.codec_dtype)
-        self.codec_params = jax.tree.map(
-            lambda a: a.astype(codec_dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, model.codec_params)
-        self.codec_state = codec_streaming.init_state(model.codec_cfg, c.slots, codec_dtype)
-        # what programs are lowered on: the states' shapes, never their buffers (the loop donates those)
-        self._specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                                   (self.state, self.codec_state))
+        self.runner = Runner(model, config)
         # the sizes the loop may use: all of them, but while `warmup(background=True)` compiles only those compiled
         # and timed so far (`_use`); the slots in use never exceed the largest rung
         self._ladder, self._first_sizes, self._step_sizes = c.ladder, c.first_sizes, c.step_sizes
         self._codec_sizes, self._prefill_sizes = c.codec_sizes, c.prefill_sizes
-        self._ready: set = set()  # programs warmed up (compiled and timed), by key
+        self._ready: set = set()  # programs warmed up (compiled and timed), by runner key
         self._compiling = 0  # programs the background warm-up has still to compile and time
         self.slots: list[Stream | None] = [None] * c.slots
         self.queue: collections.deque[Stream] = collections.deque()
@@ -230,13 +192,7 @@ class Engine:
             if s.finished:
                 continue
             s.cap = self._frames_cap(s.job, s.text_known + len(ids))
-            for at in range(0, len(ids), APPEND_IDS):
-                part = ids[at : at + APPEND_IDS]
-                padded = np.zeros(APPEND_IDS, np.int32)
-                padded[: len(part)] = part
-                self.state = self._program("append", 1, APPEND_IDS)(
-                    self.model.params, self.state, np.int32(s.slot), np.int32(s.text_known + at), padded,
-                    np.int32(len(part)), np.int32(s.cap))
+            self.runner.append_text(s.slot, s.text_known, ids, s.cap)
             s.text_known += len(ids)
             s.text_complete = complete
 
@@ -257,71 +213,33 @@ class Engine:
         """Compile every program the loop calls (in parallel: XLA compiles off the GIL), then time each once
         on the idle engine: those costs seed the step-size choice and admission until live ones replace them.
 
-        With `background`, return once the least that serves is compiled and timed (`_stages`): the engine then
-        serves as many streams as the smallest rung holds, one frame a step, while a thread compiles the rest
+        With `background`, return once the least that serves is compiled and timed (`Runner.stages`): the engine
+        then serves as many streams as the smallest rung holds, one frame a step, while a thread compiles the rest
         stage by stage, each stage's sizes (and the slots in use) joining the loop's as soon as they are compiled
         and timed on a scratch state; a cold server is ready after a handful of its programs."""
-        c, cfg = self.config, self.model.cfg
         t0 = time.perf_counter()
-        stages = self._stages()
+        stages = self.runner.stages()
         now, later = (stages[:1], stages[1:]) if background else (stages, [])
         keys = [key for stage in now for key in stage]
-        self._compile(keys)
-        if cfg.model_type == "base":  # ICL voices: one-slot priming at every chunk size, and loading
-            primed = self._prime(np.zeros((sum(c.codec_sizes), cfg.num_code_groups), np.int32))
-            self.codec_state = self._codec_load(self.codec_state, primed, np.int32(0))
+        self.runner.compile(keys)
+        if self.model.cfg.model_type == "base":
+            self.runner.warm_voices()
         log.info("compiled %d engine programs in %.1f s", len(keys), time.perf_counter() - t0)
-        self.state, self.codec_state = self._use(keys, self.state, self.codec_state, left=sum(map(len, later)))
+        self._use(keys, self.runner.calibrate(keys), left=sum(map(len, later)))
         log.info("step costs (rows, frames) -> ms: %s", {k: round(v * 1e3, 1) for k, v in self.step_costs.items()})
         if later:
             threading.Thread(target=self._warm_rest, args=(later, t0), name="qtts-warmup", daemon=True).start()
 
-    def _stages(self) -> list[list[tuple]]:
-        """Every program, in the order a background warm-up makes them usable: first the least that serves (a
-        prefill of one request per prompt bucket, and the smallest rung's one-frame step, one-frame codec call and
-        first frame), then that rung's other step and codec sizes and the other prefill sizes, then each larger
-        rung whole."""
-        c = self.config
-        least = ([("insert", bucket, c.prefill_sizes[0]) for bucket in c.prompt_buckets]
-                 + [("step", c.ladder[0], 1), ("codec", c.ladder[0], 1), ("first", c.ladder[0], 1),
-                    ("append", 1, APPEND_IDS)])
-        prefills = [("insert", bucket, r) for bucket in c.prompt_buckets for r in c.prefill_sizes]
-        rest = [key for key in prefills + self._rung_keys(c.ladder[0]) if key not in least]
-        return [least, rest] + [self._rung_keys(b) for b in c.ladder[1:]]
-
-    def _rung_keys(self, b: int) -> list[tuple]:
-        """The programs of one ladder rung: its step and codec sizes, and its first-frame program if it has one."""
-        c = self.config
-        return ([("step", b, n) for n in c.step_sizes] + [("codec", b, n) for n in c.codec_sizes]
-                + ([("first", b, 1)] if b in c.first_sizes else []))
-
-    def _compile(self, keys: list[tuple]) -> None:
-        """Compile `keys` at once (tracing holds the GIL; compiling does not) into the program table."""
-        lowered = [self._lower(*key) for key in keys]
-
-        def compile_one(low):
-            t = time.perf_counter()
-            return low.compile(), time.perf_counter() - t
-
-        report = []
-        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(keys), os.cpu_count() or 1))) as pool:
-            for key, (exe, seconds) in zip(keys, pool.map(compile_one, lowered)):
-                self._programs[key] = exe
-                temp = getattr(exe.memory_analysis(), "temp_size_in_bytes", 0)
-                report.append((seconds, "/".join(map(str, key)), temp / 2**30))
-        log.info("slowest compiles (s, program, temp GiB): %s",
-                 [(round(t, 1), k, round(m, 2)) for t, k, m in sorted(report, reverse=True)[:8]])
-
-    def _warm_rest(self, stages: list[list[tuple]], t0: float) -> None:
+    def _warm_rest(self, stages: list[list[Key]], t0: float) -> None:
         """The background half of `warmup`: stage after stage compiled, timed on a scratch state of its own (the
-        loop owns the real one) and added to what the loop may use."""
+        loop owns the live one) and added to what the loop may use."""
         try:
-            state, codec_state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._specs)
+            scratch = self.runner.scratch()
             for i, keys in enumerate(stages):
-                self._compile(keys)
-                state, codec_state = self._use(keys, state, codec_state, left=sum(map(len, stages[i + 1:])),
-                                               settle=i == len(stages) - 1)
-            del state, codec_state
+                self.runner.compile(keys)
+                self._use(keys, self.runner.calibrate(keys, on=scratch), left=sum(map(len, stages[i + 1:])),
+                          settle=i == len(stages) - 1)
+            del scratch
             log.info("every rung compiled and timed after %.1f s (slots=%d)", time.perf_counter() - t0,
                      self.config.slots)
         except Exception:  # what was compiled so far keeps serving
@@ -329,42 +247,23 @@ class Engine:
             with self._lock:
                 self._compiling = 0
 
-    def _use(self, keys: list[tuple], state, codec_state, left: int, settle: bool = False):
-        """Time the compiled programs `keys` once each on padding rows (writes dropped, so `state` and
-        `codec_state` keep their values; they are donated and returned), then let the loop use them (`left`:
-        programs still to come): a step's iteration cost is the step plus a codec call of as many rows, prefill
-        is timed at the largest bucket. `settle` (the background warm-up's last stage): what the loop measured
-        so far shared the machine with XLA, so it goes back to the idle timings, in the same update that says
-        nothing is left to compile."""
-        c, params = self.config, self.model.params
+    def _use(self, keys: list[Key], timed: Calibration, left: int, settle: bool = False) -> None:
+        """Let the loop use the compiled and timed programs `keys` (`left`: programs still to come), their idle
+        costs seeding what it has not measured live. `settle` (the background warm-up's last stage): what the loop
+        measured so far shared the machine with XLA, so it goes back to the idle timings, in the same update that
+        says nothing is left to compile."""
+        c = self.config
         ready = self._ready | set(keys)
-        codec_sizes = [n for n in c.codec_sizes if ("codec", c.ladder[0], n) in ready]
-        steps, firsts, prefills = {}, {}, {}
-        for kind, a, n in keys:
-            idx, zeros = np.full(a, c.slots, np.int32), np.zeros(a, bool)
-            if kind == "insert" and a == max(c.prompt_buckets):
-                state, prefills[n] = _timed(lambda st: self._program("insert", a, n)(
-                    params, st, *self._dummy_inserts(a, n)), state)
-            elif kind == "step":
-                chunk = min(s for s in codec_sizes if s >= min(max(c.schedule), n, max(codec_sizes)))
-                state, step_s = _timed(lambda st: self._program("step", a, n)(params, st, idx, np.zeros(a, np.int32)),
-                                       state)
-                codec_state, codec_s = _timed(lambda st: _swap(self._program("codec", a, chunk)(
-                    self.codec_params, st, state.codes, idx, zeros, np.zeros(a, np.int32),
-                    np.full(a, chunk, np.int32))), codec_state)
-                steps[a, n] = step_s + codec_s
-            elif kind == "first":
-                (state, codec_state), firsts[a] = _timed(lambda sts: _split_last(self._program("first", a, 1)(
-                    params, self.codec_params, *sts, idx, zeros, zeros, zeros)), (state, codec_state))
         with self._lock:
-            self._idle_step_costs.update(steps)
-            for costs, new in ((self.step_costs, steps), (self.first_costs, firsts), (self.prefill_costs, prefills)):
+            self._idle_step_costs.update(timed.steps)
+            for costs, new in ((self.step_costs, timed.steps), (self.first_costs, timed.firsts),
+                               (self.prefill_costs, timed.prefills)):
                 costs.update({k: v for k, v in new.items() if k not in costs})  # live measurements stay
             self._ready = ready
             self._ladder = tuple(b for b in c.ladder if {("step", b, 1), ("codec", b, 1)} <= ready)
             self._first_sizes = tuple(b for b in c.first_sizes if ("first", b, 1) in ready)
             self._step_sizes = tuple(n for n in c.step_sizes if ("step", c.ladder[0], n) in ready)
-            self._codec_sizes = tuple(codec_sizes)
+            self._codec_sizes = tuple(n for n in c.codec_sizes if ("codec", c.ladder[0], n) in ready)
             self._prefill_sizes = tuple(r for r in c.prefill_sizes
                                         if all(("insert", b, r) in ready for b in c.prompt_buckets))
             if settle:
@@ -372,12 +271,11 @@ class Engine:
                 self._forget_timings()
             self._compiling = left
             self._stats = self._snapshot()
-        return state, codec_state
 
     def prepare_voice(self, ref_codes: np.ndarray) -> None:
         """Compute and cache the codec state after an ICL voice's reference codes (thread-safe; the server
         calls it when a voice is registered, so the first request with it does not pay for it)."""
-        self._primed_state(ref_codes)
+        self.runner.primed_state(ref_codes)
 
     def set_clock(self, clock) -> None:
         """Time the loop's decisions and every stream timestamp by `clock` (tests simulate playback with it);
@@ -452,8 +350,7 @@ class Engine:
             limits = np.array([plan.frames if allowed[s] is None else min(plan.frames, allowed[s])
                                for s in stepping], np.int32)
             idx, _ = self._rows(stepping, b)
-            self.state, out = self._program("step", b, plan.frames)(self.model.params, self.state, idx,
-                                                                    np.pad(limits, (0, b - len(stepping))))
+            out = self.runner.step(idx, np.pad(limits, (0, b - len(stepping))), plan.frames)
         parts.mark("dispatch")
         if stamping is not None:
             stamping.result()
@@ -469,7 +366,7 @@ class Engine:
                            if plan is not None else {})
         parts.mark("codec_dispatch")
         if out is not None:
-            frames, valid = np.asarray(out[0]), np.asarray(out[1])  # the one host sync per step call
+            frames, valid = np.asarray(out.frames), np.asarray(out.valid)  # the one host sync per step call
             parts.mark("device_wait")
             now = self.clock()
             self._recent_frame_s.append((now - t0) / plan.frames)
@@ -571,11 +468,9 @@ class Engine:
         fresh, decode = np.zeros(b, bool), np.zeros(b, bool)
         for j, s in enumerate(new):
             fresh[j], decode[j] = s.fresh_codec, s.next_chunk_frames() == 1
-        self.state, self.codec_state, out = self._program("first", b, 1)(
-            self.model.params, self.codec_params, self.state, self.codec_state, idx, mask, fresh, decode)
-        return out, decode[: len(new)]
+        return self.runner.first(idx, mask, fresh, decode), decode[: len(new)]
 
-    def _send_first(self, new: list[Stream], out, decode: np.ndarray):
+    def _send_first(self, new: list[Stream], out: FirstOutcome, decode: np.ndarray):
         """On the sender thread, while the engine thread dispatches the step: wait for the newcomers' first
         program and hand out the audio of those that decoded their frame. Touches nothing but those streams'
         chunk hand-out (`Stream.emit`); the engine thread does their bookkeeping in `_take_first`."""
@@ -656,8 +551,7 @@ class Engine:
             groups[stream.job.bucket].append(stream)
             voice = stream.job.request.voice
             if voice is not None and voice.ref_codes is not None:
-                self.codec_state = self._codec_load(self.codec_state, self._primed_state(voice.ref_codes),
-                                                    np.int32(stream.slot))
+                self.runner.load_voice(stream.slot, voice.ref_codes)
                 stream.fresh_codec = False
         done = None
         for bucket, streams in groups.items():
@@ -665,8 +559,7 @@ class Engine:
             for at in range(0, len(streams), most):
                 part = streams[at : at + most]
                 r = rung(self._prefill_sizes, len(part))
-                args = self._insert_args([(s.slot, s.job) for s in part], r)
-                self.state, done = self._program("insert", bucket, r)(self.model.params, self.state, *args)
+                done = self.runner.prefill(bucket, [(s.slot, s.job) for s in part], r)
         return joined, done
 
     def _newcomer_limit(self, waiting: int) -> int:
@@ -690,84 +583,6 @@ class Engine:
         the first-frame program for `first` newcomers, which run ahead of the step; 0 before anything is timed."""
         return ((cost_in_calls(self.prefill_costs, prefilled) if prefilled and self.prefill_costs else 0.0)
                 + (cost_in_calls(self.first_costs, first) if first and self.first_costs else 0.0))
-
-    def _insert_args(self, items: list[tuple[int, Job]], size: int) -> tuple:
-        """Stacked prefill inputs for `items` (slot, job), padded to `size` rows aimed past the last slot."""
-        cfg, c = self.model.cfg, self.config
-        bucket = items[0][1].bucket
-        slots = np.full(size, c.slots, np.int32)
-        # padding rows: a one-row blank prompt, so that they attend to something
-        prompts = [job.prompt for _, job in items] + [programs.blank_prompt(cfg, 1)] * (size - len(items))
-        text, codec, frames, speaker_row, speaker, valid = pad_prompts(prompts, bucket, cfg)
-        trailing = np.full((size, c.max_trailing + 1), cfg.text.tts_pad, np.int32)
-        knobs = np.ones((size, 5), np.float32)
-        ints = np.zeros((size, 7), np.uint32)
-        for i, (slot, job) in enumerate(items):
-            req, p = job.request, job.prompt
-            slots[i] = slot
-            trailing[i, : len(p.trailing)] = p.trailing
-            knobs[i] = [req.temperature, req.top_p, req.repetition_penalty, req.subtalker_temperature,
-                        req.subtalker_top_p]
-            ints[i] = np.array([req.seed & 0xFFFFFFFF, req.top_k, req.subtalker_top_k, job.frames_cap, len(p),
-                                int(req.greedy), int(req.subtalker_greedy)], np.int64).astype(np.uint32)
-        return (slots, text, codec, frames, speaker_row, speaker, valid, trailing, knobs, ints)
-
-    def _dummy_inserts(self, bucket: int, size: int) -> tuple:
-        """Prefill inputs of `size` padding rows (every write dropped): for compiling and timing."""
-        job = Job(request=_WARMUP, prompt=programs.blank_prompt(self.model.cfg, bucket), bucket=bucket, frames_cap=1,
-                  schedule=self.config.schedule)
-        return self._insert_args([(self.config.slots, job)], size)
-
-    def _lower(self, kind: str, a: int, b: int):
-        """The program `kind` for one ladder rung, lowered on padding inputs (the shapes the loop passes)."""
-        c = self.config
-        state, codec_state = self._specs
-        if kind == "insert":
-            return self._jit_insert.lower(self.model.params, state, *self._dummy_inserts(a, b))
-        idx, zeros = np.full(a, c.slots, np.int32), np.zeros(a, bool)
-        if kind == "first":
-            return self._jit_first.lower(self.model.params, self.codec_params, state, codec_state,
-                                         idx, zeros, zeros, zeros)
-        if kind == "step":
-            return self._jit_step.lower(self.model.params, state, idx, np.zeros(a, np.int32), n=b)
-        if kind == "append":
-            scalar = np.int32(0)
-            return self._jit_append.lower(self.model.params, state, scalar, scalar, np.zeros(b, np.int32), scalar,
-                                          scalar)
-        counts = np.zeros(a, np.int32)
-        return self._jit_codec.lower(self.codec_params, codec_state, state.codes, idx, zeros, counts, counts, n=b)
-
-    def _program(self, kind: str, a: int, b: int):
-        """A compiled program; `warmup` compiles them all, and an engine used without it compiles on demand."""
-        exe = self._programs.get((kind, a, b))
-        if exe is None:
-            exe = self._programs[kind, a, b] = self._lower(kind, a, b).compile()
-        return exe
-
-    def _primed_state(self, ref_codes: np.ndarray) -> codec_streaming.StreamState:
-        """One slot's codec state after decoding ``ref_codes``, from a small LRU cache keyed by the codes."""
-        codes = np.ascontiguousarray(ref_codes, np.int32)
-        key = hashlib.sha1(codes.tobytes() + str(codes.shape).encode()).digest()
-        with self._primed_lock:
-            if key in self._primed:
-                self._primed.move_to_end(key)
-                return self._primed[key]
-        state = self._prime(codes)
-        with self._primed_lock:
-            self._primed[key] = state
-            while len(self._primed) > self.config.cached_voices:
-                self._primed.popitem(last=False)
-        return state
-
-    def _prime(self, codes: np.ndarray) -> codec_streaming.StreamState:
-        """Decode ``codes`` [T, 16] through a fresh one-slot state, in chunks of the compiled sizes."""
-        state = codec_streaming.init_state(self.model.codec_cfg, 1, self.codec_state.keys.dtype)
-        start, sizes = 0, sorted(self.config.codec_sizes, reverse=True)
-        while start < len(codes):
-            n = next(n for n in sizes if n <= len(codes) - start)
-            state = self._codec_one(self.codec_params, state, codes[None, start : start + n])
-            start += n
-        return state
 
     def _decode_audio(self, now: float, coming: dict[Stream, int]) -> None:
         """Hand every stream's due frames (`scheduler.chunks_due`: below its lead, all it has; past it, its
@@ -801,9 +616,7 @@ class Engine:
             s.decoded += f
             s.pending -= f
             s.inflight = f
-        audio, self.codec_state = self._program("codec", b, n)(self.codec_params, self.codec_state, self.state.codes,
-                                                               idx, fresh, start, count)
-        self._audio = (audio, due)
+        self._audio = (self.runner.codec(idx, fresh, start, count, n), due)
 
     def _settle_audio(self) -> None:
         """Once the step is read: a stream that made fewer frames than the codec call counted on (it ended) had
@@ -875,31 +688,9 @@ class Engine:
             self._finish(s, error=message)
 
 
-def _split_last(out: tuple) -> tuple:
-    """(a, b, ..., last) -> ((a, b, ...), last): a program's donated states, then its output (for `_timed`)."""
-    return tuple(out[:-1]), out[-1]
-
-
-def _swap(out: tuple) -> tuple:
-    """The codec's (audio, state) as (state, audio) (for `_timed`)."""
-    audio, state = out
-    return state, audio
-
-
 def _frames_left(in_slots: list[Stream]) -> tuple[int, ...]:
     """Per stream in a slot: frames it may still produce (0 once its LM is done)."""
     return tuple(0 if s.lm_done else max(s.frames_cap - len(s.codes), 0) for s in in_slots)
-
-
-def _timed(call, donated):
-    """`call(donated) -> (donated, out)` run twice (the first call of an executable pays its one-off set-up);
-    returns the donated value threaded through and the second call's seconds."""
-    donated, out = call(donated)
-    jax.block_until_ready(out)
-    t0 = time.perf_counter()
-    donated, out = call(donated)
-    jax.block_until_ready((donated, out))
-    return donated, time.perf_counter() - t0
 
 
 class _PartTimer:
@@ -937,8 +728,3 @@ class _IterationProfile:
                      now - self.since, mean)
             self._reset(now)
 
-
-_WARMUP = Request(
-    "warmup", greedy=True, subtalker_greedy=True, temperature=1.0, top_p=1.0, repetition_penalty=1.0,
-    subtalker_temperature=1.0, subtalker_top_p=1.0, top_k=0, subtalker_top_k=0, max_frames=1, seed=0,
-)

@@ -1,0 +1,339 @@
+"""The model runner: the device state every slot shares, the compiled programs (one per ladder rung and size),
+their compiling and calibration, and the primed codec states of ICL voices.
+
+The loop (`core.Engine`) asks for a prefill, a first frame, a step or a codec call by slot indices and counts, and
+gets typed outcomes back: device arrays it reads only when its decisions need them. It never holds a program or
+the state, so the two meet at these calls alone (as vLLM's scheduler and model runner do). Every call donates
+the state it runs on and the runner keeps the new one: nothing outside may keep a reference to it across calls.
+
+Rows are slots gathered by index: an index past the last slot is a padding row (its writes are dropped), so a call
+of any number of live rows takes the program of the next ladder rung up, padded."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qtts_jax.codec import streaming as codec_streaming
+from qtts_jax.engine import programs
+from qtts_jax.engine.config import EngineConfig
+from qtts_jax.engine.job import Job
+from qtts_jax.generate import pad_prompts
+from qtts_jax.model import Model
+from qtts_jax.request import Request
+
+log = logging.getLogger(__name__)
+
+APPEND_IDS = 8  # live text ids one append call writes (more take several calls)
+
+# ("insert", bucket, requests) | ("step"|"codec", rung, frames) | ("first", rung, 1) | ("append", 1, ids)
+Key = tuple[str, int, int]
+
+
+class StepOutcome(NamedTuple):
+    """A step's codes: frames [n, rows, 16], and valid [n, rows] (false past a row's end or its limit)."""
+
+    frames: jax.Array
+    valid: jax.Array
+
+
+class FirstOutcome(NamedTuple):
+    """Newcomers' first frame: frames [1, rows, 16], valid [1, rows], and audio [rows, samples] of the rows that
+    decoded it (the others' rows hold nothing to play)."""
+
+    frames: jax.Array
+    valid: jax.Array
+    audio: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Seconds per call, timed on padding rows of an idle device, keyed as the loop's decisions look them up."""
+
+    steps: dict  # (rung, frames) -> a step, plus a codec call of as many rows
+    firsts: dict  # rung -> newcomers' first frame and its audio
+    prefills: dict  # requests -> a prefill at the largest prompt bucket
+
+
+@dataclasses.dataclass
+class Scratch:
+    """A state of the live one's shapes, for timing programs while the loop owns the live one."""
+
+    state: programs.EngineState
+    codec_state: codec_streaming.StreamState
+
+
+class Runner:
+    """The device half of the engine: its state, its programs and the calls the loop makes."""
+
+    def __init__(self, model: Model, config: EngineConfig):
+        self.model, self.config = model, config
+        cfg, codec_cfg = model.cfg, model.codec_cfg
+        choose, attention = programs.chooser(config.sampler), programs.attender(config.attention)
+        self._jit_insert = jax.jit(partial(programs.insert, graph=model.graph, cfg=cfg), donate_argnums=(1,))
+        self._jit_step = jax.jit(partial(programs.step, graph=model.graph, cfg=cfg, choose=choose,
+                                         attention=attention), donate_argnums=(1,), static_argnames="n")
+        self._jit_codec = jax.jit(partial(programs.codec, cfg=codec_cfg), donate_argnums=(1,), static_argnames="n")
+        self._jit_first = jax.jit(partial(programs.first, graph=model.graph, cfg=cfg, codec_cfg=codec_cfg,
+                                          choose=choose, attention=attention),
+                                  donate_argnums=(2, 3))
+        self._codec_one = jax.jit(
+            lambda p, st, codes: codec_streaming.decode_step(p, codec_cfg, st, codes, jnp.full(1, codes.shape[1]))[1],
+            donate_argnums=(1,),
+        )
+        self._jit_append = jax.jit(partial(programs.append_text, graph=model.graph), donate_argnums=(1,))
+        self._codec_load = jax.jit(  # a one-slot state into slot `slot` of the batched one
+            lambda st, one, slot: programs.set_slot(st, slot, jax.tree.map(lambda v: v[0], one)), donate_argnums=(0,))
+        self.programs: dict[Key, jax.stages.Compiled] = {}
+        self._primed: OrderedDict[bytes, codec_streaming.StreamState] = OrderedDict()
+        self._primed_lock = threading.Lock()
+        self.state = programs.init_state(model, config)
+        codec_dtype = jnp.dtype(config.codec_dtype)
+        self.codec_params = jax.tree.map(
+            lambda a: a.astype(codec_dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, model.codec_params)
+        self.codec_state = codec_streaming.init_state(codec_cfg, config.slots, codec_dtype)
+        # what programs are lowered on: the states' shapes, never their buffers (the calls donate those)
+        self._specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                   (self.state, self.codec_state))
+
+    # ---- the loop's calls -------------------------------------------------------------------
+
+    def prefill(self, bucket: int, items: list[tuple[int, Job]], size: int) -> jax.Array:
+        """Prefill `items` (slot, job) of one prompt bucket into their slots, in a call of `size` rows. Returns a
+        small output to wait on: the state itself goes on to the next call, donated."""
+        self.state, done = self.program("insert", bucket, size)(self.model.params, self.state,
+                                                                 *self._insert_args(items, size))
+        return done
+
+    def first(self, idx: np.ndarray, live: np.ndarray, fresh: np.ndarray, decode: np.ndarray) -> FirstOutcome:
+        """The first frame of the slots `idx` (the rows where `live`), and its audio where `decode` (`fresh`:
+        their codec state starts at zero)."""
+        self.state, self.codec_state, out = self.program("first", len(idx), 1)(
+            self.model.params, self.codec_params, self.state, self.codec_state, idx, live, fresh, decode)
+        return FirstOutcome(*out)
+
+    def step(self, idx: np.ndarray, limits: np.ndarray, frames: int) -> StepOutcome:
+        """`frames` frames for the slots `idx`, row j making at most `limits[j]` (padding rows 0)."""
+        self.state, out = self.program("step", len(idx), frames)(self.model.params, self.state, idx, limits)
+        return StepOutcome(*out)
+
+    def codec(self, idx: np.ndarray, fresh: np.ndarray, start: np.ndarray, count: np.ndarray, frames: int) -> jax.Array:
+        """Audio [rows, samples] of frames start[j] .. start[j] + count[j] - 1 of slot idx[j], read where the step
+        writes them (so this call may be queued behind the step that makes them), in a call of up to `frames`."""
+        audio, self.codec_state = self.program("codec", len(idx), frames)(
+            self.codec_params, self.codec_state, self.state.codes, idx, fresh, start, count)
+        return audio
+
+    def append_text(self, slot: int, start: int, ids: list[int], cap: int) -> None:
+        """Live text: `ids` written at `start` of slot `slot`'s trailing text, its frame cap raised to `cap`."""
+        for at in range(0, len(ids), APPEND_IDS):
+            part = ids[at : at + APPEND_IDS]
+            padded = np.zeros(APPEND_IDS, np.int32)
+            padded[: len(part)] = part
+            self.state = self.program("append", 1, APPEND_IDS)(
+                self.model.params, self.state, np.int32(slot), np.int32(start + at), padded, np.int32(len(part)),
+                np.int32(cap))
+
+    def load_voice(self, slot: int, ref_codes: np.ndarray) -> None:
+        """Slot `slot`'s codec state set to the state after an ICL voice's reference codes."""
+        self.codec_state = self._codec_load(self.codec_state, self.primed_state(ref_codes), np.int32(slot))
+
+    # ---- programs ---------------------------------------------------------------------------
+
+    def stages(self) -> list[list[Key]]:
+        """Every program, in the order a background warm-up makes them usable: first the least that serves (a
+        prefill of one request per prompt bucket, and the smallest rung's one-frame step, one-frame codec call and
+        first frame), then that rung's other step and codec sizes and the other prefill sizes, then each larger
+        rung whole."""
+        c = self.config
+        least = ([("insert", bucket, c.prefill_sizes[0]) for bucket in c.prompt_buckets]
+                 + [("step", c.ladder[0], 1), ("codec", c.ladder[0], 1), ("first", c.ladder[0], 1),
+                    ("append", 1, APPEND_IDS)])
+        prefills = [("insert", bucket, r) for bucket in c.prompt_buckets for r in c.prefill_sizes]
+        rest = [key for key in prefills + self._rung_keys(c.ladder[0]) if key not in least]
+        return [least, rest] + [self._rung_keys(b) for b in c.ladder[1:]]
+
+    def _rung_keys(self, b: int) -> list[Key]:
+        """The programs of one ladder rung: its step and codec sizes, and its first-frame program if it has one."""
+        c = self.config
+        return ([("step", b, n) for n in c.step_sizes] + [("codec", b, n) for n in c.codec_sizes]
+                + ([("first", b, 1)] if b in c.first_sizes else []))
+
+    def compile(self, keys: list[Key]) -> None:
+        """Compile `keys` at once (tracing holds the GIL; compiling does not) into the program table."""
+        lowered = [self.lower(*key) for key in keys]
+
+        def compile_one(low):
+            t = time.perf_counter()
+            return low.compile(), time.perf_counter() - t
+
+        report = []
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(keys), os.cpu_count() or 1))) as pool:
+            for key, (exe, seconds) in zip(keys, pool.map(compile_one, lowered)):
+                self.programs[key] = exe
+                temp = getattr(exe.memory_analysis(), "temp_size_in_bytes", 0)
+                report.append((seconds, "/".join(map(str, key)), temp / 2**30))
+        log.info("slowest compiles (s, program, temp GiB): %s",
+                 [(round(t, 1), k, round(m, 2)) for t, k, m in sorted(report, reverse=True)[:8]])
+
+    def warm_voices(self) -> None:
+        """Base models: compile what an ICL voice's first use runs (priming at every chunk size, and loading)."""
+        primed = self.prime(np.zeros((sum(self.config.codec_sizes), self.model.cfg.num_code_groups), np.int32))
+        self.codec_state = self._codec_load(self.codec_state, primed, np.int32(0))
+
+    def lower(self, kind: str, a: int, b: int):
+        """The program `kind` for one ladder rung, lowered on padding inputs (the shapes the loop passes)."""
+        c = self.config
+        state, codec_state = self._specs
+        if kind == "insert":
+            return self._jit_insert.lower(self.model.params, state, *self._dummy_inserts(a, b))
+        idx, zeros = np.full(a, c.slots, np.int32), np.zeros(a, bool)
+        if kind == "first":
+            return self._jit_first.lower(self.model.params, self.codec_params, state, codec_state,
+                                         idx, zeros, zeros, zeros)
+        if kind == "step":
+            return self._jit_step.lower(self.model.params, state, idx, np.zeros(a, np.int32), n=b)
+        if kind == "append":
+            scalar = np.int32(0)
+            return self._jit_append.lower(self.model.params, state, scalar, scalar, np.zeros(b, np.int32), scalar,
+                                          scalar)
+        counts = np.zeros(a, np.int32)
+        return self._jit_codec.lower(self.codec_params, codec_state, state.codes, idx, zeros, counts, counts, n=b)
+
+    def program(self, kind: str, a: int, b: int):
+        """A compiled program; `compile` makes them ahead, and one not made yet is compiled on demand."""
+        exe = self.programs.get((kind, a, b))
+        if exe is None:
+            exe = self.programs[kind, a, b] = self.lower(kind, a, b).compile()
+        return exe
+
+    # ---- calibration ------------------------------------------------------------------------
+
+    def scratch(self) -> Scratch:
+        return Scratch(*jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._specs))
+
+    def idle_call(self, key: Key, on: Scratch | None = None):
+        """One call of the program `key` on padding rows (every write dropped, so the state keeps its values), on
+        the live state or `on`; returns its output."""
+        kind, a, b = key
+        target = on if on is not None else self
+        c = self.config
+        idx, zeros = np.full(a, c.slots, np.int32), np.zeros(a, bool)
+        program = self.program(*key)
+        if kind == "insert":
+            target.state, out = program(self.model.params, target.state, *self._dummy_inserts(a, b))
+        elif kind == "step":
+            target.state, out = program(self.model.params, target.state, idx, np.zeros(a, np.int32))
+        elif kind == "first":
+            target.state, target.codec_state, out = program(self.model.params, self.codec_params, target.state,
+                                                            target.codec_state, idx, zeros, zeros, zeros)
+        elif kind == "codec":
+            out, target.codec_state = program(self.codec_params, target.codec_state, target.state.codes, idx, zeros,
+                                              np.zeros(a, np.int32), np.full(a, b, np.int32))
+        else:
+            scalar = np.int32(0)
+            target.state = out = program(self.model.params, target.state, scalar, scalar, np.zeros(b, np.int32),
+                                         scalar, scalar)
+        return out
+
+    def calibrate(self, keys: list[Key], on: Scratch | None = None) -> Calibration:
+        """Time the compiled programs `keys` once each (`idle_call`; the first call of an executable pays its
+        one-off set-up, so each is timed on its second): a step's iteration cost is the step plus a codec call of
+        as many rows at the chunk it would feed, prefill is timed at the largest bucket."""
+        c = self.config
+
+        target = on if on is not None else self
+
+        def timed(key) -> float:
+            jax.block_until_ready(self.idle_call(key, on))
+            t0 = time.perf_counter()
+            out = self.idle_call(key, on)
+            jax.block_until_ready((out, target.state, target.codec_state))
+            return time.perf_counter() - t0
+
+        steps, firsts, prefills = {}, {}, {}
+        for kind, a, n in keys:
+            if kind == "insert" and a == max(c.prompt_buckets):
+                prefills[n] = timed((kind, a, n))
+            elif kind == "step":
+                codec_sizes = [s for s in c.codec_sizes if ("codec", a, s) in self.programs]
+                chunk = min(s for s in codec_sizes if s >= min(max(c.schedule), n, max(codec_sizes)))
+                steps[a, n] = timed((kind, a, n)) + timed(("codec", a, chunk))
+            elif kind == "first":
+                firsts[a] = timed((kind, a, n))
+        return Calibration(steps, firsts, prefills)
+
+    # ---- inputs -----------------------------------------------------------------------------
+
+    def _insert_args(self, items: list[tuple[int, Job]], size: int) -> tuple:
+        """Stacked prefill inputs for `items` (slot, job), padded to `size` rows aimed past the last slot."""
+        cfg, c = self.model.cfg, self.config
+        bucket = items[0][1].bucket
+        slots = np.full(size, c.slots, np.int32)
+        # padding rows: a one-row blank prompt, so that they attend to something
+        prompts = [job.prompt for _, job in items] + [programs.blank_prompt(cfg, 1)] * (size - len(items))
+        text, codec, frames, speaker_row, speaker, valid = pad_prompts(prompts, bucket, cfg)
+        trailing = np.full((size, c.max_trailing + 1), cfg.text.tts_pad, np.int32)
+        knobs = np.ones((size, 5), np.float32)
+        ints = np.zeros((size, 7), np.uint32)
+        for i, (slot, job) in enumerate(items):
+            req, p = job.request, job.prompt
+            slots[i] = slot
+            trailing[i, : len(p.trailing)] = p.trailing
+            knobs[i] = [req.temperature, req.top_p, req.repetition_penalty, req.subtalker_temperature,
+                        req.subtalker_top_p]
+            ints[i] = np.array([req.seed & 0xFFFFFFFF, req.top_k, req.subtalker_top_k, job.frames_cap, len(p),
+                                int(req.greedy), int(req.subtalker_greedy)], np.int64).astype(np.uint32)
+        return (slots, text, codec, frames, speaker_row, speaker, valid, trailing, knobs, ints)
+
+    def _dummy_inserts(self, bucket: int, size: int) -> tuple:
+        """Prefill inputs of `size` padding rows (every write dropped): for compiling and timing."""
+        job = Job(request=_WARMUP, prompt=programs.blank_prompt(self.model.cfg, bucket), bucket=bucket, frames_cap=1,
+                  schedule=self.config.schedule)
+        return self._insert_args([(self.config.slots, job)], size)
+
+    # ---- ICL voices -------------------------------------------------------------------------
+
+    def primed_state(self, ref_codes: np.ndarray) -> codec_streaming.StreamState:
+        """One slot's codec state after decoding ``ref_codes``, from a small LRU cache keyed by the codes
+        (thread-safe: the server primes a voice when it is registered)."""
+        codes = np.ascontiguousarray(ref_codes, np.int32)
+        key = hashlib.sha1(codes.tobytes() + str(codes.shape).encode()).digest()
+        with self._primed_lock:
+            if key in self._primed:
+                self._primed.move_to_end(key)
+                return self._primed[key]
+        state = self.prime(codes)
+        with self._primed_lock:
+            self._primed[key] = state
+            while len(self._primed) > self.config.cached_voices:
+                self._primed.popitem(last=False)
+        return state
+
+    def prime(self, codes: np.ndarray) -> codec_streaming.StreamState:
+        """Decode ``codes`` [T, 16] through a fresh one-slot state, in chunks of the compiled sizes."""
+        state = codec_streaming.init_state(self.model.codec_cfg, 1, self.codec_state.keys.dtype)
+        start, sizes = 0, sorted(self.config.codec_sizes, reverse=True)
+        while start < len(codes):
+            n = next(n for n in sizes if n <= len(codes) - start)
+            state = self._codec_one(self.codec_params, state, codes[None, start : start + n])
+            start += n
+        return state
+
+
+_WARMUP = Request(
+    "warmup", greedy=True, subtalker_greedy=True, temperature=1.0, top_p=1.0, repetition_penalty=1.0,
+    subtalker_temperature=1.0, subtalker_top_p=1.0, top_k=0, subtalker_top_k=0, max_frames=1, seed=0,
+)

@@ -1,0 +1,40 @@
+"""The model runner alone, without the loop: its calls return typed outcomes, and calibrating on the live state
+(what a warm-up does before serving) leaves every slot's state as it was."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from qtts_jax.engine.runner import Calibration, FirstOutcome, Runner, StepOutcome
+from qtts_jax.request import Request
+from support import GREEDY, SMALL
+
+
+def test_calibrating_on_the_live_state_leaves_a_playing_slot_untouched(tiny_model):
+    from qtts_jax.engine import Engine
+
+    runner = Runner(tiny_model, SMALL)
+    job = Engine(tiny_model, SMALL).prepare(Request("A slot in use.", speaker="ryan", max_frames=8, **GREEDY))
+    runner.prefill(job.bucket, [(0, job)], 1)
+    live, none = np.array([True, False]), np.zeros(2, bool)
+    first = runner.first(np.array([0, SMALL.slots], np.int32), live, live, live)
+    step = runner.step(np.array([0, SMALL.slots], np.int32), np.array([1, 0], np.int32), 1)
+    assert isinstance(first, FirstOutcome) and isinstance(step, StepOutcome)
+    assert np.asarray(first.frames).shape == (1, 2, 16) and np.asarray(first.valid).tolist() == [[True, False]]
+    assert np.asarray(step.frames).shape == (1, 2, 16) and np.asarray(step.valid).tolist() == [[True, False]]
+    audio = runner.codec(np.array([0, SMALL.slots], np.int32), none, np.array([1, 0], np.int32),
+                         np.array([1, 0], np.int32), 1)
+    assert np.abs(np.asarray(audio[0])).max() > 0
+    before = jax.tree.map(np.array, (runner.state, runner.codec_state))
+
+    keys = [key for stage in runner.stages() for key in stage]
+    timed = runner.calibrate(keys)
+
+    after = jax.tree.map(np.array, (runner.state, runner.codec_state))
+    jax.tree.map(np.testing.assert_array_equal, after, before)
+    assert isinstance(timed, Calibration)
+    assert set(timed.steps) == {(a, n) for kind, a, n in keys if kind == "step"}
+    assert set(timed.firsts) == {a for kind, a, _ in keys if kind == "first"}
+    assert set(timed.prefills) == set(SMALL.prefill_sizes)  # timed at the largest bucket only
+    assert all(v > 0 for costs in (timed.steps, timed.firsts, timed.prefills) for v in costs.values())
