@@ -1,6 +1,7 @@
 """What every model part shares as a Flax NNX module: the initialisers of its `nnx.Param`s (random-weight presets
 and benchmarks draw from these, the output is noise; a checkpoint replaces every one, `checkpoint.load_module`),
-and the split/merge through which the jitted programs take a module's weights as a plain pytree."""
+the split/merge through which the jitted programs take a module's weights as a plain pytree, and the arithmetic
+the talker's and the codec's transformers both use (RMSNorm, rotate-half RoPE)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,20 @@ def ones(shape: tuple[int, ...], dtype) -> nnx.Param:
 
 def zeros(shape: tuple[int, ...], dtype) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Normalise in fp32, cast back, then scale (the reference's order, which matters in bf16)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * y.astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [..., T, heads, D] with cos/sin [..., T, D] (shared or per row); rotate-half RoPE."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[..., None, :] + rotated * sin[..., None, :]
 
 
 class Conv(nnx.Module):

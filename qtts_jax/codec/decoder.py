@@ -37,8 +37,7 @@ from qtts_jax.codec.layers import (
     snake,
     transformer_layer,
 )
-from qtts_jax.nn import Conv, zeros
-from qtts_jax.talker.transformer import rms_norm
+from qtts_jax.nn import Conv, rms_norm, zeros
 
 
 class CodecTransformer(nnx.Module):

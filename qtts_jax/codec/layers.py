@@ -16,8 +16,7 @@ from flax import nnx
 from jax import lax
 
 from qtts_jax.codec.config import CodecDecoderConfig, CodecEncoderConfig
-from qtts_jax.nn import Conv, zeros
-from qtts_jax.talker.transformer import apply_rope, rms_norm
+from qtts_jax.nn import Conv, apply_rope, rms_norm, zeros
 
 CONV_DIMS = ("NWC", "WIO", "NWC")  # channels-last activations, kernels (k, in, out)
 SNAKE_EPS = 1e-9

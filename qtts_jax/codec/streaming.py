@@ -39,7 +39,7 @@ from qtts_jax.codec.layers import (
     snake,
     transformer_layer,
 )
-from qtts_jax.talker.transformer import rms_norm
+from qtts_jax.nn import rms_norm
 
 
 class StreamState(NamedTuple):

@@ -20,7 +20,7 @@ from flax import nnx
 
 from qtts_jax.config import DecoderConfig
 from qtts_jax import nn
-from qtts_jax.nn import dense, ones
+from qtts_jax.nn import apply_rope, dense, ones, rms_norm
 
 
 class KVCache(NamedTuple):
@@ -35,26 +35,12 @@ class KVCache(NamedTuple):
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """Normalise in fp32, cast back, then scale (the reference's order, which matters in bf16)."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * y.astype(x.dtype)
-
-
 def rope_tables(positions: jax.Array, head_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
     """cos/sin [T, head_dim] computed in fp32 and cast to the activation dtype, as the reference does."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [..., T, heads, D] with cos/sin [..., T, D] (shared or per row); rotate-half RoPE."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[..., None, :] + rotated * sin[..., None, :]
 
 
 def _attention(q, k, v, mask, scale):
