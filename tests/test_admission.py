@@ -346,10 +346,10 @@ def test_below_capacity_nothing_is_refused_and_nothing_starves(parts):
         assert got["starved_max"] == 0.0 and got["ttfa_p95"] <= 0.3, (rate, got)
 
 
-@pytest.mark.parametrize("parts", [1, 4])
-def test_above_capacity_refuses_and_keeps_admitted_streams_playing(parts):
+@pytest.mark.parametrize("parts, seconds", [(1, 20.0), (4, 8.0)])
+def test_above_capacity_refuses_and_keeps_admitted_streams_playing(parts, seconds):
     """Also when every request is a long input of four parts back to back: admission counts the parts still to
-    come, so none waits for a slot they keep."""
-    got = simulate(150, parts=parts)
+    come, so none waits for a slot they keep (8 s of arrivals: each admission counts every open request)."""
+    got = simulate(150, seconds, parts=parts)
     assert got["refused"] > 0.3 * (got["refused"] + got["admitted"]), got
     assert got["starved_max"] == 0.0 and got["ttfa_p95"] <= 0.3, got  # the zero-underrun contract
