@@ -8,7 +8,7 @@ server per `--model`, one after another (the JSON is written after each): tiny-r
 engine is slower than real time: its underruns say nothing about a GPU), or the real shapes with random weights,
 which rarely end a part by themselves, so each part is capped (`--max-frames`). Issue 20's H200 rows, in one call:
 
-    python bench/long_text.py --model 1.7b 0.6b --concurrency 1 16 --requests 2 \
+    python bench/long_text.py --model 1.7b 0.6b --concurrency 1 16 --requests 1 \
         --out bench/results/long-text-h200.json --log-dir runs/long-text-h200
 """
 
@@ -65,15 +65,15 @@ async def run(url: str, args, max_frames: int | None) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", help="a running server (instead of local ones)")
     ap.add_argument("--model", nargs="+", default=["tiny-random"],
                     help="local servers, one after another: a preset (tiny-random, or 0.6b / 1.7b: the real shapes, "
                          "random weights) or a checkpoint directory")
     ap.add_argument("--slots", type=int, help="local servers' slots (default: 2 on tiny-random, else 32)")
     ap.add_argument("--context", type=int, default=1024, help="local servers' context (the server's default)")
-    ap.add_argument("--frames-per-step", type=int, help="local servers' (default: 1 on tiny-random, else the "
-                                                        "server's 4)")
+    ap.add_argument("--frames-per-step", type=int, help="local servers' most frames per engine step "
+                                                        "(default: 1 on tiny-random, else the server's 4)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"],
                     help="local servers' dtype (default: float32 on tiny-random, else bfloat16)")
     ap.add_argument("--log-dir", type=Path, help="write each local server's log there")
