@@ -97,8 +97,8 @@ def main(argv=None) -> None:
             args.log_dir.mkdir(parents=True, exist_ok=True)
             log = args.log_dir / f"server-{Path(model).name}.log"
         with local_server(model, slots=server["slots"], context=server["context"],
-                          frames_per_step=server["frames_per_step"], log_path=log,
-                          extra_args=("--dtype", server["dtype"])) as url:
+                          frames_per_step=server["frames_per_step"], log_path=log, ready_timeout_s=900.0,
+                          extra_args=("--dtype", server["dtype"])) as url:  # a cold 1.7B ladder takes minutes
             runs.append({"model": model, **server, **asyncio.run(run(url, args, server["max_frames"]))})
         write(args.out, runs)
 
