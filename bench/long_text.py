@@ -4,9 +4,12 @@ target is one stream with 0 underruns, on the H200 with the 1.7B and 0.6B models
 `--concurrency` clients each send the text (studies/corpora/long_text.txt), streamed as PCM over `--protocol`
 (a streamed POST, or our WebSocket), again and again for `--requests` each; a player that plays from the first
 byte with no buffer (studies/playback.py) counts the underruns and the stall time. Against --url, or a local
-tiny-random server (on a CPU the engine is slower than real time: its underruns say nothing about a GPU).
+server per `--model`, one after another (the JSON is written after each): tiny-random by default (on a CPU the
+engine is slower than real time: its underruns say nothing about a GPU), or the real shapes with random weights,
+which rarely end a part by themselves, so each part is capped (`--max-frames`). Issue 20's H200 rows, in one call:
 
-    python bench/long_text.py --url http://gpu-box:8000 --concurrency 1 8 32 --out bench/results/long-text-h200-1.7b.json
+    python bench/long_text.py --model 1.7b 0.6b --concurrency 1 16 --requests 1 \
+        --out bench/results/long-text-h200.json --log-dir runs/long-text-h200
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from qtts_jax.model import PRESETS  # noqa: E402
 from studies.corpora import load_corpus  # noqa: E402
 from studies.load import speak  # noqa: E402
 from studies.records import RequestRecord  # noqa: E402
@@ -52,33 +56,68 @@ async def level(url: str, text: str, protocol: str, concurrency: int, requests: 
             "audio_s_mean": sum(row["audio_s"] for row in rows) / len(rows) if rows else None}
 
 
-async def run(url: str, args) -> dict:
+async def run(url: str, args, max_frames: int | None) -> dict:
     text = load_corpus("long_text")[0]
-    options = {"voice": args.voice, "seed": 1, **({"max_frames": args.max_frames} if args.max_frames else {})}
+    options = {"voice": args.voice, "seed": 1, **({"max_frames": max_frames} if max_frames else {})}
     levels = [await level(url, text, protocol, n, args.requests, options)
               for protocol in args.protocol for n in args.concurrency]
     return {"url": url, "characters": len(text), "options": options, "levels": levels}
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--url", help="a running server (default: a local tiny-random one)")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", help="a running server (instead of local ones)")
+    ap.add_argument("--model", nargs="+", default=["tiny-random"],
+                    help="local servers, one after another: a preset (tiny-random, or 0.6b / 1.7b: the real shapes, "
+                         "random weights) or a checkpoint directory")
+    ap.add_argument("--slots", type=int, help="local servers' slots (default: 2 on tiny-random, else 32)")
+    ap.add_argument("--context", type=int, default=1024, help="local servers' context (the server's default)")
+    ap.add_argument("--frames-per-step", type=int, help="local servers' most frames per engine step "
+                                                        "(default: 1 on tiny-random, else the server's 4)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"],
+                    help="local servers' dtype (default: float32 on tiny-random, else bfloat16)")
+    ap.add_argument("--log-dir", type=Path, help="write each local server's log there")
     ap.add_argument("--protocol", nargs="+", choices=["http", "ws"], default=["http", "ws"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1], help="clients at once, one level each")
     ap.add_argument("--requests", type=int, default=3, help="requests per client and level")
     ap.add_argument("--voice", default="ryan")
-    ap.add_argument("--max-frames", type=int, help="cap per part (a real model ends by itself; tiny-random needs one)")
+    ap.add_argument("--max-frames", type=int, help="cap per part (default, for random weights: 12 on tiny-random, "
+                                                   "60 = 4.8 s at the real shapes; none for a checkpoint)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/long-text-tiny-cpu.json"))
     args = ap.parse_args(argv)
-    with contextlib.ExitStack() as stack:
-        url = args.url or stack.enter_context(local_server("tiny-random", slots=2, context=1024))
-        if not args.url and not args.max_frames:
-            args.max_frames = 12
-        result = asyncio.run(run(url, args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    for row in result["levels"]:
-        print(json.dumps(row))
+    if args.url:
+        write(args.out, [asyncio.run(run(args.url, args, args.max_frames))])
+        return
+    runs = []
+    for model in args.model:
+        server = local_settings(model, args)
+        log = None
+        if args.log_dir:
+            args.log_dir.mkdir(parents=True, exist_ok=True)
+            log = args.log_dir / f"server-{Path(model).name}.log"
+        with local_server(model, slots=server["slots"], context=server["context"],
+                          frames_per_step=server["frames_per_step"], log_path=log, ready_timeout_s=900.0,
+                          extra_args=("--dtype", server["dtype"])) as url:  # a cold 1.7B ladder takes minutes
+            runs.append({"model": model, **server, **asyncio.run(run(url, args, server["max_frames"]))})
+        write(args.out, runs)
+
+
+def local_settings(model: str, args) -> dict:
+    """A local server's settings: the flags given, else tiny-random's small CPU ones or the real shapes' GPU ones;
+    a part cap for random weights (which rarely end a part), none for a checkpoint."""
+    tiny = model.startswith("tiny-random")
+    return {"slots": args.slots or (2 if tiny else 32), "context": args.context,
+            "frames_per_step": args.frames_per_step or (1 if tiny else 4),
+            "dtype": args.dtype or ("float32" if tiny else "bfloat16"),
+            "max_frames": args.max_frames or (12 if tiny else 60 if model in PRESETS else None)}
+
+
+def write(out: Path, runs: list[dict]) -> None:
+    """One JSON of every run so far; each level's row also goes to stdout."""
+    out.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+    for row in runs[-1]["levels"]:
+        print(json.dumps({"model": runs[-1].get("model"), **row}), flush=True)
 
 
 if __name__ == "__main__":

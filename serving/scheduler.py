@@ -16,6 +16,11 @@ size, and of a prefill per batch of requests. A request is refused (429 + Retry-
   longer than the playing streams' headroom (plus `starvation_s`). Every such deadline counts the engine's
   measured delay between an iteration's end and its audio going out.
 
+A long input is spoken as several parts (serving/utterance.py), each submitted ahead of the waiting requests as
+the one before finishes generating: its slot stays busy and its listener keeps playing until the last part. The
+engine sees only the part in flight, so every frame count above is the snapshot's with each open request's parts
+still to come (their frame caps) added to the stream of its part in flight, until they are submitted.
+
 Below both limits nothing is refused; an idle engine always admits (its costs are measured at start-up).
 Each open stream is also tracked here as the client hears it (headroom when each chunk leaves), for metrics.
 """
@@ -28,7 +33,7 @@ import itertools
 import math
 import time
 
-from qtts_jax.engine.stream import FRAME_SECONDS
+from qtts_jax.engine.stream import FRAME_SECONDS, Stream
 from serving.errors import ApiError
 
 
@@ -46,15 +51,22 @@ class StreamTrack:
 
     _ids = itertools.count(1)
 
-    def __init__(self, request_id: str, cap_frames: int):
+    def __init__(self, request_id: str, cap_frames: int, part: Stream, to_come: tuple[int, ...] = ()):
         self.key = next(self._ids)
         self.request_id = request_id
         self.cap_frames = cap_frames
+        self.part = part  # the engine stream of its part in flight
+        self.to_come = list(to_come)  # frame caps of its parts not yet submitted, in order (admission counts them)
         self.submitted = time.perf_counter()
         self.playback_start: float | None = None
         self.audio_sent = 0.0
         self.late_chunks = 0
         self.worst_headroom: float | None = None
+
+    def next_part(self, part: Stream) -> None:
+        """Its next part went to the engine: from now on the engine's snapshot counts its frames."""
+        self.part = part
+        self.to_come.pop(0)
 
     def on_audio(self, seconds: float, now: float | None = None) -> float | None:
         """Record `seconds` of audio leaving now; returns the headroom it left with (None for the first)."""
@@ -109,12 +121,30 @@ class Scheduler:
 
     # ---- admission --------------------------------------------------------------------------
 
-    def predict(self, st) -> tuple[float, float, float, float]:
+    def load(self, st) -> tuple[list[int], list[int]]:
+        """(frames left per stream in a slot, frame caps per waiting request) from the snapshot, with every open
+        request's parts still to come added to its part in flight: to that part's stream (it keeps the slot),
+        or, once that part has finished generating, as a request waiting ahead of the others (it is about to
+        be submitted so). The snapshot names no stream: the entry nearest the part's frames stands for it."""
+        left, waiting, ahead = list(st.frames_left), list(st.queued_frames), []
+        for track in self.streams.values():
+            if not (later := sum(track.to_come)):
+                continue
+            part = track.part
+            if part.timings.admitted is None and waiting:
+                _lengthen(waiting, part.frames_cap, later)
+            elif not part.lm_done and left:
+                _lengthen(left, part.frames_cap - len(part.codes), later)
+            else:
+                ahead.append(later)
+        return left, ahead + waiting
+
+    def predict(self, st, left: list[int], waiting: list[int]) -> tuple[float, float, float, float]:
         """(seconds until a slot is free, predicted TTFA, seconds per frame of the playing streams while
         requests keep arriving one per iteration, with this one added; seconds of the one iteration that takes
-        everything waiting and this one) for a request arriving now, from the engine snapshot."""
-        batch = min(st.live + st.queued + 1, st.slots)
-        burst = st.prefill_cost(st.queued + 1) + st.first_cost(st.queued + 1)
+        everything waiting and this one) for a request arriving now, from the engine snapshot and its `load`."""
+        batch = min(len(left) + len(waiting) + 1, st.slots)
+        burst = st.prefill_cost(len(waiting) + 1) + st.first_cost(len(waiting) + 1)
         # steady state: each iteration takes a newcomer (prefill, first frame) before the step it joins, of as
         # many frames as its one frame of audio outlasts
         newcomer = st.prefill_cost(1) + st.first_cost(1)
@@ -122,9 +152,9 @@ class Scheduler:
         sizes = [n for n in st.step_sizes
                  if st.step_cost(batch, n) + st.delivery_s <= FRAME_SECONDS - st.headroom_margin_s] or [1]
         frame_s = min((newcomer + st.step_cost(batch, n)) / n for n in sizes)
-        free_at = [0.0] * (st.slots - st.live) + [left * frame_s for left in st.frames_left]
+        free_at = [0.0] * (st.slots - len(left)) + [n * frame_s for n in left]
         heapq.heapify(free_at)
-        for cap in st.queued_frames:  # those ahead of it take slots first
+        for cap in waiting:  # those ahead of it take slots first
             heapq.heappush(free_at, heapq.heappop(free_at) + cap * frame_s)
         start = free_at[0]
         service = max(burst, self._service or 0.0)
@@ -139,15 +169,16 @@ class Scheduler:
             raise ApiError(503, "draining", "the server is shutting down", retry_after=c.draining_retry_after_s)
         st = self.engine.stats()
         max_queue = st.slots if c.max_queue is None else c.max_queue
-        start, ttfa, frame_s, burst = self.predict(st)
+        left, waiting = self.load(st)
+        start, ttfa, frame_s, burst = self.predict(st, left, waiting)
         if st.queued >= max_queue:
             raise ApiError(429, "queue_full", f"{st.queued} requests are already waiting",
                            retry_after=self._retry(start))
-        if st.live == 0 and st.queued == 0:
+        if not left and not waiting:
             return ttfa  # idle: nothing to protect, and this is the best service there is
         # each frame eats its overrun out of every stream's headroom, once per frame a stream has left
         overrun = frame_s - (FRAME_SECONDS - _KEEP_AHEAD_S)
-        if overrun > 0 and overrun * max(st.frames_left + st.queued_frames, default=1) > c.starvation_s:
+        if overrun > 0 and overrun * max(left + waiting) > c.starvation_s:
             raise ApiError(429, "overloaded", f"another stream would slow the engine to {frame_s * 1000:.0f} ms "
                            f"per frame, longer than the {FRAME_SECONDS * 1000:.0f} ms of audio it makes: playing "
                            "streams would run dry", retry_after=self._retry(start + frame_s))
@@ -156,7 +187,7 @@ class Scheduler:
                            retry_after=self._retry(-st.min_headroom_s))
         # a burst is paid once, out of every playing stream's headroom
         if st.min_headroom_s is not None and burst + st.delivery_s > st.min_headroom_s + c.starvation_s:
-            raise ApiError(429, "overloaded", f"prefilling the {st.queued + 1} waiting requests ({burst * 1000:.0f} "
+            raise ApiError(429, "overloaded", f"prefilling the {len(waiting) + 1} waiting requests ({burst * 1000:.0f} "
                            "ms) would let playing streams run dry", retry_after=self._retry(burst))
         if ttfa > c.ttfa_target_s:
             raise ApiError(429, "overloaded", f"predicted first audio in {ttfa * 1000:.0f} ms exceeds the "
@@ -167,8 +198,10 @@ class Scheduler:
     def _retry(wait_s: float) -> int:
         return max(1, math.ceil(wait_s))
 
-    def open(self, request_id: str, cap_frames: int) -> StreamTrack:
-        track = StreamTrack(request_id, cap_frames)
+    def open(self, request_id: str, cap_frames: int, part: Stream, to_come: tuple[int, ...] = ()) -> StreamTrack:
+        """Track a request just admitted and submitted: `part` its first part's engine stream, `to_come` the frame
+        caps of the parts after it (counted as load from now on: see `load`)."""
+        track = StreamTrack(request_id, cap_frames, part, to_come)
         self.streams[track.key] = track
         return track
 
@@ -177,6 +210,12 @@ class Scheduler:
 
 
 _KEEP_AHEAD_S = 0.008  # an iteration must beat its audio by this much (host jitter, a scrape, a GC pause)
+
+
+def _lengthen(frames: list[int], near: int, by: int) -> None:
+    """Add `by` to the entry of `frames` nearest `near`."""
+    i = min(range(len(frames)), key=lambda i: abs(frames[i] - near))
+    frames[i] += by
 
 
 def _ema(old, new, alpha=0.2):

@@ -19,9 +19,9 @@ class Utterance:
     """A `Script`, admitted once (or refused with 429/503) and spoken part by part. The next part is submitted
     when the one before has finished generating: generation runs faster than real time, so the client still has
     that part's audio to play while the next one is prefilled. It is not admitted again (the request was
-    admitted whole) and goes ahead of requests waiting for a slot, and it keeps the request's voice, seed and
-    settings (they are in its job). Pauses are
-    silence; the playback track and the metrics see one stream."""
+    admitted whole: admission counts its parts still to come until they are submitted) and goes ahead of
+    requests waiting for a slot, and it keeps the request's voice, seed and settings (they are in its job).
+    Pauses are silence; the playback track and the metrics see one stream."""
 
     def __init__(self, app, script: Script, rid: str, endpoint: str, started: float | None = None,
                  speed: float = 1.0, rate: int = SAMPLE_RATE, words: bool = False, live: LiveInput | None = None):
@@ -34,7 +34,9 @@ class Utterance:
         self.streams = [app[BRIDGE].submit(next(self._jobs))]
         if live is not None:  # a live utterance's script is its one job: the text still to come joins its stream
             live.attach(self.streams[0])
-        self.track = sched.open(rid, script.frames_cap)
+        # its parts still to come count as load from now on, so the next admission sees them (serving/scheduler.py)
+        self.track = sched.open(rid, script.frames_cap, self.stream.stream,
+                                tuple(job.frames_cap for job in script.jobs[1:]))
         self.frames = 0
         self.samples = 0  # model-rate samples after prosody, pauses included
         self.done = False
@@ -64,6 +66,7 @@ class Utterance:
                 if chunk.final and chunk.error is None and (job := next(self._jobs, None)) is not None:
                     # prefilled while this part plays, ahead of requests still waiting: its listener is playing
                     self.streams.append(self.app[BRIDGE].submit(job, ahead=True))
+                    self.track.next_part(self.stream.stream)
                 self.error = self.error or chunk.error
                 frames += chunk.frames
                 self.frames += chunk.frames

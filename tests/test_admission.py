@@ -1,16 +1,17 @@
-"""Admission against the engine's published costs: unit cases on a snapshot, then a simulated engine and clock
-under Poisson arrivals, below and above its capacity."""
+"""Admission against the engine's published costs: unit cases on a snapshot (and the parts still to come of long
+inputs), then a simulated engine and clock under Poisson arrivals, below and above its capacity."""
 
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from qtts_jax.engine import EngineStats, rung, step_frames
-from qtts_jax.engine.stream import FRAME_SECONDS
-from serving.scheduler import AdmissionConfig, Scheduler
+from qtts_jax.engine.stream import FRAME_SECONDS, Stream
+from serving.scheduler import AdmissionConfig, Scheduler, StreamTrack
 from serving.errors import ApiError
 
 LADDER = (8, 16, 32, 64)
@@ -174,34 +175,127 @@ def test_queue_full_is_429():
     assert (err.value.status, err.value.code) == (429, "queue_full")
 
 
+def part(cap: int, made: int = 0, in_slot: bool = True, done: bool = False) -> Stream:
+    """The engine stream of a request's part in flight, as admission reads it: its frame cap, the frames it has
+    made, whether it has a slot yet, and whether it has finished generating."""
+    s = Stream(SimpleNamespace(frames_cap=cap, prompt=SimpleNamespace(trailing=()), live=False), lambda chunk: None)
+    s.codes = [None] * made
+    s.timings.admitted = s.timings.submitted if in_slot else None
+    s.lm_done = done
+    return s
+
+
+def test_a_long_requests_parts_still_to_come_keep_its_slot():
+    """Full slots, one stream 3 frames from the end of its part: a newcomer gets that slot soon, unless the
+    request has parts still to come. They follow in that slot, so the newcomer would wait for the next stream
+    to end (40 frames), past the target: refused like any other; admitted again once that request is gone."""
+    st = snapshot(live=[3] + [40] * 63)
+    per_frame = prefill_cost(1) + first_cost(1) + iteration_cost(64, 1)  # as in the full-slots case above
+    sched = ready_scheduler(st)
+    one_part = sched.open("short", 40, part(40, made=37))
+    assert sched.admit() == pytest.approx(st.iteration_s + 3 * per_frame + prefill_cost(1) + first_cost(1))
+    sched.close(one_part)
+    long = sched.open("long", 240, part(40, made=37), to_come=(100, 100))
+    assert sorted(sched.load(st)[0])[-2:] == [40, 203]
+    with pytest.raises(ApiError) as err:
+        sched.admit()
+    assert (err.value.status, err.value.code) == (429, "overloaded") and "target" in err.value.message
+    assert err.value.retry_after >= 40 * per_frame
+    sched.close(long)
+    assert sched.admit() < 0.3
+
+
+def test_two_long_requests_admitted_one_after_another_see_each_others_parts_to_come():
+    """Two slots, two long requests (a 4-frame part, then 200 frames) just admitted and waiting: a third
+    request would get a slot after 4 frames if only their first parts counted; their parts still to come hold
+    both slots for 204 frames, so it is refused."""
+    st = snapshot(queued=[4, 4], slots=2)
+    sched = ready_scheduler(st, max_queue=4)
+    assert sched.predict(st, [], [4, 4])[0] < 0.3 and sched.admit() < 0.3  # the first parts alone
+    for rid in ("a", "b"):
+        sched.open(rid, 204, part(4, in_slot=False), to_come=(200,))
+    assert sched.load(st) == ([], [204, 204])
+    with pytest.raises(ApiError) as err:
+        sched.admit()
+    assert err.value.status == 429 and "target" in err.value.message
+
+
+def test_parts_to_come_count_until_submitted_then_only_in_the_snapshot():
+    """One request's parts through their life: waiting, then playing, its part lengthened by those to come;
+    done generating, those wait ahead of the others (the next part is about to be submitted ahead); each
+    submitted part is the engine's to count, never counted twice; a closed request counts no more."""
+    sched = ready_scheduler(snapshot())
+    first = part(10, in_slot=False)
+    track = sched.open("long", 210, first, to_come=(100, 100))
+    assert sched.load(snapshot(queued=[7, 10])) == ([], [7, 210])
+    first.timings.admitted, first.codes = first.timings.submitted, [None] * 4
+    assert sched.load(snapshot(live=[30, 6], queued=[7])) == ([30, 206], [7])
+    first.lm_done = True
+    assert sched.load(snapshot(live=[30, 0], queued=[7])) == ([30, 0], [200, 7])
+    second = part(100, in_slot=False)
+    track.next_part(second)
+    assert sched.load(snapshot(live=[30], queued=[100, 7])) == ([30], [200, 7])
+    track.next_part(part(100))
+    assert track.to_come == [] and sched.load(snapshot(live=[30, 100], queued=[7])) == ([30, 100], [7])
+    sched.close(track)
+    assert sched.load(snapshot(live=[30, 100])) == ([30, 100], [])
+
+
+def test_a_tolerated_stall_counts_the_frames_still_to_come():
+    """With an underrun budget, an engine slowed past 80 ms a frame may take another stream while every playing
+    stream has few enough frames left to lose less than the budget; not when one has a long input's parts still
+    to come: it would lose the overrun on each of their frames too."""
+    st = snapshot(live=[10] * 4, scale=8.0)
+    frame_s = ready_scheduler(st).predict(st, [10] * 4, [])[2]
+    assert frame_s > 2 * FRAME_SECONDS  # each frame loses more than a frame of audio's worth...
+    sched = ready_scheduler(st, ttfa_target_s=10.0, starvation_s=10 * frame_s)  # ...but 10 frames lose less
+    assert sched.admit() > 0
+    sched.open("long", 510, part(20, made=10), to_come=(500,))
+    with pytest.raises(ApiError) as err:
+        sched.admit()
+    assert err.value.status == 429 and "run dry" in err.value.message
+    sched.close(next(iter(sched.streams.values())))
+    assert sched.admit() > 0
+
+
 @dataclasses.dataclass
 class SimStream:
     arrival: float
-    left: int
+    part: Stream  # the part in flight, as the scheduler reads it
+    track: StreamTrack | None = None  # its parts still to come, as the scheduler counts them
     first_chunk: float | None = None
     sent: int = 0
     starved: float = 0.0
 
+    @property
+    def left(self) -> int:
+        return self.part.frames_cap - len(self.part.codes)
 
-def simulate(rate: float, seconds: float = 20.0, frames: int = 48, slots: int = 64, seed: int = 0) -> dict:
+
+def simulate(rate: float, seconds: float = 20.0, frames: int = 48, slots: int = 64, seed: int = 0,
+             parts: int = 1) -> dict:
     """Poisson arrivals against the scheduler and an engine loop in simulated time that follows the real
     engine's rules: every waiting request that has a slot joins, prefilled together, and gets its first frame
     from a call of its own; then the playing streams and the newcomers step the frames the engine's own
     `step_frames` picks from their headroom (margin 20 ms); frames go out each iteration; a zero-buffer
-    listener per stream."""
+    listener per stream. A request of `parts` parts (a long input) queues each next part ahead of the waiting
+    requests as the one before ends, its listener playing on."""
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1 / rate, int(rate * seconds * 1.2)))
     arrivals = list(arrivals[arrivals < seconds])
     engine = Snapshots(None)
     sched = Scheduler(engine, AdmissionConfig(ttfa_target_s=0.3))
     sched.ready = True
+    caps = [frames // parts] * parts
     t, last, queue, live, done, refused = 0.0, 0.03, [], [], [], 0
     while arrivals or queue or live:
         while arrivals and arrivals[0] <= t:
             engine.st = snapshot([s.left for s in live], [s.left for s in queue], slots, last)
             try:
                 sched.admit()
-                queue.append(SimStream(arrivals.pop(0), frames))
+                s = SimStream(arrivals.pop(0), part(caps[0], in_slot=False))
+                s.track = sched.open("sim", frames, s.part, tuple(caps[1:]))
+                queue.append(s)
             except ApiError as err:
                 assert err.status == 429 and err.retry_after >= 1
                 refused += 1
@@ -215,7 +309,10 @@ def simulate(rate: float, seconds: float = 20.0, frames: int = 48, slots: int = 
         playing = [s for s in live if s.first_chunk is not None]
         extra = prefill_cost(len(joined)) + first_cost(len(joined)) if joined else 0.0
         for s in joined:
-            s.first_chunk, s.sent, s.left = t + extra, 1, s.left - 1
+            s.part.timings.admitted = t
+            s.first_chunk = t + extra if s.first_chunk is None else s.first_chunk
+            s.sent += 1
+            s.part.codes.append(None)
         headroom = np.array([s.first_chunk + s.sent * FRAME_SECONDS - t for s in playing])
         costs = {n: iteration_cost(len(live), n) for n in (1, 4)}
         plan = step_frames(costs, headroom, FRAME_SECONDS if joined else None, extra, 0.02, 0.1)
@@ -225,22 +322,34 @@ def simulate(rate: float, seconds: float = 20.0, frames: int = 48, slots: int = 
             got = min(plan.frames, s.left)
             s.starved += max(0.0, t - (s.first_chunk + s.sent * FRAME_SECONDS))
             s.sent += got
-            s.left -= got
-        done += [s for s in live if s.left == 0]
+            s.part.codes += [None] * got
+        ended = [s for s in live if s.left == 0]
         live = [s for s in live if s.left > 0]
+        for s in ended:
+            if s.track.to_come:  # its next part, ahead of those waiting
+                s.part = part(s.track.to_come[0], in_slot=False)
+                s.track.next_part(s.part)
+                queue.insert(0, s)
+            else:
+                done.append(s)
+                sched.close(s.track)
     ttfa = np.array([s.first_chunk - s.arrival for s in done])
     return {"admitted": len(done), "refused": refused, "ttfa_p95": float(np.percentile(ttfa, 95)),
             "starved_max": max(s.starved for s in done)}
 
 
-def test_below_capacity_nothing_is_refused_and_nothing_starves():
+@pytest.mark.parametrize("parts", [1, 4])
+def test_below_capacity_nothing_is_refused_and_nothing_starves(parts):
     for rate in (5, 15, 25):
-        got = simulate(rate)
+        got = simulate(rate, parts=parts)
         assert got["refused"] == 0, (rate, got)
         assert got["starved_max"] == 0.0 and got["ttfa_p95"] <= 0.3, (rate, got)
 
 
-def test_above_capacity_refuses_and_keeps_admitted_streams_playing():
-    got = simulate(150)
+@pytest.mark.parametrize("parts, seconds", [(1, 20.0), (4, 8.0)])
+def test_above_capacity_refuses_and_keeps_admitted_streams_playing(parts, seconds):
+    """Also when every request is a long input of four parts back to back: admission counts the parts still to
+    come, so none waits for a slot they keep (8 s of arrivals: each admission counts every open request)."""
+    got = simulate(150, seconds, parts=parts)
     assert got["refused"] > 0.3 * (got["refused"] + got["admitted"]), got
     assert got["starved_max"] == 0.0 and got["ttfa_p95"] <= 0.3, got  # the zero-underrun contract
