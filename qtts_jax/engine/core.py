@@ -79,13 +79,15 @@ class PromptTooLong(RequestError):
 class Engine:
     """The host loop that admits, steps, decodes and hands out audio, over a `Runner` that owns the device."""
 
-    def __init__(self, model: Model, config: EngineConfig = EngineConfig()):
+    def __init__(self, model: Model, config: EngineConfig = EngineConfig(), runner: Runner | None = None):
+        """`runner`: the device half (by default a `Runner` of `model` and `config`); anything with its calls and
+        outcomes will do (bench/host_loop.py times the loop's host work over one that answers from numpy)."""
         self.model = model
         self.config = config
         c = config
         if max(c.prompt_buckets) >= c.context:
             raise ValueError("the largest prompt bucket must leave room for frames in the context")
-        self.runner = Runner(model, config)
+        self.runner = runner if runner is not None else Runner(model, config)
         # the sizes the loop may use: all of them, but while `warmup(background=True)` compiles only those compiled
         # and timed so far (`_use`); the slots in use never exceed the largest rung
         self._ladder, self._first_sizes, self._step_sizes = c.ladder, c.first_sizes, c.step_sizes
