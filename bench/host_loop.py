@@ -26,75 +26,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qtts_jax.codec.config import SAMPLES_PER_FRAME  # noqa: E402
+from bench.sim_device import Clock, NumpyRunner  # noqa: E402
 from qtts_jax.engine import Engine, EngineConfig  # noqa: E402
-from qtts_jax.engine.runner import Calibration, FirstOutcome, StepOutcome  # noqa: E402
 from qtts_jax.model import load_model  # noqa: E402
 from qtts_jax.request import Request  # noqa: E402
-
-
-class Clock:
-    """The engine's clock: advanced by the simulated device, never by the host's own work."""
-
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class NumpyRunner:
-    """The runner's calls answered from numpy at once, each advancing `clock` by its H200 cost (0.6B shape,
-    bf16 codec: bench/results/nnx-ab-0.6b-256-h200.json and kernels-*.json), linear in rows between 16 and 256."""
-
-    def __init__(self, config: EngineConfig, clock: Clock, seed: int = 0):
-        self.config, self.clock = config, clock
-        self.rng = np.random.default_rng(seed)
-
-    @staticmethod
-    def _linear(rows: int, at16: float, at256: float) -> float:
-        return at16 + (at256 - at16) * max(rows - 16, 0) / 240
-
-    def step_s(self, rows: int, frames: int) -> float:
-        return frames * self._linear(rows, 0.0088, 0.0138)
-
-    def codec_s(self, rows: int, frames: int) -> float:
-        return self._linear(rows, 0.003, 0.0122) * (1 + 0.45 * (frames - 1) / 7) * frames ** 0.5
-
-    def first_s(self, rows: int) -> float:
-        return self._linear(rows, 0.012, 0.0155 * 4)
-
-    def prefill(self, bucket, items, size):
-        self.clock.now += 0.002 + 0.0003 * size
-        return np.zeros(1)
-
-    def first(self, idx, live, fresh, decode) -> FirstOutcome:
-        self.clock.now += self.first_s(len(idx))
-        frames = self.rng.integers(0, 2048, (1, len(idx), 16))
-        return FirstOutcome(frames, np.asarray(live)[None], np.zeros((len(idx), SAMPLES_PER_FRAME), np.float32))
-
-    def step(self, idx, limits, frames) -> StepOutcome:
-        self.clock.now += self.step_s(len(idx), frames)
-        valid = np.arange(frames)[:, None] < np.asarray(limits)[None]
-        return StepOutcome(self.rng.integers(0, 2048, (frames, len(idx), 16)), valid)
-
-    def codec(self, idx, fresh, start, count, frames):
-        self.clock.now += self.codec_s(len(idx), frames)
-        return np.zeros((len(idx), frames * SAMPLES_PER_FRAME), np.float32)
-
-    def append_text(self, slot, start, ids, cap) -> None:
-        pass
-
-    def load_voice(self, slot, ref_codes) -> None:
-        pass
-
-    def calibrate(self, keys, on=None) -> Calibration:
-        c = self.config
-        return Calibration(
-            steps={(a, n): self.step_s(a, n) + self.codec_s(a, min(n, max(c.schedule)))
-                   for kind, a, n in keys if kind == "step"},
-            firsts={a: self.first_s(a) for kind, a, _ in keys if kind == "first"},
-            prefills={n: 0.002 + 0.0003 * n for kind, a, n in keys if kind == "insert"})
 
 
 def measure(model, slots: int, iterations: int, frames: int) -> dict:
@@ -103,10 +38,7 @@ def measure(model, slots: int, iterations: int, frames: int) -> dict:
     runner = NumpyRunner(config, clock)
     engine = Engine(model, config, runner=runner)
     engine.set_clock(clock)
-    keys = [(kind, a, b) for kind in ("step", "codec") for a in config.ladder
-            for b in (config.step_sizes if kind == "step" else config.codec_sizes)]
-    keys += [("first", a, 1) for a in config.first_sizes] + [("insert", 64, r) for r in config.prefill_sizes]
-    engine._use(keys, runner.calibrate(keys), left=0)
+    engine.warmup()
     job = engine.prepare(Request("A request of the benchmark's length.", speaker="ryan", max_frames=frames))
     sink = []
     parts: list[dict[str, float]] = []  # per iteration, its parts' seconds

@@ -218,10 +218,11 @@ async def drain(app: web.Application, timeout_s: float | None = None) -> bool:
     return not sched.streams
 
 
-def run(settings: Settings) -> int:
+def run(settings: Settings, engine: Engine | None = None) -> int:
     """Serve until SIGTERM/SIGINT; then drain (no new work, in-flight streams finish) and exit 0.
     Exits 2 without listening when the slots do not fit, and 1 when the warm-up fails (rather than
-    answering 503 for ever)."""
+    answering 503 for ever). `engine`: one already built (bench/host_serving.py serves one over a simulated
+    device), else `create_app` builds it from `settings`."""
     import signal
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -229,7 +230,7 @@ def run(settings: Settings) -> int:
 
     async def main() -> int:
         try:
-            app = create_app(settings)
+            app = create_app(settings, engine=engine)
         except (sizing.SlotsDoNotFit, ValueError) as exc:  # ValueError: the voice aliases name no voice
             log.error("not starting: %s", exc)
             return 2

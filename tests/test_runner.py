@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from qtts_jax.engine.runner import Calibration, FirstOutcome, Runner, StepOutcome
+from qtts_jax.engine.runner import Calibration, FirstOutcome, Runner, StepOutcome, stages
 from qtts_jax.request import Request
 from support import GREEDY, SMALL
 
@@ -28,7 +28,7 @@ def test_calibrating_on_the_live_state_leaves_a_playing_slot_untouched(tiny_mode
     assert np.abs(np.asarray(audio[0])).max() > 0
     before = jax.tree.map(np.array, (runner.state, runner.codec_state))
 
-    keys = [key for stage in runner.stages() for key in stage]
+    keys = [key for stage in stages(SMALL) for key in stage]
     timed = runner.calibrate(keys)
 
     after = jax.tree.map(np.array, (runner.state, runner.codec_state))

@@ -61,7 +61,7 @@ import numpy as np
 from qtts_jax.codec.config import SAMPLES_PER_FRAME
 from qtts_jax.engine.config import EngineConfig, rung
 from qtts_jax.engine.job import Job
-from qtts_jax.engine.runner import Calibration, FirstOutcome, Key, Runner
+from qtts_jax.engine.runner import Calibration, FirstOutcome, Key, Runner, stages
 from qtts_jax.engine.scheduler import Jitter, StepPlan, chunks_due, newcomers_that_fit, step_frames
 from qtts_jax.engine.stats import EngineStats, cost_in_calls
 from qtts_jax.engine.stream import FRAME_SECONDS, Chunk, Stream
@@ -215,13 +215,13 @@ class Engine:
         """Compile every program the loop calls (in parallel: XLA compiles off the GIL), then time each once
         on the idle engine: those costs seed the step-size choice and admission until live ones replace them.
 
-        With `background`, return once the least that serves is compiled and timed (`Runner.stages`): the engine
+        With `background`, return once the least that serves is compiled and timed (`runner.stages`): the engine
         then serves as many streams as the smallest rung holds, one frame a step, while a thread compiles the rest
         stage by stage, each stage's sizes (and the slots in use) joining the loop's as soon as they are compiled
         and timed on a scratch state; a cold server is ready after a handful of its programs."""
         t0 = time.perf_counter()
-        stages = self.runner.stages()
-        now, later = (stages[:1], stages[1:]) if background else (stages, [])
+        every = stages(self.config)
+        now, later = (every[:1], every[1:]) if background else (every, [])
         keys = [key for stage in now for key in stage]
         self.runner.compile(keys)
         if self.model.cfg.model_type == "base":
@@ -232,15 +232,15 @@ class Engine:
         if later:
             threading.Thread(target=self._warm_rest, args=(later, t0), name="qtts-warmup", daemon=True).start()
 
-    def _warm_rest(self, stages: list[list[Key]], t0: float) -> None:
+    def _warm_rest(self, later: list[list[Key]], t0: float) -> None:
         """The background half of `warmup`: stage after stage compiled, timed on a scratch state of its own (the
         loop owns the live one) and added to what the loop may use."""
         try:
             scratch = self.runner.scratch()
-            for i, keys in enumerate(stages):
+            for i, keys in enumerate(later):
                 self.runner.compile(keys)
-                self._use(keys, self.runner.calibrate(keys, on=scratch), left=sum(map(len, stages[i + 1:])),
-                          settle=i == len(stages) - 1)
+                self._use(keys, self.runner.calibrate(keys, on=scratch), left=sum(map(len, later[i + 1:])),
+                          settle=i == len(later) - 1)
             del scratch
             log.info("every rung compiled and timed after %.1f s (slots=%d)", time.perf_counter() - t0,
                      self.config.slots)

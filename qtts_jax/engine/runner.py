@@ -75,6 +75,25 @@ class Scratch:
     codec_state: codec_streaming.StreamState
 
 
+def stages(c: EngineConfig) -> list[list[Key]]:
+    """Every program of an engine of config `c`, in the order a background warm-up makes them usable: first the
+    least that serves (a prefill of one request per prompt bucket, and the smallest rung's one-frame step, one-frame
+    codec call and first frame), then that rung's other step and codec sizes and the other prefill sizes, then each
+    larger rung whole."""
+    least = ([("insert", bucket, c.prefill_sizes[0]) for bucket in c.prompt_buckets]
+             + [("step", c.ladder[0], 1), ("codec", c.ladder[0], 1), ("first", c.ladder[0], 1),
+                ("append", 1, APPEND_IDS)])
+    prefills = [("insert", bucket, r) for bucket in c.prompt_buckets for r in c.prefill_sizes]
+    rest = [key for key in prefills + _rung_keys(c, c.ladder[0]) if key not in least]
+    return [least, rest] + [_rung_keys(c, b) for b in c.ladder[1:]]
+
+
+def _rung_keys(c: EngineConfig, b: int) -> list[Key]:
+    """The programs of one ladder rung: its step and codec sizes, and its first-frame program if it has one."""
+    return ([("step", b, n) for n in c.step_sizes] + [("codec", b, n) for n in c.codec_sizes]
+            + ([("first", b, 1)] if b in c.first_sizes else []))
+
+
 class Runner:
     """The device half of the engine: its state, its programs and the calls the loop makes."""
 
@@ -151,25 +170,6 @@ class Runner:
         self.codec_state = self._codec_load(self.codec_state, self.primed_state(ref_codes), np.int32(slot))
 
     # ---- programs ---------------------------------------------------------------------------
-
-    def stages(self) -> list[list[Key]]:
-        """Every program, in the order a background warm-up makes them usable: first the least that serves (a
-        prefill of one request per prompt bucket, and the smallest rung's one-frame step, one-frame codec call and
-        first frame), then that rung's other step and codec sizes and the other prefill sizes, then each larger
-        rung whole."""
-        c = self.config
-        least = ([("insert", bucket, c.prefill_sizes[0]) for bucket in c.prompt_buckets]
-                 + [("step", c.ladder[0], 1), ("codec", c.ladder[0], 1), ("first", c.ladder[0], 1),
-                    ("append", 1, APPEND_IDS)])
-        prefills = [("insert", bucket, r) for bucket in c.prompt_buckets for r in c.prefill_sizes]
-        rest = [key for key in prefills + self._rung_keys(c.ladder[0]) if key not in least]
-        return [least, rest] + [self._rung_keys(b) for b in c.ladder[1:]]
-
-    def _rung_keys(self, b: int) -> list[Key]:
-        """The programs of one ladder rung: its step and codec sizes, and its first-frame program if it has one."""
-        c = self.config
-        return ([("step", b, n) for n in c.step_sizes] + [("codec", b, n) for n in c.codec_sizes]
-                + ([("first", b, 1)] if b in c.first_sizes else []))
 
     def compile(self, keys: list[Key]) -> None:
         """Compile `keys` at once (tracing holds the GIL; compiling does not) into the program table."""

@@ -1,0 +1,119 @@
+"""The whole server's host side under load, with the device simulated: `qtts-jax serve`'s app and engine loop over
+`sim_device.RealTimeRunner` (each call costs what it costs on the H200, 0.6B shape), swept with the capacity
+study's Poisson open loop under the zero-underrun contract (a client that plays from the first byte and counts any
+stall). What is left between this and the GPU server is what XLA does on the host inside its calls, so where this
+misses the contract the host's own work (the event loop, the engine's threads, the GIL between them) is the cause.
+
+Each variant is one server process started with its own settings (`name=flags`, flags of this script's `--serve`
+mode, e.g. `--switch-ms 0.5` or `--setting max_step_ms=60`), all variants in one run, one after another. Writes JSON: per variant and rate the
+study's columns, the refusals and the engine's iteration profile.
+
+    python bench/host_serving.py --rates 40,60 --variants "default=;switch-0.5ms=--switch-ms 0.5" \
+        --out bench/results/host-serving-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.capacity import COLUMNS, profile_since, refusals  # noqa: E402
+
+
+def serve(argv: list[str]) -> int:
+    """The child: one server over the simulated device."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--slots", type=int, default=256)
+    p.add_argument("--switch-ms", type=float, default=5.0, help="Python's thread switch interval (its default: 5)")
+    p.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
+                   help="a serving.settings.Settings field, e.g. max_step_ms=60 (repeatable)")
+    args = p.parse_args(argv)
+    from bench.sim_device import RealTimeRunner
+    from qtts_jax.engine import Engine
+    from qtts_jax.model import load_model
+    from serving.app import run
+    from serving.settings import Settings
+
+    sys.setswitchinterval(args.switch_ms / 1e3)
+    fields = {f.name: f.type for f in dataclasses.fields(Settings)}
+    given = dict(item.split("=", 1) for item in args.setting)
+    kinds = {"int": int, "float": float, "bool": lambda v: v.lower() in ("1", "true", "yes")}
+    given = {k: kinds.get(str(fields[k]).split(" ")[0], str)(v) for k, v in given.items()}
+    settings = Settings(port=args.port, slots=args.slots, context=512, compile_cache="off", warm_voice_encoders=False,
+                        **given)
+    config = settings.engine_config()
+    return run(settings, Engine(load_model("tiny-random"), config, runner=RealTimeRunner(config)))
+
+
+def sweep_variant(args, name: str, flags: str, out: Path) -> dict:
+    from studies.corpora import load_corpus
+    from studies.load import wait_ready
+    from studies.server import free_port
+    from studies.slo import SLO, Contract
+    from studies.sweep import run_sync, sweep
+
+    port = free_port()
+    log_path = out / f"server-{name}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, __file__, "--serve", "--port", str(port), "--slots", str(args.slots),
+                                 *shlex.split(flags)], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "QTTS_DRAIN_TIMEOUT_S": "5"})
+    url = f"http://127.0.0.1:{port}"
+    conditions = []
+    try:
+        run_sync(wait_ready(url, 120, idle=True))
+        contract = Contract(args.contract_ttfa_ms)
+        for rate in args.rates:
+            offset = log_path.stat().st_size
+            cdir = out / name / f"poisson-{rate:g}"
+            summary = sweep(url, "open-poisson", [rate], max(60, int(rate * args.seconds)), load_corpus("voice_agent"),
+                            cdir, options={"voice": "ryan", "seed": 0, "max_frames": args.max_frames},
+                            warmup=args.warmup, slo=SLO(), contract=contract)
+            (c,) = summary["conditions"]
+            row = {"rate": rate, **{k: c[k] for k in COLUMNS}, "zero_underrun": c["contract_verdict"]["overall"],
+                   "refusals": refusals(cdir / "records.jsonl"), "iteration_profile": profile_since(log_path, offset)}
+            conditions.append(row)
+            print(name, json.dumps({k: v for k, v in row.items() if k != "iteration_profile"}, default=float),
+                  flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return {"flags": flags, "conditions": conditions}
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--serve"]:
+        sys.exit(serve(sys.argv[2:]))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rates", default="40,60", help="Poisson requests/s")
+    p.add_argument("--variants", default="default=", help='"name=flags;name=flags" (flags of the --serve mode)')
+    p.add_argument("--slots", type=int, default=256)
+    p.add_argument("--seconds", type=float, default=20.0, help="of Poisson arrivals per rate")
+    p.add_argument("--max-frames", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--contract-ttfa-ms", type=float, default=100.0)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    args.rates = [float(x) for x in args.rates.split(",")]
+    result = {"command": " ".join(sys.argv), "slots": args.slots, "variants": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for item in args.variants.split(";"):
+            name, _, flags = item.partition("=")
+            result["variants"][name] = sweep_variant(args, name, flags, Path(tmp))
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=2, default=float) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""A stand-in for the engine's `Runner` that runs no model: every call answers from numpy and costs what the same
+call costs on the H200 (the 0.6B shape, bf16 codec, cuBLAS GEMMs: bench/results/nnx-ab-0.6b-256-h200.json,
+compile-flags-0.6b-256-h200.json, kernels-codec-0.6b-256-h200.json), linear in rows between 16 and 256. With it the
+engine loop, and a whole server around it, run on a CPU as they would on the GPU, less what XLA does on the host
+inside a call: the benchmarks that time the host's own work use it (bench/host_loop.py, bench/host_serving.py).
+
+Two clocks: `NumpyRunner` advances a simulated clock by each call's cost (the loop's host work then takes no
+simulated time at all); `RealTimeRunner` keeps real time, one simulated device running the calls one after
+another, each output ready when the device has done its call (reading it earlier waits, releasing the GIL, as
+waiting on a GPU does)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from qtts_jax.codec.config import SAMPLES_PER_FRAME
+from qtts_jax.engine.config import EngineConfig
+from qtts_jax.engine.runner import Calibration, FirstOutcome, StepOutcome
+
+
+def _linear(rows: int, at16: float, at256: float) -> float:
+    return at16 + (at256 - at16) * max(rows - 16, 0) / 240
+
+
+def step_s(rows: int, frames: int) -> float:
+    """8.8 ms at 16 rows and 13.8 at 256 per frame (one-frame steps; 4-frame steps cost 4x as much)."""
+    return frames * _linear(rows, 0.0088, 0.0138)
+
+
+def codec_s(rows: int, frames: int) -> float:
+    """12.2 ms at 256 rows for one frame, 53.5 ms for eight (bf16); 3 ms at 16 rows."""
+    return _linear(rows, 0.003, 0.0122) * (1 + 3.39 * (frames - 1) / 7)
+
+
+def first_s(rows: int) -> float:
+    """15.5 ms at 64 rows, 12 ms at 16."""
+    return _linear(rows, 0.012, 0.029)
+
+
+def prefill_s(requests: int) -> float:
+    """12.7 ms for 32 requests of the 128-row bucket."""
+    return 0.003 + 0.0003 * requests
+
+
+class Clock:
+    """A simulated clock: advanced by the simulated device, never by the host's own work."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class NumpyRunner:
+    """The runner's calls answered at once, each advancing `clock` by its cost."""
+
+    def __init__(self, config: EngineConfig, clock: Clock | None = None, seed: int = 0):
+        self.config, self.clock = config, clock
+        self.rng = np.random.default_rng(seed)
+
+    def _done(self, cost: float, value):
+        self.clock.now += cost
+        return value
+
+    def prefill(self, bucket, items, size):
+        return self._done(prefill_s(size), np.zeros(1))
+
+    def first(self, idx, live, fresh, decode) -> FirstOutcome:
+        out = (self.rng.integers(0, 2048, (1, len(idx), 16)), np.asarray(live)[None],
+               np.zeros((len(idx), SAMPLES_PER_FRAME), np.float32))
+        return FirstOutcome(*self._done(first_s(len(idx)), out))
+
+    def step(self, idx, limits, frames) -> StepOutcome:
+        valid = np.arange(frames)[:, None] < np.asarray(limits)[None]
+        out = (self.rng.integers(0, 2048, (frames, len(idx), 16)), valid)
+        return StepOutcome(*self._done(step_s(len(idx), frames), out))
+
+    def codec(self, idx, fresh, start, count, frames):
+        return self._done(codec_s(len(idx), frames), np.zeros((len(idx), frames * SAMPLES_PER_FRAME), np.float32))
+
+    def append_text(self, slot, start, ids, cap) -> None:
+        pass
+
+    def load_voice(self, slot, ref_codes) -> None:
+        pass
+
+    def compile(self, keys) -> None:
+        pass
+
+    def calibrate(self, keys, on=None) -> Calibration:
+        c = self.config
+        return Calibration(
+            steps={(a, n): step_s(a, n) + codec_s(a, min(n, max(c.schedule))) for kind, a, n in keys if kind == "step"},
+            firsts={a: first_s(a) for kind, a, _ in keys if kind == "first"},
+            prefills={n: prefill_s(n) for kind, a, n in keys if kind == "insert"})
+
+
+class Pending:
+    """A device output of `RealTimeRunner`: its value once the simulated device has run the call."""
+
+    def __init__(self, value: np.ndarray, ready: float):
+        self.value, self.ready = value, ready
+
+    def __array__(self, dtype=None, copy=None):
+        wait = self.ready - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return self.value if dtype is None else self.value.astype(dtype)
+
+
+class RealTimeRunner(NumpyRunner):
+    """`NumpyRunner`'s answers in real time: one simulated device runs the calls in order, and each output is
+    ready when the device has done its call. `busy` sums the device's seconds."""
+
+    def __init__(self, config: EngineConfig, seed: int = 0):
+        super().__init__(config, None, seed)
+        self.free = 0.0
+        self.busy = 0.0
+
+    def _done(self, cost: float, value):
+        self.free = max(self.free, time.perf_counter()) + cost
+        self.busy += cost
+        if isinstance(value, tuple):
+            return tuple(Pending(v, self.free) for v in value)
+        return Pending(value, self.free)
