@@ -148,9 +148,10 @@ class Scheduler:
         # steady state: each iteration takes a newcomer (prefill, first frame) before the step it joins, of as
         # many frames as its one frame of audio outlasts
         newcomer = st.prefill_cost(1) + st.first_cost(1)
-        # its audio goes out only after the next iteration's admission and dispatch (the engine's delivery_s)
-        sizes = [n for n in st.step_sizes
-                 if st.step_cost(batch, n) + st.delivery_s <= FRAME_SECONDS - st.headroom_margin_s] or [1]
+        # its audio goes out only after the next iteration's admission and dispatch (the engine's delivery_s); its
+        # first audio went out first_late_s after its prefill and first frame, so its listener plays from then
+        outlasts = FRAME_SECONDS + st.first_late_s - st.headroom_margin_s
+        sizes = [n for n in st.step_sizes if st.step_cost(batch, n) + st.delivery_s <= outlasts] or [1]
         frame_s = min((newcomer + st.step_cost(batch, n)) / n for n in sizes)
         free_at = [0.0] * (st.slots - len(left)) + [n * frame_s for n in left]
         heapq.heapify(free_at)

@@ -414,7 +414,7 @@ def test_live_text_joins_the_playing_stream_and_makes_the_codes_of_the_whole_tex
     from qtts_jax.engine.scheduler import StepPlan
     from qtts_jax.engine.live_text import LiveText
 
-    monkeypatch.setattr(engine, "_plan_step", lambda *a: StepPlan(CONFIG.frames_per_step, 0.0))
+    monkeypatch.setattr(engine, "_plan_step", lambda *a, **k: StepPlan(CONFIG.frames_per_step, 0.0))
     req = Request(LIVE_TEXT, speaker="ryan", seed=3, max_frames=30, non_streaming=False)
     [(whole, _)] = run(engine, [(0, req)])
     assert len(whole.codes) > len(whole.job.prompt.trailing)  # the text is read while frames are made

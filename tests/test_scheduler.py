@@ -26,6 +26,16 @@ def test_newcomers_one_frame_of_audio_bounds_the_step_they_join():
     assert step_frames(COSTS, np.array([2.0]), None, 0.015, 0.01, 0.2).frames == 4
 
 
+def test_newcomers_whose_first_audio_goes_out_late_may_join_a_longer_step():
+    """Their first audio waited on the device behind the previous codec call (which the measured costs count), so
+    their listener started that much later: with 40 ms of it measured, a 100 ms step plus 10 ms of margin and 10 ms
+    of delivery fits their 80 + 40 ms; without it, only a 55 ms one."""
+    assert step_frames(COSTS, np.array([2.0]), FRAME_SECONDS, 0.015, 0.01, 0.2, 0.010, 0.040).frames == 4
+    assert step_frames(COSTS, np.array([2.0]), FRAME_SECONDS, 0.015, 0.01, 0.2, 0.010, 0.0).frames == 2
+    # the playing streams' headroom still bounds it
+    assert step_frames(COSTS, np.array([0.07]), FRAME_SECONDS, 0.015, 0.01, 0.2, 0.010, 0.040).frames == 1
+
+
 def test_a_long_step_is_avoided_unless_only_it_keeps_up():
     # within the headroom, but longer than max_step_s: an arrival would wait for it
     assert step_frames(COSTS, np.array([2.0]), None, 0.0, 0.01, 0.06).frames == 2

@@ -15,8 +15,10 @@ One iteration of the loop (`run_once`); its decisions are `scheduler`'s pure fun
    their first audio does not wait for the playing streams' step;
 3. the playing rows, and the newcomers right after their first frame, step `n` frames in one `lax.scan`: the
    most frames whose measured cost leaves every stream's playback headroom (audio handed out minus audio a
-   zero-buffer listener has played) above the margin, a newcomer's one frame of audio included, short
-   enough that a request arriving meanwhile does not wait long unless only a longer step keeps up;
+   zero-buffer listener has played) above the margin, a newcomer's one frame of audio included (counted from
+   when it really goes out: behind the previous iteration's codec call on the device, later than the
+   newcomers' own programs alone would put it; measured), short enough that a request arriving meanwhile does
+   not wait long unless only a longer step keeps up;
 4. before the step is dispatched (its call holds the host while the device runs its loop trips) the host hands
    out the previous codec call's audio, the newcomers' programs running meanwhile; the newcomers' first chunks
    go out from a thread of their own as soon as their program is done, not after the step's dispatch returns
@@ -108,6 +110,8 @@ class Engine:
         self._iteration_s = 0.0
         self._delivery_s = 0.0  # iteration start -> the previous iteration's audio handed out, measured (EMA)
         self._recent_frame_s: collections.deque[float] = collections.deque(maxlen=64)
+        # newcomers' first chunks: seconds after the iteration's start + their prefill and first frame (measured)
+        self._first_late: collections.deque[float] = collections.deque(maxlen=256)
         self._profile = _IterationProfile()
         # hands audio out while the loop dispatches the step; its idle thread ends when the engine is collected
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qtts-audio-out")
@@ -286,9 +290,10 @@ class Engine:
         self._forget_timings()
 
     def _forget_timings(self) -> None:
-        """Drop the measured iteration time, delivery delay and jitter: the next iterations measure them anew."""
+        """Drop the measured iteration time, delivery delays and jitter: the next iterations measure them anew."""
         self._iteration_s = 0.0
         self._delivery_s = 0.0
+        self._first_late.clear()
         self.jitter = Jitter(self.config.min_margin_s)
 
     def observe_delivery_lag(self, seconds: float) -> None:
@@ -347,7 +352,7 @@ class Engine:
         stepping = [s for s in playing + new if allowed[s] is None or allowed[s] > 0]
         plan, out = None, None
         if stepping:
-            plan = self._plan_step(playing, first, extra, t0)
+            plan = self._plan_step(playing, first, extra, t0, behind_codec=handing is not None)
             b = rung(self._ladder, len(stepping))
             limits = np.array([plan.frames if allowed[s] is None else min(plan.frames, allowed[s])
                                for s in stepping], np.int32)
@@ -360,7 +365,10 @@ class Engine:
             self._settle_handout(t0, *handing.result())
             parts.mark("hand_out")
         if sending is not None:
-            self._take_first(new, *sending.result())
+            first = sending.result()
+            if handing is not None:  # what the planner counts on when a codec call runs ahead of the newcomers
+                self._first_late.append(max(first[2] - t0 - extra, 0.0))
+            self._take_first(new, *first)
             parts.mark("first")
         # the codec call is queued right behind the step, counting on the frames it makes (they are read from
         # where the step writes them), and corrected once the step's outputs are read
@@ -436,6 +444,7 @@ class Engine:
             step_costs=dict(self.step_costs), prefill_costs=dict(self.prefill_costs), first_costs=dict(self.first_costs),
             iteration_s=self._iteration_s, min_headroom_s=min(headrooms) if headrooms else None,
             iterations=self.iterations, recent_frame_s=tuple(self._recent_frame_s), delivery_s=self._delivery_s,
+            first_late_s=self._first_late_s(),
         )
 
     def _sizes(self) -> dict:
@@ -443,16 +452,25 @@ class Engine:
         return dict(slots=max(self._ladder), ladder=self._ladder, step_sizes=self._step_sizes,
                     compiling=self._compiling)
 
-    def _plan_step(self, playing: list[Stream], first, extra_s: float, now: float) -> StepPlan:
+    def _plan_step(self, playing: list[Stream], first, extra_s: float, now: float, behind_codec: bool) -> StepPlan:
         """The step's frames (`scheduler.step_frames`) from the playing streams' headroom, the newcomers' one
-        frame of audio (if their first-frame program decodes it) and the measured costs at this batch."""
+        frame of audio (if their first-frame program decodes it), when it goes out (`behind_codec`: after the
+        previous iteration's codec call on the device) and the measured costs at this batch."""
         c = self.config
         b = rung(self._ladder, len(playing) + (len(first[1]) if first else 0))
         headroom = np.array([h for s in playing if (h := s.buffered(now)) is not None], float)
         newcomer_audio = FRAME_SECONDS if first is not None and first[1].any() else None
         costs = {n: self.step_costs.get((b, n), 0.0) for n in self._step_sizes}
         return step_frames(costs, headroom, newcomer_audio, extra_s, self._margin_s, c.max_step_s,
-                           self._delivery_s)
+                           self._delivery_s, self._first_late_s() if behind_codec else 0.0)
+
+    def _first_late_s(self) -> float:
+        """How much later than planned newcomers' first audio goes out when a codec call runs ahead of their first
+        frame: a low quantile of the recent iterations', so that counting on it never lets a newcomer's next audio
+        come after its first has played."""
+        if not self._first_late:
+            return 0.0
+        return float(np.quantile(np.fromiter(self._first_late, float), 0.1))
 
     def _rows(self, streams: list[Stream], b: int) -> tuple[np.ndarray, np.ndarray]:
         """Slot indices of a call of `b` rows (padding aimed past the last slot) and which rows are live."""
