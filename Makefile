@@ -62,7 +62,8 @@ test: setup browser  ## the test suite (2 workers; the 15 slowest listed at the 
 	$(PY) -m pytest -q --durations=15 -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder -m "not fleet"
 
 # The Ray Serve fleet's tests (tests/test_fleet.py): two tiny-random CPU replicas in one local Ray instance, in one
-# process (Ray takes the cores); the fleet extra (ray[serve]) is installed only here
+# process (Ray takes the cores); the fleet extra (ray[serve]) is installed only here. CI runs it as its own job after
+# `make test` (.ci/run), outside the suite's 10-minute budget
 test-fleet: $(VENV)/.fleet  ## the fleet's tests on CPU replicas (installs the fleet extra)
 	$(PY) -m pytest -q --durations=5 -m fleet tests/test_fleet.py
 

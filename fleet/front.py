@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import uuid
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -72,10 +73,13 @@ class Front:
         full = path + (f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else "")
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
         stream = path == "/v1/audio/speech" and method == "POST"
+        rid = re.sub(r"[^A-Za-z0-9_:-]", "", next((v for k, v in headers if k == "x-request-id"), ""))[:96]
         tried: set[str] = set()
         while True:
-            gen = self.calls["http"].remote(
-                method, full, headers, body, route={"stream": stream, "exclude": sorted(tried)})
+            route = {"stream": stream, "exclude": sorted(tried)}
+            if stream:  # each attempt's own id, the server's request id there (the request's own, made unique)
+                route["id"] = f"{rid}.{uuid.uuid4().hex[:12]}"
+            gen = self.calls["http"].remote(method, full, headers, body, route=route)
             try:
                 head = await gen.__anext__()
             except GONE as exc:
@@ -156,7 +160,7 @@ class Front:
             return
         sid = uuid.uuid4().hex
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
-        gen = self.calls["ws_open"].remote(sid, scope["path"], headers, route={"stream": True})
+        gen = self.calls["ws_open"].remote(sid, scope["path"], headers, route={"stream": True, "id": sid})
         try:
             replica = (await gen.__anext__())["replica"]
         except GONE:

@@ -2,7 +2,10 @@
 inside the replica, with its HTTP responses and WebSocket messages streamed out through Ray deployment handles.
 
 Running the server itself, not a copy of its routes, keeps request validation, admission, encoding, SSE and error
-bodies exactly the server's. Every method takes a `route` keyword that only the router reads (fleet/router.py).
+bodies exactly the server's. Every method takes a `route` keyword that the router reads (fleet/router.py). A stream
+call's `route["id"]` becomes the server's request id, so this replica's stats list it exactly while the server's
+scheduler counts the stream (from admission to the response's end), and a WebSocket session's from its opening
+(fleet/routing.py).
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
-import time
 
 import aiohttp
 from aiohttp import web
@@ -47,12 +49,15 @@ class Replica:
         self.client = aiohttp.ClientSession(connector=aiohttp.UnixConnector(self.sock, limit=0),
                                             timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
         self.sockets: dict[str, aiohttp.ClientWebSocketResponse] = {}
+        self.sessions: set[str] = set()  # the route ids of the WebSocket sessions open now (`stats` lists them)
 
     async def http(self, method: str, path: str, headers: list, body: bytes, route: dict | None = None):
         """The server's answer to one HTTP request: first {"status", "headers", "replica"}, then the body's bytes as
         they come. A response the server aborts (a raw audio stream whose engine failed) raises here, so the front
         aborts its own."""
-        headers = [(k, v) for k, v in headers if k.lower() not in HOP_HEADERS - {"x-request-id"} | {"host"}]
+        token = (route or {}).get("id")
+        drop = HOP_HEADERS | {"host"} if token else HOP_HEADERS - {"x-request-id"} | {"host"}
+        headers = [(k, v) for k, v in headers if k.lower() not in drop] + ([("X-Request-Id", token)] if token else [])
         async with self.client.request(method, f"http://replica{path}", headers=headers, data=body,
                                        allow_redirects=False) as r:
             yield {"status": r.status, "replica": self.id,
@@ -67,6 +72,8 @@ class Replica:
         async with self.client.ws_connect(f"http://replica{path}", headers=headers, autoping=True,
                                           max_msg_size=0) as ws:
             self.sockets[sid] = ws
+            token = (route or {}).get("id")
+            self.sessions.add(token)
             try:
                 yield {"replica": self.id}
                 async for msg in ws:
@@ -79,6 +86,7 @@ class Replica:
                 yield ("close", ws.close_code or 1000)
             finally:
                 self.sockets.pop(sid, None)
+                self.sessions.discard(token)
 
     async def ws_send(self, sid: str, kind: str, data, route: dict | None = None) -> bool:
         """Forward one client message ("text", "bytes" or "close") to the session's server socket; False when the
@@ -96,7 +104,9 @@ class Replica:
 
     def stats(self, route: dict | None = None) -> dict:
         """What routing and the front's /ready need, from the engine's stats snapshot and the server's own
-        admission (`Scheduler.admit` only reads the snapshot: asking changes nothing)."""
+        admission (`Scheduler.admit` only reads the snapshot: asking changes nothing). `streams` (the server's
+        admitted streams, each until its response ends) and `routes` (their request ids, and the sessions') are read
+        together, so the router's ledger can tell which of its streams this snapshot counts."""
         from serving.keys import ENGINE, SCHEDULER
 
         sched, st = self.app[SCHEDULER], self.app[ENGINE].stats()
@@ -104,8 +114,10 @@ class Replica:
             ttfa, admit = sched.admit(), True
         except ApiError:
             ttfa, admit = None, False
+        tracks = list(sched.streams.values())
         return {"replica": self.id, "ready": sched.accepting, "admit": admit, "ttfa_s": ttfa, "slots": st.slots,
-                "active": st.live, "queued": st.queued, "streams": len(sched.streams), "at": time.time()}
+                "active": st.live, "queued": st.queued, "streams": len(tracks),
+                "routes": [t.request_id for t in tracks] + [i for i in self.sessions if i]}
 
     async def metrics_text(self, route: dict | None = None) -> str:
         """The server's own /metrics (the front labels each replica's samples)."""
