@@ -1,13 +1,13 @@
-"""The engine loop's host work per iteration, with the device taken out: the loop (`Engine.run_once`) runs over a
-runner that answers every call at once from numpy and advances the engine's clock by what the call costs on the
-H200 (the 0.6B shape's measured costs, scaled by rows and frames), so the loop decides as it would there while the
-wall time measured is the loop's own Python: admission, planning, hand-out, bookkeeping and stats.
+"""The engine loop's host work per iteration, with the device taken out: the loop (`Engine.run_once`) runs over
+`sim_device.NumpyRunner`, which answers every call at once and advances the engine's clock by what the call costs
+on the H200, so the loop decides as it would there while the wall time measured is the loop's own Python:
+admission, planning, hand-out, bookkeeping and stats.
 
 Closed loop: every slot holds a 60-frame request, a new one submitted as each ends, so every iteration also
 admits and starts newcomers. Per slot count: real milliseconds per iteration (median and p90 over the measured
 iterations, the first fifth skipped while the slots fill), the mean of each part `_IterationProfile` names, and the
-sender thread's own time (its hand-out overlaps the step's dispatch on a device; here the loop waits for it). No accelerator: this is the host CPU's
-share of an iteration, the part of it the device waits for. Writes JSON.
+sender thread's own time (its hand-out overlaps the step's dispatch on a device; here the loop waits for it). No
+accelerator: this is the host CPU's share of an iteration, the part of it the device waits for. Writes JSON.
 
     python bench/host_loop.py --slots 64,256 --out bench/results/host-loop-cpu.json
 """
