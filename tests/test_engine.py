@@ -268,6 +268,29 @@ def test_newcomer_gets_its_first_chunk_at_once_and_joins_the_long_step_of_the_pl
     assert playing.final.error is None and newcomer.final.error is None
 
 
+def test_how_late_newcomers_first_audio_goes_out_behind_a_codec_call_is_measured_and_published(engine, cheap, lead,
+                                                                                              monkeypatch):
+    """A newcomer's first frame runs on the device after the previous iteration's codec call, so its first audio
+    goes out later than its own programs' (here 2 ms) cost after the iteration's start: the loop measures by how
+    much (the step planner and admission count the newcomer's deadline from then), only in iterations with a
+    codec call ahead of it, and publishes it in the stats."""
+    engine.set_clock(time.perf_counter)  # a new clock: nothing measured yet
+    lead(10.0)  # every frame of the playing stream goes to the codec in the iteration that made it
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, guard_newcomers=False))
+    playing, newcomer = Collector(), Collector()
+    engine.submit(engine.prepare(Request("Already playing.", speaker="ryan", max_frames=30, **GREEDY)), playing)
+    for _ in range(2):
+        engine.run_once()
+    assert not engine._first_late and engine.stats().first_late_s == 0.0  # nothing ran ahead of its first frame
+    new = engine.submit(engine.prepare(Request("Newcomer.", speaker="aiden", max_frames=10, **GREEDY)), newcomer)
+    engine.run_once()
+    (late,) = engine._first_late
+    assert new.codes and late > 0 and engine.stats().first_late_s == pytest.approx(late)
+    while engine.run_once():
+        pass
+    assert playing.final.error is None and newcomer.final.error is None
+
+
 def test_audio_goes_out_while_the_step_is_being_dispatched(engine, clock, cheap, monkeypatch):
     """The step's call holds the engine thread while the device runs its loop trips (30-40 ms on a GPU): a
     newcomer's first chunk and the playing streams' audio of the previous codec call go out meanwhile, from the
