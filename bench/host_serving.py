@@ -1,12 +1,13 @@
 """The whole server's host side under load, with the device simulated: `qtts-jax serve`'s app and engine loop over
 `sim_device.RealTimeRunner` (each call costs what it costs on the H200, 0.6B shape), swept with the capacity
 study's Poisson open loop under the zero-underrun contract (a client that plays from the first byte and counts any
-stall). What is left between this and the GPU server is what XLA does on the host inside its calls, so where this
-misses the contract the host's own work (the event loop, the engine's threads, the GIL between them) is the cause.
+stall). What is left between this and the GPU server is what XLA does on the host inside its calls: what this
+shows comes from the loop's decisions on the device's real costs and from the host's own work (the event loop,
+the engine's threads, the GIL between them).
 
 Each variant is one server process started with its own settings (`name=flags`, flags of this script's `--serve`
-mode, e.g. `--switch-ms 0.5` or `--setting max_step_ms=60`), all variants in one run, one after another. Writes JSON: per variant and rate the
-study's columns, the refusals and the engine's iteration profile.
+mode, e.g. `--switch-ms 0.5` or `--setting max_step_ms=60`), all variants in one run, one after another. Writes
+JSON: per variant and rate the study's columns, the refusals and the engine's iteration profile.
 
     python bench/host_serving.py --rates 40,60 --variants "default=;switch-0.5ms=--switch-ms 0.5" \
         --out bench/results/host-serving-cpu.json

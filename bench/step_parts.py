@@ -89,7 +89,8 @@ def main() -> None:
     args = p.parse_args()
     model = load_model(args.model, dtype=jnp.bfloat16)
     engine = Engine(model, EngineConfig(slots=args.slots, context=args.context, prompt_buckets=(32,)))
-    args_of = (model.params, model.codec_params, engine.runner.state, engine.runner.codec_state)  # lowering only reads shapes
+    # lowering only reads shapes
+    args_of = (model.params, model.codec_params, engine.runner.state, engine.runner.codec_state)
     jobs = []
     for sampler in args.samplers.split(","):
         for name, fn in parts(model.graph, model.cfg, model.codec_cfg, sampler).items():

@@ -43,9 +43,9 @@ batched talker call; nothing mixes rows, so a seeded request gives the same code
 An ICL voice's audio continues its reference recording, as the reference decodes reference + new codes and
 cuts the reference's share: the slot's codec state starts from the state after the reference codes
 (computed once per voice and cached). Everything the loop calls is compiled by `warmup` (in parallel, and
-timed by `Runner.calibrate`: the costs drive step sizes and admission); nothing compiles in steady state. A server's warm-up returns
-once the smallest rung can serve and compiles the larger rungs in the background, the slots in use growing with
-them.
+timed by `Runner.calibrate`: the costs drive step sizes and admission); nothing compiles in steady state. A
+server's warm-up returns once the smallest rung can serve and compiles the larger rungs in the background, the
+slots in use growing with them.
 """
 
 from __future__ import annotations
