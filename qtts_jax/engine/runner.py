@@ -195,22 +195,10 @@ class Runner:
 
     def lower(self, kind: str, a: int, b: int):
         """The program `kind` for one ladder rung, lowered on padding inputs (the shapes the loop passes)."""
-        c = self.config
-        state, codec_state = self._specs
-        if kind == "insert":
-            return self._jit_insert.lower(self.model.params, state, *self._dummy_inserts(a, b))
-        idx, zeros = np.full(a, c.slots, np.int32), np.zeros(a, bool)
-        if kind == "first":
-            return self._jit_first.lower(self.model.params, self.codec_params, state, codec_state,
-                                         idx, zeros, zeros, zeros)
-        if kind == "step":
-            return self._jit_step.lower(self.model.params, state, idx, np.zeros(a, np.int32), n=b)
-        if kind == "append":
-            scalar = np.int32(0)
-            return self._jit_append.lower(self.model.params, state, scalar, scalar, np.zeros(b, np.int32), scalar,
-                                          scalar)
-        counts = np.zeros(a, np.int32)
-        return self._jit_codec.lower(self.codec_params, codec_state, state.codes, idx, zeros, counts, counts, n=b)
+        jit = {"insert": self._jit_insert, "step": self._jit_step, "first": self._jit_first, "codec": self._jit_codec,
+               "append": self._jit_append}[kind]
+        static = {"n": b} if kind in ("step", "codec") else {}
+        return jit.lower(*self._padding_call(kind, a, b, *self._specs), **static)
 
     def program(self, kind: str, a: int, b: int):
         """A compiled program; `compile` makes them ahead, and one not made yet is compiled on demand."""
@@ -229,24 +217,32 @@ class Runner:
         the live state or `on`; returns its output."""
         kind, a, b = key
         target = on if on is not None else self
-        c = self.config
-        idx, zeros = np.full(a, c.slots, np.int32), np.zeros(a, bool)
-        program = self.program(*key)
-        if kind == "insert":
-            target.state, out = program(self.model.params, target.state, *self._dummy_inserts(a, b))
-        elif kind == "step":
-            target.state, out = program(self.model.params, target.state, idx, np.zeros(a, np.int32))
+        out = self.program(*key)(*self._padding_call(kind, a, b, target.state, target.codec_state))
+        if kind in ("insert", "step"):
+            target.state, out = out
         elif kind == "first":
-            target.state, target.codec_state, out = program(self.model.params, self.codec_params, target.state,
-                                                            target.codec_state, idx, zeros, zeros, zeros)
+            target.state, target.codec_state, out = out
         elif kind == "codec":
-            out, target.codec_state = program(self.codec_params, target.codec_state, target.state.codes, idx, zeros,
-                                              np.zeros(a, np.int32), np.full(a, b, np.int32))
+            out, target.codec_state = out
         else:
-            scalar = np.int32(0)
-            target.state = out = program(self.model.params, target.state, scalar, scalar, np.zeros(b, np.int32),
-                                         scalar, scalar)
+            target.state = out
         return out
+
+    def _padding_call(self, kind: str, a: int, b: int, state, codec_state) -> tuple:
+        """The arguments of program `kind` for `a` padding rows (aimed past the last slot: every write dropped) and
+        size `b`, on `state` and `codec_state`: arrays to call it on, or their shapes to lower it."""
+        idx, zeros, ints = np.full(a, self.config.slots, np.int32), np.zeros(a, bool), np.zeros(a, np.int32)
+        params, codec_params = self.model.params, self.codec_params
+        if kind == "insert":
+            return (params, state, *self._dummy_inserts(a, b))
+        if kind == "step":
+            return (params, state, idx, ints)
+        if kind == "first":
+            return (params, codec_params, state, codec_state, idx, zeros, zeros, zeros)
+        if kind == "codec":
+            return (codec_params, codec_state, state.codes, idx, zeros, ints, np.full(a, b, np.int32))
+        scalar = np.int32(0)
+        return (params, state, scalar, scalar, np.zeros(b, np.int32), scalar, scalar)
 
     def calibrate(self, keys: list[Key], on: Scratch | None = None) -> Calibration:
         """Time the compiled programs `keys` once each (`idle_call`; the first call of an executable pays its
