@@ -117,6 +117,7 @@ class Engine:
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qtts-audio-out")
         self.jitter = Jitter(c.min_margin_s)  # lateness beyond plan: iterations, and delivery to the listener
         self._margin_s = c.min_margin_s  # this iteration's margin, read once from `jitter`
+        self._late_s = 0.0  # `_first_late_s()` as of the last sample
         self.late_chunks = 0  # chunks handed out after their stream's listener ran dry
         self.iterations = 0
         self.clock = time.perf_counter  # see `set_clock`
@@ -294,6 +295,7 @@ class Engine:
         self._iteration_s = 0.0
         self._delivery_s = 0.0
         self._first_late.clear()
+        self._late_s = 0.0
         self.jitter = Jitter(self.config.min_margin_s)
 
     def observe_delivery_lag(self, seconds: float) -> None:
@@ -308,12 +310,7 @@ class Engine:
         longer counts; the frames left are read with the streams in slots, so the two always agree (safe from any
         thread)."""
         with self._lock:
-            queued = list(self.queue)
-            in_slots = [s for s in self.slots if s is not None]
-            return dataclasses.replace(
-                self._stats, live=len(in_slots), frames_left=_frames_left(in_slots), queued=len(queued),
-                queued_frames=tuple(s.frames_cap for s in queued),
-                oldest_wait_s=self.clock() - queued[0].timings.submitted if queued else 0.0, **self._sizes())
+            return dataclasses.replace(self._stats, **self._occupancy(self.clock()), **self._sizes())
 
     def run_once(self) -> bool:
         """One loop iteration (see the module docstring). False when there is nothing to do."""
@@ -368,6 +365,7 @@ class Engine:
             first = sending.result()
             if handing is not None:  # what the planner counts on when a codec call runs ahead of the newcomers
                 self._first_late.append(max(first[2] - t0 - extra, 0.0))
+                self._late_s = self._first_late_s()
             self._take_first(new, *first)
             parts.mark("first")
         # the codec call is queued right behind the step, counting on the frames it makes (they are read from
@@ -430,22 +428,24 @@ class Engine:
 
     def _snapshot(self) -> EngineStats:
         c, now = self.config, self.clock()
-        in_slots = [s for s in self.slots if s is not None]
-        queued = list(self.queue)
-        headrooms = [h for s in in_slots if (h := s.buffered(now)) is not None and not s.lm_done
+        headrooms = [h for s in self.slots if s is not None and (h := s.buffered(now)) is not None and not s.lm_done
                      and not s.waiting_text]
         return EngineStats(
-            live=len(in_slots), queued=len(queued), **self._sizes(),
-            oldest_wait_s=now - queued[0].timings.submitted if queued else 0.0,
-            frames_left=_frames_left(in_slots),
-            queued_frames=tuple(s.frames_cap for s in queued),
-
-            headroom_margin_s=self._margin_s, lead_s=c.lead_s, late_chunks=self.late_chunks,
+            **self._occupancy(now), **self._sizes(), headroom_margin_s=self._margin_s, lead_s=c.lead_s, late_chunks=self.late_chunks,
             step_costs=dict(self.step_costs), prefill_costs=dict(self.prefill_costs), first_costs=dict(self.first_costs),
             iteration_s=self._iteration_s, min_headroom_s=min(headrooms) if headrooms else None,
             iterations=self.iterations, recent_frame_s=tuple(self._recent_frame_s), delivery_s=self._delivery_s,
-            first_late_s=self._first_late_s(),
+            first_late_s=self._late_s,
         )
+
+    def _occupancy(self, now: float) -> dict:
+        """The stats' fields of the streams in slots and the queue, read together (under the lock), so that their
+        counts and frames agree."""
+        in_slots = [s for s in self.slots if s is not None]
+        queued = list(self.queue)
+        return dict(live=len(in_slots), frames_left=_frames_left(in_slots), queued=len(queued),
+                    queued_frames=tuple(s.frames_cap for s in queued),
+                    oldest_wait_s=now - queued[0].timings.submitted if queued else 0.0)
 
     def _sizes(self) -> dict:
         """The stats' fields a background warm-up changes (read under the lock, which it takes to change them)."""
@@ -462,14 +462,12 @@ class Engine:
         newcomer_audio = FRAME_SECONDS if first is not None and first[1].any() else None
         costs = {n: self.step_costs.get((b, n), 0.0) for n in self._step_sizes}
         return step_frames(costs, headroom, newcomer_audio, extra_s, self._margin_s, c.max_step_s,
-                           self._delivery_s, self._first_late_s() if behind_codec else 0.0)
+                           self._delivery_s, self._late_s if behind_codec else 0.0)
 
     def _first_late_s(self) -> float:
         """How much later than planned newcomers' first audio goes out when a codec call runs ahead of their first
         frame: a low quantile of the recent iterations', so that counting on it never lets a newcomer's next audio
-        come after its first has played."""
-        if not self._first_late:
-            return 0.0
+        come after its first has played (read when a sample is added)."""
         return float(np.quantile(np.fromiter(self._first_late, float), 0.1))
 
     def _rows(self, streams: list[Stream], b: int) -> tuple[np.ndarray, np.ndarray]:
