@@ -5,6 +5,7 @@ the talker's and the codec's transformers both use (RMSNorm, rotate-half RoPE)."
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -60,6 +61,13 @@ def split(module: nnx.Module) -> tuple[nnx.GraphDef, dict]:
     which a per-frame call would pay on every dispatch."""
     graph, state = nnx.split(module)
     return graph, nnx.to_pure_dict(state)
+
+
+@functools.lru_cache(maxsize=None)
+def graph_of(module_type: type[nnx.Module], cfg) -> nnx.GraphDef:
+    """The graph definition of `module_type(cfg)`, built abstractly (no arrays), once per type and config: what a
+    forward merges with the plain dict of weights it is given."""
+    return nnx.graphdef(nnx.eval_shape(lambda: module_type(cfg)))
 
 
 def merge(graph: nnx.GraphDef, state) -> nnx.Module:

@@ -21,8 +21,7 @@ import safetensors.numpy
 from qtts_jax import nn
 from qtts_jax.io.checkpoint import CheckpointError, hf_shapes, read_safetensors
 from qtts_jax.codec.config import CodecConfig, CodecEncoderConfig
-from qtts_jax.codec.encoder import encode, encode_latents
-from qtts_jax.codec.encoder import graph as encoder_graph
+from qtts_jax.codec.encoder import CodecEncoder, encode, encode_latents
 from qtts_jax.codec.encoder_weights import codec_encoder_table, load_codec_encoder, random_codec_encoder
 from qtts_jax.presets import real_codec_config, real_codec_encoder_config, tiny_codec_config
 
@@ -158,7 +157,7 @@ def test_encoder_state_is_exactly_the_checkpoint(checkpoint, cfg, params):
     the tokenizer keeps, the codebooks' `initialized` flags (Mimi's training state, no weights) and the RVQs'
     output projections (only decoding through the encoder's quantizer would read them)."""
     entries, shapes = codec_encoder_table(cfg)
-    state = nn.state_shapes(nn.merge(encoder_graph(cfg), params))
+    state = nn.state_shapes(nn.merge(nn.graph_of(CodecEncoder, cfg), params))
     raw = {path for path in shapes if path.startswith("raw/")}
     assert set(state) == set(shapes) - raw | {"quantizer/codebooks", "quantizer/semantic_proj", "quantizer/acoustic_proj"}
     assert all(state[path] == shapes[path] for path in set(shapes) - raw)

@@ -90,12 +90,6 @@ class CodecDecoder(nnx.Module):
         self.vocoder = Vocoder(d, dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def graph(cfg: CodecConfig) -> nnx.GraphDef:
-    """`CodecDecoder`'s graph definition for ``cfg`` (built abstractly, once per config)."""
-    return nnx.graphdef(nnx.eval_shape(lambda: CodecDecoder(cfg)))
-
-
 @functools.partial(jax.jit, static_argnums=1)
 def decode(params: dict, cfg: CodecConfig, codes: jax.Array) -> jax.Array:
     """Full (single-pass) decode: int codes [B, T, Q] in [0, codebook_size) -> float32 audio [B, T * 1920].
@@ -103,7 +97,7 @@ def decode(params: dict, cfg: CodecConfig, codes: jax.Array) -> jax.Array:
     d = cfg.decoder
     if codes.shape[-1] != d.num_quantizers:
         raise ValueError(f"expected {d.num_quantizers} codebooks in the last axis, got shape {codes.shape}")
-    m: CodecDecoder = nn.merge(graph(cfg), params)
+    m: CodecDecoder = nn.merge(nn.graph_of(CodecDecoder, cfg), params)
     x = dequantize(m.quantizer, codes)
     x = causal_conv(x, m.pre_conv)
     x = _transformer(m.transformer, d, x)

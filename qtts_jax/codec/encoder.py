@@ -97,12 +97,6 @@ class CodecEncoder(nnx.Module):
         self.quantizer = EncoderQuantizer(cfg, dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def graph(cfg: CodecConfig) -> nnx.GraphDef:
-    """`CodecEncoder`'s graph definition for ``cfg`` (built abstractly, once per config)."""
-    return nnx.graphdef(nnx.eval_shape(lambda: CodecEncoder(cfg)))
-
-
 class EncoderActivations(NamedTuple):
     """Continuous activations of one clip: SEANet and transformer outputs [ceil(n / hop), hidden] at 25 Hz,
     and the pre-quantization latent [ceil(n / frame_size), hidden] at 12.5 Hz."""
@@ -149,7 +143,7 @@ def _forward(params: dict, cfg: CodecConfig, wav: jax.Array, n: jax.Array):
     """``wav`` [L] holds ``n`` real samples then padding. Returns SEANet output, transformer output and
     latent (each [steps, hidden]), and codes [frames, Q]. ``params``: a `CodecEncoder`'s state (`nn.split`)."""
     e = cfg.encoder
-    m: CodecEncoder = nn.merge(graph(cfg), params)
+    m: CodecEncoder = nn.merge(nn.graph_of(CodecEncoder, cfg), params)
     seanet, steps = _seanet(m.seanet, e, wav[None, :, None], n)
     hidden = _transformer(m.transformer, e, seanet)
     latent = _conv(hidden, m.downsample, "replicate", stride=2, valid=steps)

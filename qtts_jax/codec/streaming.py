@@ -28,7 +28,7 @@ from jax import lax
 
 from qtts_jax import nn
 from qtts_jax.codec.config import RESIDUAL_DILATIONS, CodecConfig, CodecDecoderConfig
-from qtts_jax.codec.decoder import CodecDecoder, CodecTransformer, graph
+from qtts_jax.codec.decoder import CodecDecoder, CodecTransformer
 from qtts_jax.codec.layers import (
     causal_conv,
     causal_conv_transpose,
@@ -108,7 +108,7 @@ def decode_step(
     d = cfg.decoder
     n = codes.shape[1]
     tails = {}
-    m: CodecDecoder = nn.merge(graph(cfg), params)
+    m: CodecDecoder = nn.merge(nn.graph_of(CodecDecoder, cfg), params)
 
     def with_history(name: str, x: jax.Array) -> tuple[jax.Array, int]:
         """x prefixed by the layer's stored inputs; records the inputs up to each slot's last valid frame

@@ -67,12 +67,6 @@ class SpeakerEncoder(nnx.Module):
         self.fc = Conv(1, 2 * ch[-1], cfg.enc_dim, dtype=dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def graph(cfg: SpeakerEncoderConfig) -> nnx.GraphDef:
-    """`SpeakerEncoder`'s graph definition for ``cfg`` (built abstractly, once per config)."""
-    return nnx.graphdef(nnx.eval_shape(lambda: SpeakerEncoder(cfg)))
-
-
 def conv(p: Conv, x: jnp.ndarray, frames=None, dilation: int = 1) -> jnp.ndarray:
     """[T, Cin] -> [T, Cout] with reflect 'same' padding at the ends of the first ``frames`` rows (default
     all; may be traced)."""
@@ -139,7 +133,7 @@ def attentive_stats_pool(p: AttentivePool, x: jnp.ndarray, frames) -> jnp.ndarra
 def encode(params: dict, cfg: SpeakerEncoderConfig, mel: jnp.ndarray, frames) -> jnp.ndarray:
     """Log-mel [T_max, mel_dim] whose first ``frames`` rows (may be traced) are the utterance -> x-vector [enc_dim].
     ``params``: a `SpeakerEncoder`'s state (`nn.split`)."""
-    m: SpeakerEncoder = nn.merge(graph(cfg), params)
+    m: SpeakerEncoder = nn.merge(nn.graph_of(SpeakerEncoder, cfg), params)
     h = tdnn(m.tdnn, mel, frames, cfg.enc_dilations[0])
     outs = []
     for i, block in enumerate(m.blocks):
