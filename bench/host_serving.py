@@ -38,7 +38,8 @@ def serve(argv: list[str]) -> int:
     p.add_argument("--slots", type=int, default=256)
     p.add_argument("--switch-ms", type=float, default=5.0, help="Python's thread switch interval (its default: 5)")
     p.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
-                   help="a serving.settings.Settings field, e.g. max_step_ms=60 (repeatable)")
+                   help="a serving.settings.Settings field other than those fixed here (port, slots, context, "
+                        "compile_cache, warm_voice_encoders), e.g. max_step_ms=60 (repeatable)")
     args = p.parse_args(argv)
     from bench.sim_device import RealTimeRunner
     from qtts_jax.engine import Engine
@@ -47,12 +48,14 @@ def serve(argv: list[str]) -> int:
     from serving.settings import Settings
 
     sys.setswitchinterval(args.switch_ms / 1e3)
-    fields = {f.name: f.type for f in dataclasses.fields(Settings)}
-    given = dict(item.split("=", 1) for item in args.setting)
-    kinds = {"int": int, "float": float, "bool": lambda v: v.lower() in ("1", "true", "yes")}
-    given = {k: kinds.get(str(fields[k]).split(" ")[0], str)(v) for k, v in given.items()}
-    settings = Settings(port=args.port, slots=args.slots, context=512, compile_cache="off", warm_voice_encoders=False,
-                        **given)
+    fields = {f.name for f in dataclasses.fields(Settings)}
+    for item in args.setting:  # read as `qtts-jax serve` reads QTTS_<FIELD>, with its conversions
+        name, _, value = item.partition("=")
+        if name not in fields:
+            p.error(f"--setting {item}: no such field of serving.settings.Settings")
+        os.environ[f"QTTS_{name.upper()}"] = value
+    settings = Settings.from_env(port=args.port, slots=args.slots, context=512, compile_cache="off",
+                                 warm_voice_encoders=False)
     config = settings.engine_config()
     return run(settings, Engine(load_model("tiny-random"), config, runner=RealTimeRunner(config)))
 
