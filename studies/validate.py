@@ -25,17 +25,20 @@ def decode_pcm(data: bytes, sample_format: str = "s16le") -> np.ndarray:
 
 
 def validate_stream(status: int | None, headers: dict, data: bytes, error: str | None = None) -> str | None:
-    """None if the streamed response is valid audio, else the reason it is not (status None: no response)."""
+    """None if the streamed response is valid audio, else the reason it is not (status None: no response).
+    Header names are matched in any case, as HTTP defines them (an ASGI server such as the fleet's front sends them
+    in lower case)."""
+    headers = {k.lower(): v for k, v in headers.items()}
     if status and status != 200:
         return f"HTTP {status}"
     if error or not status:
         return f"transfer failed: {error or 'no response'}"
-    rate = headers.get("X-Sample-Rate")
+    rate = headers.get("x-sample-rate")
     if rate is None or not str(rate).isdigit() or int(rate) != SAMPLE_RATE:
         return f"sample rate {rate!r}, expected {SAMPLE_RATE}"
-    if headers.get("X-Channels", "1") != "1":
-        return f"{headers.get('X-Channels')} channels, expected mono"
-    fmt = headers.get("X-Sample-Format", "s16le")
+    if headers.get("x-channels", "1") != "1":
+        return f"{headers.get('x-channels')} channels, expected mono"
+    fmt = headers.get("x-sample-format", "s16le")
     if not data:
         return "empty stream"
     try:

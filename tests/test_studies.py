@@ -75,6 +75,9 @@ def s16(*values) -> bytes:
 
 def test_validation_accepts_audio_and_names_every_failure():
     assert validate_stream(200, HEADERS, s16(0, 100, -100)) is None
+    # header names in lower case, as an ASGI server (the fleet's front) sends them, are the same headers
+    assert validate_stream(200, {k.lower(): v for k, v in HEADERS.items()}, s16(0, 100, -100)) is None
+    assert "channels" in validate_stream(200, {"x-sample-rate": "24000", "x-channels": "2"}, s16(1, 1))
     assert validate_stream(200, HEADERS, b"") == "empty stream"
     assert "malformed" in validate_stream(200, HEADERS, s16(1, 2) + b"\x01")
     assert "sample rate" in validate_stream(200, {**HEADERS, "X-Sample-Rate": "16000"}, s16(1))
