@@ -86,6 +86,17 @@ def test_autoscaling_aims_each_replica_at_its_safe_capacity_less_headroom():
         FleetConfig(min_replicas=3, max_replicas=2).autoscaling(settings)
 
 
+def test_a_cpu_replica_of_one_cpu_runs_xla_on_one_thread_and_keeps_the_users_flags(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
+    env = FleetConfig().actor_options()["runtime_env"]["env_vars"]
+    assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/d", "--xla_cpu_multi_thread_eigen=false"]
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")  # the user's choice wins
+    env = FleetConfig().actor_options()["runtime_env"]["env_vars"]
+    assert env["XLA_FLAGS"] == "--xla_cpu_multi_thread_eigen=true"
+    assert "runtime_env" not in FleetConfig(gpus=1).actor_options()  # a GPU replica: XLA's defaults
+    assert "runtime_env" not in FleetConfig(cpus=4).actor_options()  # several cores: its pool uses them
+
+
 # ---- a running fleet -------------------------------------------------------------------------------------------
 
 
