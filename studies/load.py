@@ -14,6 +14,8 @@ tables read the same whichever protocol carried the audio.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import json
 import time
 import uuid
@@ -265,10 +267,27 @@ async def run_condition(url: str, mode: str, load: float, requests: int, prompts
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
     _check(1, requests, prompts, warmup, protocol, options)
+    if mode == "closed" and load != int(load):
+        raise ValueError(f"closed-loop load is a whole number of requests in flight, got {load}")
     await wait_ready(url, timeout_s=timeout_s, idle=True)
-    if mode == "closed":
-        if load != int(load):
-            raise ValueError(f"closed-loop load is a whole number of requests in flight, got {load}")
-        return await closed_loop(url, int(load), requests, prompts, options, warmup, timeout_s, protocol, on_done)
-    return await open_loop(url, load, requests, prompts, mode == "open-poisson", options, warmup, seed, timeout_s,
-                           protocol, on_done)
+    with collector_paused():
+        if mode == "closed":
+            return await closed_loop(url, int(load), requests, prompts, options, warmup, timeout_s, protocol,
+                                     on_done)
+        return await open_loop(url, load, requests, prompts, mode == "open-poisson", options, warmup, seed,
+                               timeout_s, protocol, on_done)
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off while a condition is measured (on again after): a full pass over the
+    records a condition piles up held this client for 60-110 ms, late in a 1,200-request run, and a chunk read
+    that late counts as the server's stall (bench/host_serving.py at 60 rps)."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -486,3 +486,28 @@ async def test_sustained_window_opens_only_after_every_clients_warm_up(aiohttp_s
     assert p["completed"] >= 4 and p["latency_p95_ms"] < 500  # the fast steady items, no warm-up among them
     warmups = [r for r in records if r.warmup]
     assert len(warmups) == 2 and all(r.end_s >= 1.0 for r in warmups)
+
+
+def test_a_condition_is_measured_with_the_clients_garbage_collector_off_and_it_is_back_on_after(monkeypatch):
+    """A full collection pass held the client for 60-110 ms late in a long run: chunks read that late would count
+    as the server's stalls, so no pass may run while a condition is measured."""
+    import gc
+
+    from studies import load
+
+    seen = []
+
+    async def idle(*args, **kwargs):
+        return {}
+
+    async def loop(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return []
+
+    monkeypatch.setattr(load, "wait_ready", idle)
+    monkeypatch.setattr(load, "closed_loop", loop)
+    monkeypatch.setattr(load, "open_loop", loop)
+    assert gc.isenabled()
+    for mode in ("closed", "open-poisson"):
+        asyncio.run(load.run_condition("http://unused", mode, 2, 4, ["Hi."]))
+    assert seen == [False, False] and gc.isenabled()
