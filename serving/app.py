@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 import time
 import weakref
@@ -183,6 +184,12 @@ async def _warm_up(app: web.Application) -> None:
         log.exception("warmup failed")
         app[WARMUP_ERROR].append(str(exc))
         return
+    # Startup's objects (the model, JAX's and the libraries' own, the compiled programs) live as long as the
+    # server: frozen, the collector's full passes stop scanning them. Unfrozen, each full pass held the GIL, and
+    # with it the engine loop, for 70-100 ms under load (bench/host_serving.py at 60 rps): a stall for every stream
+    # that had just started playing.
+    gc.collect()
+    gc.freeze()
     sched.ready = True
     st = engine.stats()
     log.info("ready after %.1f s (slots=%d; %s)%s", time.perf_counter() - t0, engine.config.slots,
