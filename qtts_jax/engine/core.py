@@ -103,6 +103,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._running = False
         self._audio = None  # (device audio, [(stream, frames)]) of the codec call in flight
+        self._codec_shape = (0, 0)  # its (rows, frames) rungs
         self.step_costs: dict = {}  # (rung, frames) -> seconds per iteration, measured
         self._idle_step_costs: dict = {}  # the same, as `warmup` timed them on the idle engine
         self.prefill_costs: dict = {}  # requests -> seconds, measured
@@ -110,14 +111,15 @@ class Engine:
         self._iteration_s = 0.0
         self._delivery_s = 0.0  # iteration start -> the previous iteration's audio handed out, measured (EMA)
         self._recent_frame_s: collections.deque[float] = collections.deque(maxlen=64)
-        # newcomers' first chunks: seconds after the iteration's start + their prefill and first frame (measured)
-        self._first_late: collections.deque[float] = collections.deque(maxlen=256)
+        # newcomers' first chunks: seconds after the iteration's start + their prefill and first frame (measured),
+        # by the shape of the codec call that ran ahead of them on the device (what they wait for)
+        self._first_late: dict[tuple[int, int], collections.deque[float]] = {}
+        self._late: dict[tuple[int, int], float] = {}  # `_first_late_s` of each shape, as of its last sample
         self._profile = _IterationProfile()
         # hands audio out while the loop dispatches the step; its idle thread ends when the engine is collected
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qtts-audio-out")
         self.jitter = Jitter(c.min_margin_s)  # lateness beyond plan: iterations, and delivery to the listener
         self._margin_s = c.min_margin_s  # this iteration's margin, read once from `jitter`
-        self._late_s = 0.0  # `_first_late_s()` as of the last sample
         self.late_chunks = 0  # chunks handed out after their stream's listener ran dry
         self.iterations = 0
         self.clock = time.perf_counter  # see `set_clock`
@@ -295,7 +297,7 @@ class Engine:
         self._iteration_s = 0.0
         self._delivery_s = 0.0
         self._first_late.clear()
-        self._late_s = 0.0
+        self._late.clear()
         self.jitter = Jitter(self.config.min_margin_s)
 
     def observe_delivery_lag(self, seconds: float) -> None:
@@ -336,6 +338,7 @@ class Engine:
         # the previous codec call's audio, then the newcomers' first chunks, go out from the sender thread as the
         # device finishes them (in the order it runs them), while this thread dispatches the step (whose call
         # holds it for its loop trips)
+        ahead = self._codec_shape if self._audio is not None else None  # the codec call the device runs first
         handing = self._sender.submit(self._send_audio, *self._audio) if self._audio is not None else None
         self._audio = None
         stamping = self._sender.submit(self._stamp_prefilled, joined, prefill_done) if prefill_done is not None else None
@@ -349,7 +352,7 @@ class Engine:
         stepping = [s for s in playing + new if allowed[s] is None or allowed[s] > 0]
         plan, out = None, None
         if stepping:
-            plan = self._plan_step(playing, first, extra, t0, behind_codec=handing is not None)
+            plan = self._plan_step(playing, first, extra, t0, ahead)
             b = rung(self._ladder, len(stepping))
             limits = np.array([plan.frames if allowed[s] is None else min(plan.frames, allowed[s])
                                for s in stepping], np.int32)
@@ -363,9 +366,10 @@ class Engine:
             parts.mark("hand_out")
         if sending is not None:
             first = sending.result()
-            if handing is not None:  # what the planner counts on when a codec call runs ahead of the newcomers
-                self._first_late.append(max(first[2] - t0 - extra, 0.0))
-                self._late_s = self._first_late_s()
+            if ahead is not None:  # what the planner counts on when a codec call runs ahead of the newcomers
+                samples = self._first_late.setdefault(ahead, collections.deque(maxlen=64))
+                samples.append(max(first[2] - t0 - extra, 0.0))
+                self._late[ahead] = self._first_late_s(samples)
             self._take_first(new, *first)
             parts.mark("first")
         # the codec call is queued right behind the step, counting on the frames it makes (they are read from
@@ -435,7 +439,7 @@ class Engine:
             step_costs=dict(self.step_costs), prefill_costs=dict(self.prefill_costs), first_costs=dict(self.first_costs),
             iteration_s=self._iteration_s, min_headroom_s=min(headrooms) if headrooms else None,
             iterations=self.iterations, recent_frame_s=tuple(self._recent_frame_s), delivery_s=self._delivery_s,
-            first_late_s=self._late_s,
+            first_late_s=min(self._late.values(), default=0.0),
         )
 
     def _occupancy(self, now: float) -> dict:
@@ -452,23 +456,26 @@ class Engine:
         return dict(slots=max(self._ladder), ladder=self._ladder, step_sizes=self._step_sizes,
                     compiling=self._compiling)
 
-    def _plan_step(self, playing: list[Stream], first, extra_s: float, now: float, behind_codec: bool) -> StepPlan:
+    def _plan_step(self, playing: list[Stream], first, extra_s: float, now: float,
+                   ahead: tuple[int, int] | None) -> StepPlan:
         """The step's frames (`scheduler.step_frames`) from the playing streams' headroom, the newcomers' one
-        frame of audio (if their first-frame program decodes it), when it goes out (`behind_codec`: after the
-        previous iteration's codec call on the device) and the measured costs at this batch."""
+        frame of audio (if their first-frame program decodes it), when it goes out (after the previous
+        iteration's codec call of shape `ahead` on the device, if one is queued: how much later is measured per
+        shape, since a larger call holds them longer) and the measured costs at this batch."""
         c = self.config
         b = rung(self._ladder, len(playing) + (len(first[1]) if first else 0))
         headroom = np.array([h for s in playing if (h := s.buffered(now)) is not None], float)
         newcomer_audio = FRAME_SECONDS if first is not None and first[1].any() else None
         costs = {n: self.step_costs.get((b, n), 0.0) for n in self._step_sizes}
         return step_frames(costs, headroom, newcomer_audio, extra_s, self._margin_s, c.max_step_s,
-                           self._delivery_s, self._late_s if behind_codec else 0.0)
+                           self._delivery_s, self._late.get(ahead, 0.0) if ahead is not None else 0.0)
 
-    def _first_late_s(self) -> float:
-        """How much later than planned newcomers' first audio goes out when a codec call runs ahead of their first
-        frame: a low quantile of the recent iterations', so that counting on it never lets a newcomer's next audio
-        come after its first has played (read when a sample is added)."""
-        return float(np.quantile(np.fromiter(self._first_late, float), 0.1))
+    @staticmethod
+    def _first_late_s(samples: collections.deque[float]) -> float:
+        """How much later than planned newcomers' first audio goes out behind a codec call of one shape: a low
+        quantile of the recent iterations', so that counting on it never lets a newcomer's next audio come after
+        its first has played (computed when a sample is added)."""
+        return float(np.quantile(np.fromiter(samples, float), 0.1))
 
     def _rows(self, streams: list[Stream], b: int) -> tuple[np.ndarray, np.ndarray]:
         """Slot indices of a call of `b` rows (padding aimed past the last slot) and which rows are live."""
@@ -635,6 +642,7 @@ class Engine:
             s.pending -= f
             s.inflight = f
         self._audio = (self.runner.codec(idx, fresh, start, count, n), due)
+        self._codec_shape = (b, n)
 
     def _settle_audio(self) -> None:
         """Once the step is read: a stream that made fewer frames than the codec call counted on (it ended) had

@@ -31,7 +31,9 @@ class EngineStats:
     lead_s: float = 1.0  # the playback lead each stream builds
     late_chunks: int = 0  # chunks the engine handed out after its stream's listener ran dry, since start
     delivery_s: float = 0.0  # from an iteration's start to the previous iteration's audio going out (measured)
-    first_late_s: float = 0.0  # how much later than their prefill and first frame newcomers' first audio goes out
+    # how much later than their prefill and first frame newcomers' first audio goes out behind a codec call (the
+    # least over the calls' shapes measured: admission does not know which call a newcomer will wait behind)
+    first_late_s: float = 0.0
     compiling: int = 0  # programs a background warm-up has still to compile and time (the slots grow after them)
 
     def step_cost(self, live: int, frames: int) -> float:
