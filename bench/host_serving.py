@@ -107,14 +107,17 @@ def main() -> None:
     p.add_argument("--max-frames", type=int, default=60)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--contract-ttfa-ms", type=float, default=100.0)
+    p.add_argument("--runs-dir", help="keep each rate's records and the server logs here (default: discarded)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     args.rates = [float(x) for x in args.rates.split(",")]
     result = {"command": " ".join(sys.argv), "slots": args.slots, "variants": {}}
     with tempfile.TemporaryDirectory() as tmp:
+        runs = Path(args.runs_dir or tmp)
+        runs.mkdir(parents=True, exist_ok=True)
         for item in args.variants.split(";"):
             name, _, flags = item.partition("=")
-            result["variants"][name] = sweep_variant(args, name, flags, Path(tmp))
+            result["variants"][name] = sweep_variant(args, name, flags, runs)
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=2, default=float) + "\n")
 
