@@ -472,10 +472,10 @@ class Engine:
 
     @staticmethod
     def _first_late_s(samples: collections.deque[float]) -> float:
-        """How much later than planned newcomers' first audio goes out behind a codec call of one shape: a low
-        quantile of the recent iterations', so that counting on it never lets a newcomer's next audio come after
-        its first has played (computed when a sample is added)."""
-        return float(np.quantile(np.fromiter(samples, float), 0.1))
+        """How much later than planned newcomers' first audio goes out behind a codec call of one shape: the least
+        of the recent iterations', so that counting on it never lets a newcomer's next audio come after its first
+        has played (behind calls of one shape it varies little; computed when a sample is added)."""
+        return float(np.min(np.fromiter(samples, float)))
 
     def _rows(self, streams: list[Stream], b: int) -> tuple[np.ndarray, np.ndarray]:
         """Slot indices of a call of `b` rows (padding aimed past the last slot) and which rows are live."""
