@@ -26,6 +26,7 @@ import math
 import re
 import sys
 import time
+import urllib.request
 from functools import partial
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from studies.sweep import run_sync, sweep  # noqa: E402
 READY_LINE = re.compile(r"ready after ([\d.]+) s \(slots=(\d+); (.*)\)")
 FULL_LINE = re.compile(r"every rung compiled and timed after ([\d.]+) s")
 SIZING_LINE = re.compile(r"slots: \d+ \((.*)\)")
+GC_BUCKET = re.compile(r'qtts_gc_pause_seconds_bucket\{generation="(\d)",le="([^"]+)"\} (\S+)')
 PROFILE_LINE = re.compile(r"iterations: \d+ in [\d.]+ s; mean per iteration \(ms, or count\): (\{.*\})")
 COLUMNS = ("success_rate", "rejected_429", "ttfa_p50_ms", "ttfa_p95_ms", "starvation_p95_ms", "underruns_mean",
            "underrun_requests", "underrun_share", "throughput_rps", "audio_s_per_s")
@@ -82,6 +84,31 @@ def refusals(records_path: Path) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
+def gc_passes(metrics: str) -> dict[str, dict[str, float]]:
+    """The server's garbage-collector passes so far, from its /metrics text, by generation: cumulative counts by
+    bucket."""
+    out: dict[str, dict[str, float]] = {}
+    for generation, le, count in GC_BUCKET.findall(metrics):
+        out.setdefault(generation, {})[le] = float(count)
+    return out
+
+
+def gc_passes_since(now: dict[str, dict[str, float]], before: dict[str, dict[str, float]]) -> dict[str, dict[str, int]]:
+    """Passes by generation between two `gc_passes`, and how many of them held the server over 20 and over 50 ms."""
+    out = {}
+    for generation, buckets in now.items():
+        was = before.get(generation, {})
+        delta = {le: int(n - was.get(le, 0)) for le, n in buckets.items()}
+        out[generation] = {"passes": delta["+Inf"], "over_20ms": delta["+Inf"] - delta["0.02"],
+                           "over_50ms": delta["+Inf"] - delta["0.05"]}
+    return out
+
+
+def metrics_text(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
 def profile_since(log_path: Path, offset: int) -> list[str]:
     """The engine's iteration profile lines (mean ms per part of a busy iteration, every 2 s) logged after byte
     `offset` of the server log: where a condition's iterations spent their time."""
@@ -115,12 +142,13 @@ def measure(args, out: Path, name: str, serialised: bool, modes: dict[str, list[
             conditions = []
             for load in loads:
                 requests = requests_for(args, mode, load)
-                offset = log_path.stat().st_size
+                offset, passes = log_path.stat().st_size, gc_passes(metrics_text(url))
                 condition_dir = out / name / f"{mode}-{load:g}"
                 summary = sweep(url, mode, [load], requests, prompts, condition_dir,
                                 options=options, warmup=args.warmup, slo=slo, contract=contract)
                 (c,) = summary["conditions"]
                 c["refusals"] = refusals(condition_dir / "records.jsonl")
+                c["gc_passes"] = gc_passes_since(gc_passes(metrics_text(url)), passes)
                 c["iteration_profile"] = profile_since(log_path, offset)
                 conditions.append(c)
                 save({**result, mode: {"conditions": conditions, "partial": True}})

@@ -32,6 +32,7 @@ class Replica:
     async def __init__(self, settings: Settings):
         from qtts_jax.engine import compile_cache
         from serving.app import create_app
+        from serving.collector import freeze_startup
         from serving.keys import WARMUP_ERROR, WARMUP_TASK
 
         self.id = _replica_id()
@@ -46,6 +47,7 @@ class Replica:
         await asyncio.shield(self.app[WARMUP_TASK])
         if self.app[WARMUP_ERROR]:
             raise RuntimeError(f"warm-up failed: {self.app[WARMUP_ERROR][0]}")
+        freeze_startup()  # a replica is a serving process of its own, as `qtts-jax serve` is
         self.client = aiohttp.ClientSession(connector=aiohttp.UnixConnector(self.sock, limit=0),
                                             timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
         self.sockets: dict[str, aiohttp.ClientWebSocketResponse] = {}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import logging
 import time
 import weakref
@@ -24,6 +23,7 @@ from serving.bridge import AsyncEngine
 from qtts_jax.engine import Engine
 from qtts_jax.request import Request
 from serving import aliases, page, routes, ws
+from serving.collector import freeze_startup
 from serving.connections import Runner
 from serving.errors import ApiError
 from serving.keys import (ALIASES, BRIDGE, ENGINE, METRICS, MODEL, REQUEST_ID, SCHEDULER, SERVED_NAMES, SETTINGS,
@@ -184,12 +184,6 @@ async def _warm_up(app: web.Application) -> None:
         log.exception("warmup failed")
         app[WARMUP_ERROR].append(str(exc))
         return
-    # Startup's objects (the model, JAX's and the libraries' own, the compiled programs) live as long as the
-    # server: frozen, the collector's full passes stop scanning them. Unfrozen, each full pass held the GIL, and
-    # with it the engine loop, for 70-100 ms under load (bench/host_serving.py at 60 rps): a stall for every stream
-    # that had just started playing.
-    gc.collect()
-    gc.freeze()
     sched.ready = True
     st = engine.stats()
     log.info("ready after %.1f s (slots=%d; %s)%s", time.perf_counter() - t0, engine.config.slots,
@@ -251,7 +245,7 @@ def run(settings: Settings, engine: Engine | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        app[WARMUP_TASK].add_done_callback(lambda _: app[WARMUP_ERROR] and stop.set())
+        app[WARMUP_TASK].add_done_callback(lambda _: stop.set() if app[WARMUP_ERROR] else freeze_startup())
         await stop.wait()
         if app[WARMUP_ERROR]:
             log.error("warm-up failed, exiting: %s", app[WARMUP_ERROR][0])

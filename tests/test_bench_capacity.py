@@ -1,5 +1,6 @@
 """bench/capacity.py's Markdown table, from hand-made results: the SLO's verdict and, beside it, the streams
-that underran and the zero-underrun contract's verdict and capacity."""
+that underran and the zero-underrun contract's verdict and capacity; and its reading of the server's
+garbage-collector passes from what the server exports."""
 
 from __future__ import annotations
 
@@ -36,3 +37,28 @@ def test_table_has_the_contract_beside_the_slo():
     assert sixty_four.endswith("| yes | 0/60 (0%) | no (ttfa) |")  # p95 TTFA undecided at the contract's 100 ms
     assert "batched closed: safe capacity 64, zero-underrun capacity 1" in text
     assert "batched: ready 9.5 s after start" in text
+
+
+def test_the_bench_counts_the_long_collector_passes_the_server_exports(monkeypatch):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from serving import collector
+
+    clock = iter([0.0, 0.004, 1.0, 1.03, 2.0, 2.08, 3.0, 3.001])
+    pauses = collector.Pauses(clock=lambda: next(clock))
+    monkeypatch.setattr(collector, "_pauses", pauses)  # not in gc.callbacks: only the calls below reach it
+    registry = CollectorRegistry()
+    registry.register(collector.PauseCollector())
+
+    def passes(*generations):
+        for g in generations:
+            pauses("start", {"generation": g})
+            pauses("stop", {"generation": g})
+        return bench.gc_passes(generate_latest(registry).decode())
+
+    before = passes(0)  # 4 ms
+    after = passes(2, 2, 1)  # 30 ms, 80 ms; 1 ms
+    assert bench.gc_passes_since(after, before) == {
+        "0": {"passes": 0, "over_20ms": 0, "over_50ms": 0},
+        "1": {"passes": 1, "over_20ms": 0, "over_50ms": 0},
+        "2": {"passes": 2, "over_20ms": 2, "over_50ms": 1}}
