@@ -114,7 +114,9 @@ class Engine:
         # newcomers' first chunks: seconds after the iteration's start + their prefill and first frame (measured),
         # by the shape of the codec call that ran ahead of them on the device (what they wait for)
         self._first_late: dict[tuple[int, int], collections.deque[float]] = {}
-        self._late: dict[tuple[int, int], float] = {}  # `_first_late_s` of each shape, as of its last sample
+        # the least of each shape's recent samples, what the planner counts on: counting on it never lets a
+        # newcomer's next audio come after its first has played (behind calls of one shape it varies little)
+        self._late: dict[tuple[int, int], float] = {}
         self._profile = _IterationProfile()
         # hands audio out while the loop dispatches the step; its idle thread ends when the engine is collected
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qtts-audio-out")
@@ -369,7 +371,7 @@ class Engine:
             if ahead is not None:  # what the planner counts on when a codec call runs ahead of the newcomers
                 samples = self._first_late.setdefault(ahead, collections.deque(maxlen=64))
                 samples.append(max(first[2] - t0 - extra, 0.0))
-                self._late[ahead] = self._first_late_s(samples)
+                self._late[ahead] = min(samples)
             self._take_first(new, *first)
             parts.mark("first")
         # the codec call is queued right behind the step, counting on the frames it makes (they are read from
@@ -468,14 +470,7 @@ class Engine:
         newcomer_audio = FRAME_SECONDS if first is not None and first[1].any() else None
         costs = {n: self.step_costs.get((b, n), 0.0) for n in self._step_sizes}
         return step_frames(costs, headroom, newcomer_audio, extra_s, self._margin_s, c.max_step_s,
-                           self._delivery_s, self._late.get(ahead, 0.0) if ahead is not None else 0.0)
-
-    @staticmethod
-    def _first_late_s(samples: collections.deque[float]) -> float:
-        """How much later than planned newcomers' first audio goes out behind a codec call of one shape: the least
-        of the recent iterations', so that counting on it never lets a newcomer's next audio come after its first
-        has played (behind calls of one shape it varies little; computed when a sample is added)."""
-        return float(np.min(np.fromiter(samples, float)))
+                           self._delivery_s, self._late.get(ahead, 0.0))
 
     def _rows(self, streams: list[Stream], b: int) -> tuple[np.ndarray, np.ndarray]:
         """Slot indices of a call of `b` rows (padding aimed past the last slot) and which rows are live."""
