@@ -83,7 +83,8 @@ def build(settings: Settings, fleet: FleetConfig = FleetConfig()):
     scaling = fleet.autoscaling(settings)
     engine = serve.deployment(
         Replica, name=ENGINE,
-        ray_actor_options=fleet.actor_options(),
+        # Ray's access log line per request and hop: the server logs each request itself
+        ray_actor_options=fleet.actor_options(), logging_config={"enable_access_log": False},
         # the engine's own admission decides; Ray's cap only bounds what a replica is ever handed
         max_ongoing_requests=4 * slots + 64,
         **({"autoscaling_config": scaling} if scaling else {"num_replicas": fleet.replicas}),
@@ -93,7 +94,7 @@ def build(settings: Settings, fleet: FleetConfig = FleetConfig()):
                                                   request_routing_stats_timeout_s=5.0),
     )
     front = serve.deployment(serve.ingress()(Front), name=FRONT, num_replicas=1, max_ongoing_requests=100_000,
-                             ray_actor_options={"num_cpus": 0})
+                             ray_actor_options={"num_cpus": 0}, logging_config={"enable_access_log": False})
     return front.bind(engine.bind(settings), settings, ENGINE)
 
 
