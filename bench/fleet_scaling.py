@@ -16,7 +16,6 @@ fits C - 1 replicas beside Ray and the client: the summary records how busy the 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -30,7 +29,6 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fleet.app import RAY_ENV, FleetConfig, build  # noqa: E402
-from qtts_jax import xla_flags  # noqa: E402
 from serving.settings import Settings  # noqa: E402
 from studies.capacity import study  # noqa: E402
 from studies.corpora import load_corpus  # noqa: E402

@@ -548,7 +548,6 @@ class Engine:
         `max_prefill` requests each); as many as one first-frame program takes and the playing streams' headroom
         pays for (`_newcomer_limit`), the rest wait. Returns the admitted streams and a small output of the last
         prefill to wait on (the state itself goes on to the step, donated)."""
-        c = self.config
         joined = []
         with self._lock:
             free = [i for i, s in enumerate(self.slots) if s is None]

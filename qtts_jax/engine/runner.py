@@ -132,28 +132,23 @@ class Runner:
     def prefill(self, bucket: int, items: list[tuple[int, Job]], size: int) -> jax.Array:
         """Prefill `items` (slot, job) of one prompt bucket into their slots, in a call of `size` rows. Returns a
         small output to wait on: the state itself goes on to the next call, donated."""
-        self.state, done = self.program("insert", bucket, size)(self.model.params, self.state,
-                                                                 *self._insert_args(items, size))
-        return done
+        return self._run(("insert", bucket, size), (self.model.params, self.state, *self._insert_args(items, size)))
 
     def first(self, idx: np.ndarray, live: np.ndarray, fresh: np.ndarray, decode: np.ndarray) -> FirstOutcome:
         """The first frame of the slots `idx` (the rows where `live`), and its audio where `decode` (`fresh`:
         their codec state starts at zero)."""
-        self.state, self.codec_state, out = self.program("first", len(idx), 1)(
-            self.model.params, self.codec_params, self.state, self.codec_state, idx, live, fresh, decode)
-        return FirstOutcome(*out)
+        return FirstOutcome(*self._run(("first", len(idx), 1), (self.model.params, self.codec_params, self.state,
+                                                                 self.codec_state, idx, live, fresh, decode)))
 
     def step(self, idx: np.ndarray, limits: np.ndarray, frames: int) -> StepOutcome:
         """`frames` frames for the slots `idx`, row j making at most `limits[j]` (padding rows 0)."""
-        self.state, out = self.program("step", len(idx), frames)(self.model.params, self.state, idx, limits)
-        return StepOutcome(*out)
+        return StepOutcome(*self._run(("step", len(idx), frames), (self.model.params, self.state, idx, limits)))
 
     def codec(self, idx: np.ndarray, fresh: np.ndarray, start: np.ndarray, count: np.ndarray, frames: int) -> jax.Array:
         """Audio [rows, samples] of frames start[j] .. start[j] + count[j] - 1 of slot idx[j], read where the step
         writes them (so this call may be queued behind the step that makes them), in a call of up to `frames`."""
-        audio, self.codec_state = self.program("codec", len(idx), frames)(
-            self.codec_params, self.codec_state, self.state.codes, idx, fresh, start, count)
-        return audio
+        return self._run(("codec", len(idx), frames),
+                         (self.codec_params, self.codec_state, self.state.codes, idx, fresh, start, count))
 
     def append_text(self, slot: int, start: int, ids: list[int], cap: int) -> None:
         """Live text: `ids` written at `start` of slot `slot`'s trailing text, its frame cap raised to `cap`."""
@@ -161,9 +156,8 @@ class Runner:
             part = ids[at : at + APPEND_IDS]
             padded = np.zeros(APPEND_IDS, np.int32)
             padded[: len(part)] = part
-            self.state = self.program("append", 1, APPEND_IDS)(
-                self.model.params, self.state, np.int32(slot), np.int32(start + at), padded, np.int32(len(part)),
-                np.int32(cap))
+            self._run(("append", 1, APPEND_IDS), (self.model.params, self.state, np.int32(slot), np.int32(start + at),
+                                                  padded, np.int32(len(part)), np.int32(cap)))
 
     def load_voice(self, slot: int, ref_codes: np.ndarray) -> None:
         """Slot `slot`'s codec state set to the state after an ICL voice's reference codes."""
@@ -215,9 +209,14 @@ class Runner:
     def idle_call(self, key: Key, on: Scratch | None = None):
         """One call of the program `key` on padding rows (every write dropped, so the state keeps its values), on
         the live state or `on`; returns its output."""
-        kind, a, b = key
         target = on if on is not None else self
-        out = self.program(*key)(*self._padding_call(kind, a, b, target.state, target.codec_state))
+        return self._run(key, self._padding_call(*key, target.state, target.codec_state), target)
+
+    def _run(self, key: Key, args: tuple, target: Runner | Scratch | None = None):
+        """Program `key` on `args`, whose state it donates: `target` (this runner, or a `Scratch`) keeps the new
+        state, and the rest of the program's output is returned (an append's is its state)."""
+        target = self if target is None else target
+        kind, out = key[0], self.program(*key)(*args)
         if kind in ("insert", "step"):
             target.state, out = out
         elif kind == "first":
@@ -248,9 +247,7 @@ class Runner:
         """Time the compiled programs `keys` once each (`idle_call`; the first call of an executable pays its
         one-off set-up, so each is timed on its second): a step's iteration cost is the step plus a codec call of
         as many rows at the chunk it would feed, prefill is timed at the largest bucket."""
-        c = self.config
-
-        target = on if on is not None else self
+        c, target = self.config, on if on is not None else self
 
         def timed(key) -> float:
             jax.block_until_ready(self.idle_call(key, on))
