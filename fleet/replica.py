@@ -33,12 +33,13 @@ class Replica:
         from qtts_jax.engine import compile_cache
         from serving.app import create_app
         from serving.collector import freeze_startup
-        from serving.keys import WARMUP_ERROR, WARMUP_TASK
+        from serving.keys import ENGINE, WARMUP_ERROR, WARMUP_TASK
 
         self.id = _replica_id()
         # a shared compilation cache turns a new replica's minutes of XLA into seconds
         compile_cache.enable(settings.compile_cache)
         self.app = create_app(settings)
+        self.app[ENGINE].on_compiled = freeze_startup  # again once the larger rungs' programs have joined
         self.dir = tempfile.mkdtemp(prefix="qtts-replica-")
         self.sock = os.path.join(self.dir, "server.sock")
         self.runner = web.AppRunner(self.app, handler_cancellation=True)

@@ -235,6 +235,7 @@ def run(settings: Settings, engine: Engine | None = None) -> int:
         except (sizing.SlotsDoNotFit, ValueError) as exc:  # ValueError: the voice aliases name no voice
             log.error("not starting: %s", exc)
             return 2
+        app[ENGINE].on_compiled = freeze_startup  # again once the larger rungs' programs have joined
         runner = Runner(app, header_timeout_s=settings.header_timeout_s, idle_timeout_s=settings.idle_timeout_s,
                         max_connections=settings.max_connections, handler_cancellation=True, shutdown_timeout=5.0)
         await runner.setup()

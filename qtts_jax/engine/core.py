@@ -125,6 +125,9 @@ class Engine:
         self.late_chunks = 0  # chunks handed out after their stream's listener ran dry
         self.iterations = 0
         self.clock = time.perf_counter  # see `set_clock`
+        # called on the background warm-up's thread once its last stage is compiled and timed, before the stats say
+        # nothing is left to compile (a server process freezes the garbage collector's view of its startup there)
+        self.on_compiled = None
         self._stats: EngineStats = self._snapshot()
 
     # ---- public API -------------------------------------------------------------------------
@@ -248,9 +251,12 @@ class Engine:
             scratch = self.runner.scratch()
             for i, keys in enumerate(later):
                 self.runner.compile(keys)
-                self._use(keys, self.runner.calibrate(keys, on=scratch), left=sum(map(len, later[i + 1:])),
-                          settle=i == len(later) - 1)
-            del scratch
+                timed, last = self.runner.calibrate(keys, on=scratch), i == len(later) - 1
+                if last:
+                    del scratch
+                    if self.on_compiled is not None:
+                        self.on_compiled()
+                self._use(keys, timed, left=sum(map(len, later[i + 1:])), settle=last)
             log.info("every rung compiled and timed after %.1f s (slots=%d)", time.perf_counter() - t0,
                      self.config.slots)
         except Exception:  # what was compiled so far keeps serving
