@@ -73,11 +73,16 @@ def server_log(path: Path) -> dict:
 
 
 def refusals(records_path: Path) -> dict[str, int]:
-    """Why requests failed, counted by message with its numbers blanked ("... to # ms per frame ..."), so a run
-    says which admission rule (or error) cost its success rate."""
+    """Why requests failed, counted by message (`count_errors`), so a run says which admission rule (or error) cost
+    its success rate."""
+    return count_errors(json.loads(line).get("error") for line in records_path.read_text().splitlines())
+
+
+def count_errors(errors) -> dict[str, int]:
+    """Error messages (None: no error) counted with their numbers blanked ("... to # ms per frame ..."), most
+    frequent first."""
     counts: dict[str, int] = {}
-    for line in records_path.read_text().splitlines():
-        error = json.loads(line).get("error")
+    for error in errors:
         if error:
             key = re.sub(r"\d+(\.\d+)?", "#", error)
             counts[key] = counts.get(key, 0) + 1

@@ -27,6 +27,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.capacity import count_errors  # noqa: E402
 from qtts_jax.model import PRESETS  # noqa: E402
 from studies.corpora import load_corpus  # noqa: E402
 from studies.load import speak  # noqa: E402
@@ -49,6 +50,7 @@ async def level(url: str, text: str, protocol: str, concurrency: int, requests: 
     rows = [r.derived() for r in records if r.ok]
     return {"protocol": protocol, "concurrency": concurrency, "requests": len(records), "ok": len(rows),
             "errors": sorted({r.invalid for r in records if not r.ok}),
+            "error_messages": count_errors(r.error for r in records if not r.ok),
             "underruns": sum(row["underruns"] for row in rows),
             "streams_with_underruns": sum(row["underruns"] > 0 for row in rows),
             "starvation_ms_max": max((row["starvation_ms"] for row in rows), default=None),

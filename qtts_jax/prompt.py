@@ -43,16 +43,31 @@ class Prompt:
 
 
 class _Builder:
+    """Positions as they are added; the frames array is made once at the end, as most positions have none (a
+    long input's parts are hundreds of positions each, built while its request waits for its first audio)."""
+
     def __init__(self, groups: int):
         self.text: list[int] = []
         self.codec: list[int] = []
-        self.frames: list[np.ndarray] = []
+        self._frames: dict[int, np.ndarray] = {}  # position -> its reference frame
         self.groups = groups
 
     def add(self, text: int = NONE, codec: int = NONE, frame: np.ndarray | None = None) -> None:
+        if frame is not None:
+            self._frames[len(self.text)] = frame
         self.text.append(text)
         self.codec.append(codec)
-        self.frames.append(np.full(self.groups, NONE, np.int32) if frame is None else frame.astype(np.int32))
+
+    def add_text(self, ids, codec: int = NONE) -> None:
+        """Positions of text ids, each beside the same codec id (a whole input's text in one go)."""
+        self.text.extend(ids)
+        self.codec.extend([codec] * len(ids))
+
+    def frames(self) -> np.ndarray:
+        out = np.full((len(self.text), self.groups), NONE, np.int32)
+        for at, frame in self._frames.items():
+            out[at] = frame
+        return out
 
 
 def build_prompt(cfg: ModelConfig, tok: TextTokenizer, req: Request) -> Prompt:
@@ -62,10 +77,8 @@ def build_prompt(cfg: ModelConfig, tok: TextTokenizer, req: Request) -> Prompt:
     t = cfg.text
     b = _Builder(cfg.num_code_groups)
     if req.instruct:
-        for i in tok.encode(f"<|im_start|>user\n{req.instruct}<|im_end|>\n"):
-            b.add(text=i)
-    for i in role:
-        b.add(text=i)
+        b.add_text(tok.encode(f"<|im_start|>user\n{req.instruct}<|im_end|>\n"))
+    b.add_text(role)
 
     language_id = _language_id(cfg, req)
     if language_id is None:
@@ -87,8 +100,7 @@ def build_prompt(cfg: ModelConfig, tok: TextTokenizer, req: Request) -> Prompt:
         ref_ids = tok.encode(f"<|im_start|>assistant\n{voice.ref_text}<|im_end|>\n")[3:-2]
         trailing = _icl(b, cfg, list(ref_ids) + list(text_ids) + [t.tts_eos], voice.ref_codes, req.non_streaming)
     elif req.non_streaming:
-        for i in text_ids:
-            b.add(text=i, codec=cfg.codec.pad)
+        b.add_text(text_ids, codec=cfg.codec.pad)
         b.add(text=t.tts_eos, codec=cfg.codec.pad)
         b.add(text=t.tts_pad, codec=cfg.codec.bos)
         trailing = []
@@ -98,7 +110,7 @@ def build_prompt(cfg: ModelConfig, tok: TextTokenizer, req: Request) -> Prompt:
     return Prompt(
         text=np.asarray(b.text, np.int32),
         codec=np.asarray(b.codec, np.int32),
-        frames=np.stack(b.frames),
+        frames=b.frames(),
         speaker_row=speaker_row,
         speaker=xvec,
         trailing=np.asarray(trailing, np.int32),
@@ -131,8 +143,7 @@ def _icl(b: _Builder, cfg: ModelConfig, text: list[int], ref_codes: np.ndarray, 
     t = cfg.text
     codec_rows = [(cfg.codec.bos, None)] + [(NONE, f) for f in np.asarray(ref_codes)]
     if non_streaming:
-        for i in text:
-            b.add(text=i, codec=cfg.codec.pad)
+        b.add_text(text, codec=cfg.codec.pad)
         for c, f in codec_rows:
             b.add(text=t.tts_pad, codec=c, frame=f)
         return []
