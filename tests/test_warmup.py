@@ -3,7 +3,6 @@ background, growing to every slot and step size, with the same codes."""
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import threading
 import time
@@ -17,12 +16,27 @@ def test_background_warmup_serves_its_smallest_rung_at_once_then_grows_to_every_
     """`warmup(background=True)` returns with the least that serves compiled and timed: the smallest rung, one
     frame a step: the engine serves that many streams (the next waits for a free one) and says so in its stats;
     once the rest is compiled and timed on its own thread, every slot and step size serves, and the codes are the
-    same."""
+    same. Each stage runs every program it compiled, those it does not time too (an executable's first call pays a
+    one-off set-up: on a GPU, loading its kernels), so the loop pays it for none; the last calls `on_compiled` on
+    the warm-up's thread before the stats say nothing is left to compile (a server freezes the collector there,
+    before a benchmark that waits for it starts measuring)."""
     # SMALL's programs but a second rung and a 2-frame step: most come from the session's compilation cache
     engine = Engine(tiny_model, dataclasses.replace(SMALL, batch_sizes=(1,), frames_per_step=2))
-    gate, rest = threading.Event(), engine._warm_rest
+    runner, ran, hooked = engine.runner, set(), []
+    compile_, gate, rest = runner.compile, threading.Event(), engine._warm_rest
+
+    def compile_counting(keys):
+        compile_(keys)
+        for key in keys:
+            exe = runner.programs[key]
+            runner.programs[key] = lambda *args, key=key, exe=exe: (ran.add(key), exe(*args))[1]
+
+    runner.compile = compile_counting
+    engine.on_compiled = lambda: hooked.append((threading.current_thread().name, engine.stats().compiling,
+                                                ran == set(runner.programs)))
     monkeypatch.setattr(engine, "_warm_rest", lambda *args: gate.wait() and rest(*args))
     engine.warmup(background=True)
+    assert ran == set(runner.programs) and ("append", 1, 8) in ran  # the live-text append: no timing needs it
     st = engine.stats()
     # to come: a prefill of 2 and rung 1's 2-frame step; rung 2's two steps, codec and first frame
     assert (st.slots, st.ladder, st.step_sizes, st.compiling) == (1, (1,), (1,), 6)
@@ -39,34 +53,8 @@ def test_background_warmup_serves_its_smallest_rung_at_once_then_grows_to_every_
     assert {(2, 1), (2, 2)} <= set(st.step_costs) and 2 in st.first_costs and 2 in st.prefill_costs
     # what the loop measured while XLA compiled is dropped: the idle timings again, iteration time measured anew
     assert st.step_costs == engine._idle_step_costs and st.iteration_s == 0.0
+    assert hooked == [("qtts-warmup", 4, True)]  # rung 2's four programs not yet published
     together = run(engine, [(0, r) for r in reqs])
     assert together[0][0].timings.admitted == together[1][0].timings.admitted
     assert_same_codes(together, alone)
 
-
-def test_warmup_runs_every_program_once_and_tells_the_server_before_it_says_nothing_is_left(tiny_model):
-    """An executable's first call pays a one-off set-up (on a GPU, loading its kernels): the warm-up runs every program
-    it compiled, not only those it times, so none pays it in the loop. The background warm-up calls `on_compiled` on
-    its own thread once the last stage is ready, before the stats say nothing is left to compile (a server freezes the
-    garbage collector's view of its startup there, before a benchmark waiting for that starts measuring)."""
-    engine = Engine(tiny_model, dataclasses.replace(SMALL, batch_sizes=(1,), frames_per_step=2, schedule=(1, 2, 4)))
-    runner, ran, hooked = engine.runner, collections.Counter(), []
-    compile_ = runner.compile
-
-    def compile_counting(keys):
-        compile_(keys)
-        for key in keys:
-            exe = runner.programs[key]
-            runner.programs[key] = lambda *args, key=key, exe=exe: (ran.update([key]), exe(*args))[1]
-
-    runner.compile = compile_counting
-    engine.on_compiled = lambda: hooked.append((threading.current_thread().name, engine.stats().compiling))
-    engine.warmup(background=True)
-    deadline = time.monotonic() + 300
-    while engine.stats().compiling and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert engine.stats().compiling == 0
-    assert set(ran) == set(runner.programs)
-    # among them those no timing needs: the codec's four-frame chunk (steps make at most two), the live-text append
-    assert {("codec", 1, 4), ("codec", 2, 4), ("append", 1, 8)} <= set(ran)
-    assert len(hooked) == 1 and hooked[0][0] == "qtts-warmup" and hooked[0][1] > 0
