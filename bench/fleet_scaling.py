@@ -7,8 +7,10 @@
    fleet (the same settings, the same XLA flags), time to first audio at the client.
 
 CPU replicas reserve one CPU each and run XLA on one thread (fleet/app.py), so on a machine of C cores the fleet
-fits C - 1 replicas beside Ray and the client: the summary records how busy the machine was. The default
-(2 replicas of 2 slots, tiny-random) fits a 2-core machine:
+fits C - 1 replicas beside Ray and the client: the summary records how busy the machine was. The default (2
+replicas of 1 slot, tiny-random) fits a 2-core machine: each replica's limit is then its own slots, as a GPU
+replica's is its own device. With 2 slots each, 4 streams and Ray's processes saturate 2 cores and the engines
+step slower than their admission allows (`--slots 2`: 1.5x; bench/results/fleet-scaling-2slots-cpu.json):
 
     python bench/fleet_scaling.py --out bench/results/fleet-scaling-cpu.json
 """
@@ -99,10 +101,10 @@ def capacity(summary: dict) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny-random")
-    ap.add_argument("--slots", type=int, default=2)
+    ap.add_argument("--slots", type=int, default=1)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--replicas", type=int, default=2, help="the fleet compared with one replica (default 2)")
-    ap.add_argument("--loads", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="streams in flight")
+    ap.add_argument("--loads", type=int, nargs="+", default=[1, 2, 3], help="streams in flight")
     ap.add_argument("--requests", type=int, default=60, help="measured requests per load (59 bound a p95)")
     ap.add_argument("--max-frames", type=int, default=24)
     ap.add_argument("--ttfa-rounds", type=int, default=40, help="single streams per server for the overhead")
