@@ -114,6 +114,19 @@ def metrics_text(url: str) -> str:
         return r.read().decode()
 
 
+def server_marks(url: str, log_path: Path) -> tuple[int, dict]:
+    """Where the server's log and its collector's counts stand before a condition (`server_side` reads after)."""
+    return log_path.stat().st_size, gc_passes(metrics_text(url))
+
+
+def server_side(url: str, log_path: Path, marks: tuple[int, dict], records_path: Path) -> dict:
+    """What the server did during a condition, since `marks`: why requests failed, its collector's passes and its
+    iteration profile."""
+    offset, passes = marks
+    return {"refusals": refusals(records_path), "gc_passes": gc_passes_since(gc_passes(metrics_text(url)), passes),
+            "iteration_profile": profile_since(log_path, offset)}
+
+
 def profile_since(log_path: Path, offset: int) -> list[str]:
     """The engine's iteration profile lines (mean ms per part of a busy iteration, every 2 s) logged after byte
     `offset` of the server log: where a condition's iterations spent their time."""
@@ -147,14 +160,12 @@ def measure(args, out: Path, name: str, serialised: bool, modes: dict[str, list[
             conditions = []
             for load in loads:
                 requests = requests_for(args, mode, load)
-                offset, passes = log_path.stat().st_size, gc_passes(metrics_text(url))
+                marks = server_marks(url, log_path)
                 condition_dir = out / name / f"{mode}-{load:g}"
                 summary = sweep(url, mode, [load], requests, prompts, condition_dir,
                                 options=options, warmup=args.warmup, slo=slo, contract=contract)
                 (c,) = summary["conditions"]
-                c["refusals"] = refusals(condition_dir / "records.jsonl")
-                c["gc_passes"] = gc_passes_since(gc_passes(metrics_text(url)), passes)
-                c["iteration_profile"] = profile_since(log_path, offset)
+                c.update(server_side(url, log_path, marks, condition_dir / "records.jsonl"))
                 conditions.append(c)
                 save({**result, mode: {"conditions": conditions, "partial": True}})
                 print(name, json.dumps({"condition": c["condition"], **{k: c[k] for k in COLUMNS},

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.capacity import COLUMNS, gc_passes, gc_passes_since, metrics_text, profile_since, refusals  # noqa: E402
+from bench.capacity import COLUMNS, server_marks, server_side  # noqa: E402
 
 
 def serve(argv: list[str]) -> int:
@@ -78,15 +78,14 @@ def sweep_variant(args, name: str, flags: str, out: Path) -> dict:
         run_sync(wait_ready(url, 120, idle=True))
         contract = Contract(args.contract_ttfa_ms)
         for rate in args.rates:
-            offset, passes = log_path.stat().st_size, gc_passes(metrics_text(url))
+            marks = server_marks(url, log_path)
             cdir = out / name / f"poisson-{rate:g}"
             summary = sweep(url, "open-poisson", [rate], max(60, int(rate * args.seconds)), load_corpus("voice_agent"),
                             cdir, options={"voice": "ryan", "seed": 0, "max_frames": args.max_frames},
                             warmup=args.warmup, slo=SLO(), contract=contract)
             (c,) = summary["conditions"]
             row = {"rate": rate, **{k: c[k] for k in COLUMNS}, "zero_underrun": c["contract_verdict"]["overall"],
-                   "refusals": refusals(cdir / "records.jsonl"), "gc_passes": gc_passes_since(gc_passes(metrics_text(url)), passes),
-                   "iteration_profile": profile_since(log_path, offset)}
+                   **server_side(url, log_path, marks, cdir / "records.jsonl")}
             conditions.append(row)
             print(name, json.dumps({k: v for k, v in row.items() if k != "iteration_profile"}, default=float),
                   flush=True)

@@ -31,15 +31,14 @@ class Replica:
 
     async def __init__(self, settings: Settings):
         from qtts_jax.engine import compile_cache
-        from serving.app import create_app
-        from serving.collector import freeze_startup
-        from serving.keys import ENGINE, WARMUP_ERROR, WARMUP_TASK
+        from serving.app import create_app, freeze_when_warm
+        from serving.keys import WARMUP_ERROR, WARMUP_TASK
 
         self.id = _replica_id()
         # a shared compilation cache turns a new replica's minutes of XLA into seconds
         compile_cache.enable(settings.compile_cache)
         self.app = create_app(settings)
-        self.app[ENGINE].on_compiled = freeze_startup  # again once the larger rungs' programs have joined
+        freeze_when_warm(self.app)  # a replica is a serving process of its own, as `qtts-jax serve` is
         self.dir = tempfile.mkdtemp(prefix="qtts-replica-")
         self.sock = os.path.join(self.dir, "server.sock")
         self.runner = web.AppRunner(self.app, handler_cancellation=True)
@@ -48,7 +47,6 @@ class Replica:
         await asyncio.shield(self.app[WARMUP_TASK])
         if self.app[WARMUP_ERROR]:
             raise RuntimeError(f"warm-up failed: {self.app[WARMUP_ERROR][0]}")
-        freeze_startup()  # a replica is a serving process of its own, as `qtts-jax serve` is
         self.client = aiohttp.ClientSession(connector=aiohttp.UnixConnector(self.sock, limit=0),
                                             timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
         self.sockets: dict[str, aiohttp.ClientWebSocketResponse] = {}

@@ -219,6 +219,18 @@ async def drain(app: web.Application, timeout_s: float | None = None) -> bool:
     return not sched.streams
 
 
+def freeze_when_warm(app: web.Application) -> None:
+    """For a process that serves `app` alone (`run`, a fleet replica; not the tests, which host app after app):
+    startup's objects leave the garbage collector's passes once the warm-up lets it serve, and again once the
+    engine's background warm-up has compiled the larger rungs (`Engine.on_compiled`). Call before the app starts."""
+    app[ENGINE].on_compiled = freeze_startup
+
+    async def on_startup(app: web.Application) -> None:  # after `_engine_ctx` has started the warm-up
+        app[WARMUP_TASK].add_done_callback(lambda _: app[WARMUP_ERROR] or freeze_startup())
+
+    app.on_startup.append(on_startup)
+
+
 def run(settings: Settings, engine: Engine | None = None) -> int:
     """Serve until SIGTERM/SIGINT; then drain (no new work, in-flight streams finish) and exit 0.
     Exits 2 without listening when the slots do not fit, and 1 when the warm-up fails (rather than
@@ -235,7 +247,7 @@ def run(settings: Settings, engine: Engine | None = None) -> int:
         except (sizing.SlotsDoNotFit, ValueError) as exc:  # ValueError: the voice aliases name no voice
             log.error("not starting: %s", exc)
             return 2
-        app[ENGINE].on_compiled = freeze_startup  # again once the larger rungs' programs have joined
+        freeze_when_warm(app)
         runner = Runner(app, header_timeout_s=settings.header_timeout_s, idle_timeout_s=settings.idle_timeout_s,
                         max_connections=settings.max_connections, handler_cancellation=True, shutdown_timeout=5.0)
         await runner.setup()
@@ -246,7 +258,7 @@ def run(settings: Settings, engine: Engine | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        app[WARMUP_TASK].add_done_callback(lambda _: stop.set() if app[WARMUP_ERROR] else freeze_startup())
+        app[WARMUP_TASK].add_done_callback(lambda _: app[WARMUP_ERROR] and stop.set())
         await stop.wait()
         if app[WARMUP_ERROR]:
             log.error("warm-up failed, exiting: %s", app[WARMUP_ERROR][0])
