@@ -9,6 +9,7 @@ which). Each side runs in its own subprocess, so neither's allocator or peak cou
 
     python bench/finetune.py --out runs/finetune-h200.json                   # 0.6b-base and 1.7b-base, batch 32
     python bench/finetune.py --tiny --out runs/finetune-cpu.json             # tiny-random-base on a CPU
+    python bench/finetune.py --sides ours --compile-only --micro-batch 8     # XLA's memory plan, on any machine
 """
 
 from __future__ import annotations
@@ -48,25 +49,34 @@ def ours(args) -> dict:
     model = load_model(args.model, dtype=jnp.float32)
     batch = layout.collate(model.cfg, model.tokenizer, _examples(model, args.batch, args.frames, args.text)).arrays()
     graph, params = nnx.split(model.talker, nnx.Param)
-    init, step, _ = train._programs(graph, model.cfg, 1e-5, args.accumulate, args.compute_dtype)
-    state, frozen = init(nnx.to_pure_dict(params))
-    batch = jax.device_put(batch)
+    micro = args.batch // (args.micro_batch or args.batch)
+    init, step, _ = train._programs(graph, model.cfg, 1e-5, args.accumulate, args.compute_dtype, 0, micro)
+    params = nnx.to_pure_dict(params)
     t0 = time.perf_counter()
-    state, parts = step(state, frozen, batch)
-    jax.block_until_ready(parts)
+    # compiled ahead of time: XLA's plan of the step's device memory comes with it, also where it would not fit
+    compiled = step.lower(*jax.eval_shape(init, params), batch).compile()
     compile_s = time.perf_counter() - t0
-    for _ in range(args.warmup):
-        state, parts = step(state, frozen, batch)
+    plan = compiled.memory_analysis()
+    row = {"compile_s": compile_s, "micro_batch": args.micro_batch or args.batch,
+           "plan_temp_bytes": plan.temp_size_in_bytes if plan else None,
+           "plan_argument_bytes": plan.argument_size_in_bytes if plan else None,
+           "sequence_positions": int(batch[0].shape[1]), "compute_dtype": args.compute_dtype,
+           "device": str(jax.devices()[0])}
+    if args.compile_only:
+        return row
+    state, frozen = init(params)
+    batch = jax.device_put(batch)
+    for _ in range(1 + args.warmup):
+        state, parts = compiled(state, frozen, batch)
     jax.block_until_ready(parts)
     t0 = time.perf_counter()
     for _ in range(args.steps):
-        state, parts = step(state, frozen, batch)
+        state, parts = compiled(state, frozen, batch)
     jax.block_until_ready(parts)
     elapsed = time.perf_counter() - t0
     stats = jax.devices()[0].memory_stats() or {}
-    return {"steps_per_s": args.steps / elapsed, "compile_s": compile_s, "loss": float(parts["loss"]),
-            "peak_bytes": stats.get("peak_bytes_in_use"), "sequence_positions": int(batch[0].shape[1]),
-            "compute_dtype": args.compute_dtype, "device": str(jax.devices()[0])}
+    return {**row, "steps_per_s": args.steps / elapsed, "loss": float(parts["loss"]),
+            "peak_bytes": stats.get("peak_bytes_in_use")}
 
 
 def official(args) -> dict:
@@ -162,6 +172,9 @@ def main() -> None:
     p.add_argument("--text", type=int, default=60, help="text tokens per clip")
     p.add_argument("--accumulate", type=int, default=4)
     p.add_argument("--compute-dtype", default="bfloat16")
+    p.add_argument("--micro-batch", type=int, help="ours: examples per forward/backward pass (default: the batch)")
+    p.add_argument("--compile-only", action="store_true",
+                   help="ours: compile the step and report XLA's memory plan, without running it (any machine)")
     p.add_argument("--steps", type=int, default=8, help="timed steps, after one compiling and --warmup more")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--tiny", action="store_true", help="tiny-random-base at CPU sizes: " + json.dumps(TINY))
@@ -179,13 +192,15 @@ def main() -> None:
         print(json.dumps({"ours": ours, "official": official}[args.side](args)))
         return
     results = {"batch": args.batch, "frames": args.frames, "text_tokens": args.text, "accumulate": args.accumulate,
-               "models": {}}
+               "micro_batch": args.micro_batch or args.batch, "command": " ".join(sys.argv[1:]), "models": {}}
     for name in args.models.split(","):
         row = {}
         for side in args.sides.split(","):
             cmd = [sys.executable, __file__, "--side", side, "--model", name] + [
                 f"--{k}={getattr(args, k.replace('-', '_'))}"
-                for k in ("batch", "frames", "text", "accumulate", "compute-dtype", "steps", "warmup")]
+                for k in ("batch", "frames", "text", "accumulate", "compute-dtype", "steps", "warmup")] + (
+                [f"--micro-batch={args.micro_batch}"] if args.micro_batch else []) + (
+                ["--compile-only"] if args.compile_only else [])
             env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
             done = subprocess.run(cmd, capture_output=True, text=True, env=env)
             row[side] = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {

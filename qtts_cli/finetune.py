@@ -27,6 +27,9 @@ def add_finetune_parser(sub) -> argparse.ArgumentParser:
     f.add_argument("--batch", type=int, default=DEFAULTS["batch"], help="examples per step (default 2)")
     f.add_argument("--accumulate", type=int, default=DEFAULTS["accumulate"],
                    help="steps whose mean gradient makes one update (default 4)")
+    f.add_argument("--micro-batch", type=int, metavar="N",
+                   help="examples per forward/backward pass, a divisor of --batch: a step adds its micro-batches' "
+                        "gradients, the same as the whole batch's, in less memory (default: the whole batch)")
     f.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="forward/backward arithmetic; weights and optimiser state stay fp32 (default float32; "
                         "bfloat16 on a GPU, as the official recipe)")
@@ -48,6 +51,8 @@ def _check(args) -> None:
     for name in ("epochs", "batch", "accumulate", "checkpoint_every", "keep"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.micro_batch is not None and not (0 < args.micro_batch <= args.batch and args.batch % args.micro_batch == 0):
+        raise UsageError(f"--micro-batch must divide --batch ({args.batch})")
     if args.lora < 0:
         raise UsageError("--lora must be >= 0")
     if args.steps is not None and args.steps < 1:
@@ -79,7 +84,8 @@ def finetune(args) -> int:
         return 2
     settings = train.Settings(lr=args.lr, batch=args.batch, accumulate=args.accumulate, epochs=args.epochs,
                               steps=args.steps, seed=args.seed, checkpoint_every=args.checkpoint_every,
-                              keep=args.keep, compute_dtype=args.compute_dtype, lora=args.lora)
+                              keep=args.keep, compute_dtype=args.compute_dtype, lora=args.lora,
+                              micro_batch=args.micro_batch)
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"{len(examples)} examples, {settings.total_steps(len(examples))} steps", file=sys.stderr)
     try:

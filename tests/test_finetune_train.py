@@ -82,6 +82,33 @@ def test_the_model_learns_and_its_weights_are_left_alone(tiny_base_model, exampl
     assert [p.name for p in written] == ["loss.json", "loss.png"]
 
 
+def test_micro_batches_give_the_whole_batchs_loss_and_gradient(tiny_base_model, examples):
+    """--micro-batch: a step of 4 rows (the last a filler) run as 2 micro-batches of 2 adds up to the same loss
+    and the same gradient as the 4 rows in one pass (the accumulator holds the gradient after a first call)."""
+    from flax import nnx
+
+    from qtts_jax.finetune import layout
+
+    model = tiny_base_model
+    graph, params = nnx.split(model.talker, nnx.Param)
+    batch = layout.collate(model.cfg, model.tokenizer, examples[:3], 4).arrays()
+    out = {}
+    for micro in (1, 2):
+        init, step, _ = train._programs(graph, model.cfg, 1e-3, 2, "float32", 0, micro)
+        state, frozen = init(nnx.to_pure_dict(params))
+        state, parts = step(state, frozen, batch)
+        out[micro] = parts, state["opt"].acc_grads
+    for key in ("loss", "talker", "predictor"):
+        np.testing.assert_allclose(float(out[2][0][key]), float(out[1][0][key]), rtol=1e-5)
+    whole, parts = jax.tree.leaves(out[1][1]), jax.tree.leaves(out[2][1])
+    assert len(whole) == len(parts) and any(np.abs(np.asarray(g)).max() > 0 for g in whole)
+    for a, b in zip(whole, parts):
+        scale = np.abs(np.asarray(a)).max() + 1e-12
+        np.testing.assert_allclose(np.asarray(b) / scale, np.asarray(a) / scale, atol=1e-5)
+    with pytest.raises(ValueError, match="micro_batch 3 must divide batch 4"):
+        train.Settings(batch=4, micro_batch=3)
+
+
 def test_lora_starts_from_the_base_model_and_changes_only_the_projections(tiny_base_model, examples, tmp_path):
     settings = dataclasses.replace(SETTINGS, lora=2, steps=4, lr=1e-2)
     full = run(tiny_base_model, examples, tmp_path / "full")

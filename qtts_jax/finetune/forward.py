@@ -30,19 +30,30 @@ from qtts_jax.talker import Talker
 SUB_TALKER_WEIGHT = 0.3  # the official recipe's weight of the code predictor's loss
 
 
-def _cross_entropy(logits: jax.Array, labels: jax.Array, valid: jax.Array) -> jax.Array:
-    """Mean over valid targets of -log softmax(logits)[label], in fp32."""
+def target_counts(cfg: ModelConfig, batch: tuple) -> tuple[jax.Array, jax.Array]:
+    """(talker targets, code predictor targets) of a whole batch: a real row of n frames has n + 1 talker targets
+    (its codes 0 and the EOS) and n x 15 predictor targets; a filler row (length -1) none."""
+    lengths = batch[-1]
+    frames = jnp.sum(jnp.maximum(lengths, 0))
+    return frames + jnp.sum(lengths >= 0), frames * (cfg.num_code_groups - 1)
+
+
+def _nll_sum(logits: jax.Array, labels: jax.Array, valid: jax.Array) -> jax.Array:
+    """Sum over valid targets of -log softmax(logits)[label], in fp32."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
-    valid = jnp.broadcast_to(valid, nll.shape)
-    return jnp.sum(jnp.where(valid, nll, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
+    return jnp.sum(jnp.where(jnp.broadcast_to(valid, nll.shape), nll, 0.0))
 
 
-def losses(state: dict, graph: nnx.GraphDef, cfg: ModelConfig, batch: tuple, compute_dtype=jnp.float32
-           ) -> tuple[jax.Array, dict]:
+def losses(state: dict, graph: nnx.GraphDef, cfg: ModelConfig, batch: tuple, compute_dtype=jnp.float32,
+           counts: tuple | None = None) -> tuple[jax.Array, dict]:
     """(total loss, {"talker", "predictor"}) of one batch, given as `layout.Batch.arrays()` (a filler row's
-    length, -1, leaves it without targets). ``graph``, ``state``: `nnx.split(talker, nnx.Param, ...)`'s first two."""
+    length, -1, leaves it without targets). ``graph``, ``state``: `nnx.split(talker, nnx.Param, ...)`'s first two.
+    Each cross-entropy is a sum over the batch's targets divided by their count, `target_counts(cfg, batch)`; a
+    micro-batch passes the whole batch's ``counts``, so the micro-batches' losses (and gradients) add up to the
+    whole batch's."""
     text, codec, frames, speaker_row, speaker, start, codes, lengths = batch
+    talker_n, predictor_n = target_counts(cfg, batch) if counts is None else counts
     talker: Talker = nn.merge(graph, jax.tree.map(lambda a: a.astype(compute_dtype), state))
     n = codes.shape[1]
     x = jax.vmap(lambda *row: embed_prompt(talker, *row))(text, codec, frames, speaker_row, speaker)  # [B, T, H]
@@ -53,7 +64,7 @@ def losses(state: dict, graph: nnx.GraphDef, cfg: ModelConfig, batch: tuple, com
     labels = jnp.concatenate([codes[..., 0], jnp.zeros_like(codes[:, :1, 0])], axis=1)
     labels = jnp.where(j == lengths[:, None], cfg.codec.eos, labels)
     read = jnp.take_along_axis(logits, at[..., None], axis=1)  # [B, n+1, V]
-    talker_loss = _cross_entropy(read, labels, j <= lengths[:, None])
+    talker_loss = _nll_sum(read, labels, j <= lengths[:, None]) / jnp.maximum(talker_n, 1)
 
     groups = cfg.num_code_groups - 1
     hidden = jnp.take_along_axis(h, at[:, :n, None], axis=1)  # [B, n, H]: frame j's input has not seen frame j
@@ -61,5 +72,5 @@ def losses(state: dict, graph: nnx.GraphDef, cfg: ModelConfig, batch: tuple, com
     code0 = talker.codec_embedding[...][frame_codes[:, 0]]
     cp_logits = jax.vmap(talker.predictor.forward)(hidden.reshape(-1, h.shape[-1]), code0, frame_codes[:, 1:groups])
     valid = (jnp.arange(n)[None, :] < lengths[:, None]).reshape(-1)
-    predictor = _cross_entropy(cp_logits, frame_codes[:, 1:], valid[:, None])
+    predictor = _nll_sum(cp_logits, frame_codes[:, 1:], valid[:, None]) / jnp.maximum(predictor_n, 1)
     return talker_loss + SUB_TALKER_WEIGHT * predictor, {"talker": talker_loss, "predictor": predictor}

@@ -43,6 +43,13 @@ class Settings:
     keep: int = 3
     compute_dtype: str = "float32"
     lora: int = 0  # rank of low-rank adapters on the projections (0: every weight trains)
+    # examples per forward and backward pass (None: the whole batch): a step runs the batch in micro-batches and
+    # adds their gradients, which equal the whole batch's, in a fraction of the activations' memory
+    micro_batch: int | None = None
+
+    def __post_init__(self):
+        if self.micro_batch is not None and not (0 < self.micro_batch <= self.batch and self.batch % self.micro_batch == 0):
+            raise ValueError(f"micro_batch {self.micro_batch} must divide batch {self.batch}")
 
     def total_steps(self, n_examples: int) -> int:
         return self.steps if self.steps is not None else self.epochs * batches_per_epoch(n_examples, self.batch)
@@ -67,7 +74,7 @@ class ResumeError(ValueError):
 def _identity(settings: Settings, n_examples: int) -> dict:
     """What a resumed run must share with the run that saved the checkpoint (its length may change)."""
     fixed = dataclasses.asdict(settings)
-    for free in ("steps", "epochs", "checkpoint_every", "keep"):
+    for free in ("steps", "epochs", "checkpoint_every", "keep", "micro_batch"):
         fixed.pop(free)
     return {**fixed, "examples": n_examples}
 
@@ -88,7 +95,7 @@ def train(talker: Talker, cfg: ModelConfig, tok: TextTokenizer, examples: list[E
     # Exhaustive: the talker holds nothing but Params, so this state is all there is to train and to merge back.
     graph, params = nnx.split(talker, nnx.Param)
     init, step_fn, result = _programs(graph, cfg, settings.lr, settings.accumulate, settings.compute_dtype,
-                                      settings.lora)
+                                      settings.lora, settings.batch // (settings.micro_batch or settings.batch))
     state, frozen = init(nnx.to_pure_dict(params))
     ckpt = Checkpoints(checkpoint_dir, settings.checkpoint_every, settings.keep)
     total = settings.total_steps(len(examples))
@@ -120,13 +127,13 @@ def train(talker: Talker, cfg: ModelConfig, tok: TextTokenizer, examples: list[E
 
 @functools.lru_cache(maxsize=8)
 def _programs(graph: nnx.GraphDef, cfg: ModelConfig, lr: float, accumulate: int, compute_dtype: str,
-              lora_rank: int = 0):
+              lora_rank: int = 0, micro: int = 1):
     """(init, step, result), jitted and kept per talker graph and configuration: runs of the same settings in one
     process compile them once. init(params) -> (state, frozen): the trained part and its optimiser state (the steps
     donate it), and what stays fixed (LoRA: the base weights; else nothing), copied to fp32 in one program (an eager
     op per leaf would compile one per shape); ``params`` is the talker's Param state as a plain dict (`init` of
-    optax and the checkpoints take it as it is). step(state, frozen, batch); result(frozen, trained) -> the full
-    Param state."""
+    optax and the checkpoints take it as it is). step(state, frozen, batch), its batch run as ``micro`` equal
+    micro-batches, one after the other; result(frozen, trained) -> the full Param state."""
     tx = optimizer.make(lr, accumulate)
     combine = lora.merge if lora_rank else (lambda frozen, trained: trained)
 
@@ -136,10 +143,22 @@ def _programs(graph: nnx.GraphDef, cfg: ModelConfig, lr: float, accumulate: int,
         return {"params": trained, "opt": tx.init(trained)}, frozen
 
     def step(state, frozen, batch):
-        def loss(trained):
-            return forward.losses(combine(frozen, trained), graph, cfg, batch, jnp.dtype(compute_dtype))
+        counts = forward.target_counts(cfg, batch)
 
-        (total, parts), grads = jax.value_and_grad(loss, has_aux=True)(state["params"])
+        def loss(trained, part):
+            return forward.losses(combine(frozen, trained), graph, cfg, part, jnp.dtype(compute_dtype), counts)
+
+        grad = jax.value_and_grad(loss, has_aux=True)
+        if micro == 1:
+            (total, parts), grads = grad(state["params"], batch)
+        else:  # each micro-batch's loss is its share of the batch's (the batch's target counts divide it)
+            def add(acc, part):
+                return jax.tree.map(jnp.add, acc, grad(state["params"], part)), None
+
+            parts_of = jax.tree.map(lambda a: a.reshape(micro, a.shape[0] // micro, *a.shape[1:]), batch)
+            zero = jax.eval_shape(grad, state["params"], jax.tree.map(lambda a: a[0], parts_of))
+            ((total, parts), grads), _ = jax.lax.scan(add, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), zero),
+                                                      parts_of)
         updates, opt = tx.update(grads, state["opt"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": total, **parts}
 
