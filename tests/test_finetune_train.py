@@ -83,18 +83,19 @@ def test_the_model_learns_and_its_weights_are_left_alone(tiny_base_model, exampl
 
 
 def test_micro_batches_give_the_whole_batchs_loss_and_gradient(tiny_base_model, examples):
-    """--micro-batch: a step of 4 rows (the last a filler) run as 2 micro-batches of 2 adds up to the same loss
-    and the same gradient as the 4 rows in one pass (the accumulator holds the gradient after a first call)."""
+    """--micro-batch: a step of 2 rows run as 2 micro-batches of 1 adds up to the same loss and the same gradient
+    as the 2 rows in one pass (the accumulator holds the gradient after a first call). The whole-batch step has
+    the other tests' settings and shapes, so it is compiled once for the file."""
     from flax import nnx
 
     from qtts_jax.finetune import layout
 
     model = tiny_base_model
     graph, params = nnx.split(model.talker, nnx.Param)
-    batch = layout.collate(model.cfg, model.tokenizer, examples[:3], 4).arrays()
+    batch = layout.collate(model.cfg, model.tokenizer, examples[:2], SETTINGS.batch).arrays()
     out = {}
     for micro in (1, 2):
-        init, step, _ = train._programs(graph, model.cfg, 1e-3, 2, "float32", 0, micro)
+        init, step, _ = train._programs(graph, model.cfg, SETTINGS.lr, SETTINGS.accumulate, "float32", 0, micro)
         state, frozen = init(nnx.to_pure_dict(params))
         state, parts = step(state, frozen, batch)
         out[micro] = parts, state["opt"].acc_grads
