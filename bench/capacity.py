@@ -43,6 +43,7 @@ READY_LINE = re.compile(r"ready after ([\d.]+) s \(slots=(\d+); (.*)\)")
 FULL_LINE = re.compile(r"every rung compiled and timed after ([\d.]+) s")
 SIZING_LINE = re.compile(r"slots: \d+ \((.*)\)")
 GC_BUCKET = re.compile(r'qtts_gc_pause_seconds_bucket\{generation="(\d)",le="([^"]+)"\} (\S+)')
+GC_FREED = re.compile(r'qtts_gc_collected_objects_total\{generation="(\d)"\} (\S+)')
 PROFILE_LINE = re.compile(r"iterations: \d+ in [\d.]+ s; mean per iteration \(ms, or count\): (\{.*\})")
 COLUMNS = ("success_rate", "rejected_429", "ttfa_p50_ms", "ttfa_p95_ms", "starvation_p95_ms", "underruns_mean",
            "underrun_requests", "underrun_share", "throughput_rps", "audio_s_per_s")
@@ -91,21 +92,24 @@ def count_errors(errors) -> dict[str, int]:
 
 def gc_passes(metrics: str) -> dict[str, dict[str, float]]:
     """The server's garbage-collector passes so far, from its /metrics text, by generation: cumulative counts by
-    bucket."""
+    bucket, and the objects they freed ("collected")."""
     out: dict[str, dict[str, float]] = {}
     for generation, le, count in GC_BUCKET.findall(metrics):
         out.setdefault(generation, {})[le] = float(count)
+    for generation, count in GC_FREED.findall(metrics):
+        out.setdefault(generation, {})["collected"] = float(count)
     return out
 
 
 def gc_passes_since(now: dict[str, dict[str, float]], before: dict[str, dict[str, float]]) -> dict[str, dict[str, int]]:
-    """Passes by generation between two `gc_passes`, and how many of them held the server over 20 and over 50 ms."""
+    """Passes by generation between two `gc_passes`, how many of them held the server over 20 and over 50 ms, and
+    the objects they freed."""
     out = {}
     for generation, buckets in now.items():
         was = before.get(generation, {})
         delta = {le: int(n - was.get(le, 0)) for le, n in buckets.items()}
         out[generation] = {"passes": delta["+Inf"], "over_20ms": delta["+Inf"] - delta["0.02"],
-                           "over_50ms": delta["+Inf"] - delta["0.05"]}
+                           "over_50ms": delta["+Inf"] - delta["0.05"], "collected": delta.get("collected", 0)}
     return out
 
 

@@ -3,7 +3,8 @@ long one is a stall for every playing stream. Full passes scanned startup's obje
 libraries' own) every time, about 80 ms under load; a serving process freezes them once warm (`freeze_startup`),
 and full passes then took 16-23 ms (bench/host_serving.py at 60 rps). How long each pass holds the process is
 timed, one timer per process whatever number of apps it serves, and each app's registry exports it as the
-histogram `qtts_gc_pause_seconds{generation}` beside `qtts_gc_frozen_objects`."""
+histogram `qtts_gc_pause_seconds{generation}` beside `qtts_gc_frozen_objects` and the objects the passes freed,
+`qtts_gc_collected_objects_total{generation}`: a long pass over few live objects is one that freed much garbage."""
 
 from __future__ import annotations
 
@@ -12,19 +13,21 @@ import gc
 import itertools
 import time
 
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 
 
 class Pauses:
-    """Counts of passes per generation and duration bucket, and their total time (a `gc.callbacks` entry)."""
+    """Counts of passes per generation and duration bucket, their total time and the objects they freed (a
+    `gc.callbacks` entry)."""
 
     def __init__(self, clock=time.perf_counter):
         self._clock = clock
         self._started = 0.0
         self.counts = [[0] * (len(BUCKETS) + 1) for _ in range(3)]  # the last: over the largest bucket
         self.seconds = [0.0] * 3
+        self.collected = [0] * 3
 
     def __call__(self, phase: str, info: dict) -> None:
         now = self._clock()
@@ -33,6 +36,7 @@ class Pauses:
             return
         pause, generation = now - self._started, info["generation"]
         self.seconds[generation] += pause
+        self.collected[generation] += info.get("collected", 0)
         self.counts[generation][bisect.bisect_left(BUCKETS, pause)] += 1
 
 
@@ -72,5 +76,10 @@ class PauseCollector:
             buckets = [(f"{b:g}", c) for b, c in zip(BUCKETS, cumulative)] + [("+Inf", cumulative[-1])]
             family.add_metric([str(generation)], buckets, self.pauses.seconds[generation])
         yield family
+        freed = CounterMetricFamily("qtts_gc_collected_objects", "Objects the garbage collector's passes freed, by "
+                                    "generation", labels=["generation"])
+        for generation, n in enumerate(self.pauses.collected):
+            freed.add_metric([str(generation)], n)
+        yield freed
         yield GaugeMetricFamily("qtts_gc_frozen_objects", "Objects frozen out of the collector's passes (startup's, "
                                 "once warm)", value=gc.get_freeze_count())

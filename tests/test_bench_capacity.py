@@ -39,7 +39,7 @@ def test_table_has_the_contract_beside_the_slo():
     assert "batched: ready 9.5 s after start" in text
 
 
-def test_the_bench_counts_the_long_collector_passes_the_server_exports(monkeypatch):
+def test_the_bench_counts_the_long_collector_passes_and_what_they_freed(monkeypatch):
     from prometheus_client import CollectorRegistry, generate_latest
 
     from serving import collector
@@ -51,14 +51,14 @@ def test_the_bench_counts_the_long_collector_passes_the_server_exports(monkeypat
     registry.register(collector.PauseCollector())
 
     def passes(*generations):
-        for g in generations:
+        for g, freed in generations:
             pauses("start", {"generation": g})
-            pauses("stop", {"generation": g})
+            pauses("stop", {"generation": g, "collected": freed})
         return bench.gc_passes(generate_latest(registry).decode())
 
-    before = passes(0)  # 4 ms
-    after = passes(2, 2, 1)  # 30 ms, 80 ms; 1 ms
+    before = passes((0, 5))  # 4 ms
+    after = passes((2, 700), (2, 90_000), (1, 3))  # 30 ms, 80 ms; 1 ms
     assert bench.gc_passes_since(after, before) == {
-        "0": {"passes": 0, "over_20ms": 0, "over_50ms": 0},
-        "1": {"passes": 1, "over_20ms": 0, "over_50ms": 0},
-        "2": {"passes": 2, "over_20ms": 2, "over_50ms": 1}}
+        "0": {"passes": 0, "over_20ms": 0, "over_50ms": 0, "collected": 0},
+        "1": {"passes": 1, "over_20ms": 0, "over_50ms": 0, "collected": 3},
+        "2": {"passes": 2, "over_20ms": 2, "over_50ms": 1, "collected": 90_700}}
