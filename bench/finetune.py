@@ -49,7 +49,7 @@ def ours(args) -> dict:
     model = load_model(args.model, dtype=jnp.float32)
     batch = layout.collate(model.cfg, model.tokenizer, _examples(model, args.batch, args.frames, args.text)).arrays()
     graph, params = nnx.split(model.talker, nnx.Param)
-    micro = args.batch // (args.micro_batch or args.batch)
+    micro = train.micro_batches(args.batch, args.micro_batch)
     init, step, _ = train._programs(graph, model.cfg, 1e-5, args.accumulate, args.compute_dtype, 0, micro)
     params = nnx.to_pure_dict(params)
     t0 = time.perf_counter()

@@ -51,8 +51,12 @@ def _check(args) -> None:
     for name in ("epochs", "batch", "accumulate", "checkpoint_every", "keep"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.micro_batch is not None and not (0 < args.micro_batch <= args.batch and args.batch % args.micro_batch == 0):
-        raise UsageError(f"--micro-batch must divide --batch ({args.batch})")
+    from qtts_jax.finetune.train import micro_batches
+
+    try:
+        micro_batches(args.batch, args.micro_batch)
+    except ValueError:
+        raise UsageError(f"--micro-batch must divide --batch ({args.batch})") from None
     if args.lora < 0:
         raise UsageError("--lora must be >= 0")
     if args.steps is not None and args.steps < 1:

@@ -175,3 +175,11 @@ def test_bad_data_stops_before_training(dataset, tmp_path, capsys):
     assert rc == 2
     assert "bad.jsonl:3: text: must not be empty" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_micro_batch_that_does_not_divide_the_batch_stops_before_anything_loads(tmp_path, capsys):
+    rc = main(["finetune", "--model", "tiny-random-base", "--data", str(tmp_path / "none.jsonl"), "--speaker", "nova",
+               "--out", str(tmp_path / "run"), "--batch", "4", "--micro-batch", "3"])
+    assert rc == 2
+    assert "--micro-batch must divide --batch (4)" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

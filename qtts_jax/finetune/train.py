@@ -48,11 +48,19 @@ class Settings:
     micro_batch: int | None = None
 
     def __post_init__(self):
-        if self.micro_batch is not None and not (0 < self.micro_batch <= self.batch and self.batch % self.micro_batch == 0):
-            raise ValueError(f"micro_batch {self.micro_batch} must divide batch {self.batch}")
+        micro_batches(self.batch, self.micro_batch)
 
     def total_steps(self, n_examples: int) -> int:
         return self.steps if self.steps is not None else self.epochs * batches_per_epoch(n_examples, self.batch)
+
+
+def micro_batches(batch: int, micro_batch: int | None) -> int:
+    """How many micro-batches a step of ``batch`` examples runs (ValueError unless ``micro_batch`` divides it)."""
+    if micro_batch is None:
+        return 1
+    if not (0 < micro_batch <= batch and batch % micro_batch == 0):
+        raise ValueError(f"micro_batch {micro_batch} must divide batch {batch}")
+    return batch // micro_batch
 
 
 def batches_per_epoch(n_examples: int, batch: int) -> int:
@@ -95,7 +103,7 @@ def train(talker: Talker, cfg: ModelConfig, tok: TextTokenizer, examples: list[E
     # Exhaustive: the talker holds nothing but Params, so this state is all there is to train and to merge back.
     graph, params = nnx.split(talker, nnx.Param)
     init, step_fn, result = _programs(graph, cfg, settings.lr, settings.accumulate, settings.compute_dtype,
-                                      settings.lora, settings.batch // (settings.micro_batch or settings.batch))
+                                      settings.lora, micro_batches(settings.batch, settings.micro_batch))
     state, frozen = init(nnx.to_pure_dict(params))
     ckpt = Checkpoints(checkpoint_dir, settings.checkpoint_every, settings.keep)
     total = settings.total_steps(len(examples))

@@ -70,6 +70,6 @@ def random_talker(cfg: ModelConfig, seed: int, dtype=jnp.float32) -> Talker:
     """Deterministic random weights at the config's shapes (presets and benchmarks; the output is noise).
 
     Drawn by one jitted program: built eagerly, every parameter's draw, scaling and cast is an XLA program of its
-    own to compile and launch, which cost a GPU server 27 s of its cold start at the 0.6B shape."""
+    own to compile and launch, which cost a GPU server 20-27 s of its cold start at the 0.6B shape."""
     build = lambda: Talker(cfg, dtype=dtype, rngs=nnx.Rngs(seed))  # noqa: E731
     return nnx.merge(nnx.graphdef(nnx.eval_shape(build)), jax.jit(lambda: nnx.state(build()))())
