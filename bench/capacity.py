@@ -46,7 +46,7 @@ GC_BUCKET = re.compile(r'qtts_gc_pause_seconds_bucket\{generation="(\d)",le="([^
 GC_FREED = re.compile(r'qtts_gc_collected_objects_total\{generation="(\d)"\} (\S+)')
 PROFILE_LINE = re.compile(r"iterations: \d+ in [\d.]+ s; mean per iteration \(ms, or count\): (\{.*\})")
 COLUMNS = ("success_rate", "rejected_429", "ttfa_p50_ms", "ttfa_p95_ms", "starvation_p95_ms", "underruns_mean",
-           "underrun_requests", "underrun_share", "throughput_rps", "audio_s_per_s")
+           "underrun_requests", "underrun_share", "first_underrun_at", "throughput_rps", "audio_s_per_s")
 
 
 def numbers(text: str) -> list[float]:

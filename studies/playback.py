@@ -18,6 +18,8 @@ class Playback:
     longest_stall_s: float
     underruns: int  # separate times the buffer ran dry: every stall counts, however short (no threshold)
     audio_s: float
+    # audio played when the buffer first ran dry (None: never): a new stream's first chunks, or one well under way
+    first_stall_at_s: float | None = None
 
 
 def simulate(arrivals: list[tuple[float, int]], sample_rate: int = SAMPLE_RATE, buffer_ms: float = 0.0) -> Playback:
@@ -44,8 +46,11 @@ def simulate(arrivals: list[tuple[float, int]], sample_rate: int = SAMPLE_RATE, 
     runout = start + buffered / sample_rate
     starvation = longest = 0.0
     underruns = 0
+    first_stall = None
     for t, n in chunks[first + 1:]:
         if t > runout:
+            if first_stall is None:
+                first_stall = runout - start  # nothing stalled before: all of it played
             stall = t - runout
             starvation += stall
             longest = max(longest, stall)
@@ -53,4 +58,4 @@ def simulate(arrivals: list[tuple[float, int]], sample_rate: int = SAMPLE_RATE, 
             runout = t
         runout += n / sample_rate
     total = sum(n for _, n in chunks) / sample_rate
-    return Playback(start, starvation, longest, underruns, total)
+    return Playback(start, starvation, longest, underruns, total, first_stall)

@@ -78,6 +78,20 @@ def _root(f) -> float:
     return (lo + hi) / 2
 
 
+# where in a stream (seconds of its audio played) its first underrun came: its first chunks, before a lead could
+# build, or once under way (a pause of the server, or a lead that did not hold)
+STALL_AGES = ((0.25, "under_0.25s"), (1.0, "0.25_to_1s"), (math.inf, "over_1s"))
+
+
+def first_underrun_at(ages: list[float | None]) -> dict[str, int]:
+    """Streams that underran, by how much of their audio had played when they first ran dry (`STALL_AGES`)."""
+    out = dict.fromkeys((name for _, name in STALL_AGES), 0)
+    for age in ages:
+        if age is not None:
+            out[next(name for bound, name in STALL_AGES if age < bound)] += 1
+    return out
+
+
 def summarize(records: list[RequestRecord], buffer_ms: float = 0.0) -> dict:
     """One condition's numbers. Warm-up records are ignored; starvation is over valid streams only, at `buffer_ms`.
     `underrun_requests` counts valid streams with any stall after their first audio at zero buffer, whatever
@@ -112,6 +126,7 @@ def summarize(records: list[RequestRecord], buffer_ms: float = 0.0) -> dict:
         "underruns_mean": float(np.mean([p.underruns for p in plays])) if plays else math.nan,
         "underrun_requests": underran, "underrun_share": underran / len(ok) if ok else math.nan,
         "underrun_share_ci": share_bounds(underran, len(ok)),
+        "first_underrun_at": first_underrun_at([p.first_stall_at_s for p in dry]),
         "wall_s": wall, "throughput_rps": len(ok) / wall if wall > 0 else math.nan,
         "audio_s_per_s": audio / wall if wall > 0 else math.nan,
         "errors": sorted({r.invalid for r in measured if r.invalid}),

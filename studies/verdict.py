@@ -136,8 +136,11 @@ def _contract_why(cond: dict, name: str, verdict: str, target: float) -> str:
         return f"{cond['success_rate']:.1%} of requests succeeded (the contract needs every one, a 429 included)"
     if name == "underruns":
         lo, hi = cond["underrun_share_ci"]
+        at = cond.get("first_underrun_at")  # summaries written before it lack it
+        where = (f"; first within 0.25 s of their audio: {at['under_0.25s']}, within 1 s: {at['0.25_to_1s']}, "
+                 f"later: {at['over_1s']}") if at else ""
         return (f"{cond['underrun_requests']} of {cond['succeeded']} streams stalled after their first audio "
-                f"(share {_pct(cond['underrun_share'])}, {CI} [{_pct(lo)}, {_pct(hi)}])")
+                f"(share {_pct(cond['underrun_share'])}, {CI} [{_pct(lo)}, {_pct(hi)}]{where})")
     return _p95_why(cond, name, verdict, target)
 
 

@@ -20,7 +20,7 @@ from studies.load import arrival_times
 from studies.playback import simulate
 from studies.records import RequestRecord, read_jsonl, write_jsonl
 from studies.slo import SLO, Contract, safe_capacity, zero_underrun_capacity
-from studies.stats import percentile, percentile_bounds, share_bounds, summarize
+from studies.stats import first_underrun_at, percentile, percentile_bounds, share_bounds, summarize
 from studies.validate import validate_stream
 
 SR = 24_000
@@ -36,6 +36,7 @@ def test_zero_buffer_playback_counts_gaps_after_first_audio_not_before():
     assert p.longest_stall_s == pytest.approx(0.1)
     assert p.underruns == 1
     assert p.audio_s == pytest.approx(0.3)
+    assert p.first_stall_at_s == pytest.approx(0.2)  # it ran dry once its first 0.2 s had played
 
 
 def test_startup_buffer_delays_start_and_absorbs_stalls():
@@ -47,6 +48,7 @@ def test_startup_buffer_delays_start_and_absorbs_stalls():
     assert p.starvation_s == pytest.approx(0.35)
     assert p.longest_stall_s == pytest.approx(0.3)
     assert p.underruns == 2
+    assert p.first_stall_at_s == pytest.approx(0.2)
     # a buffer longer than the whole stream starts at its last chunk and never starves
     assert simulate(chunks, SR, buffer_ms=5000) == simulate([(0.7, 4 * TENTH)], SR)
 
@@ -56,6 +58,7 @@ def test_zero_buffer_underrun_is_any_stall_however_short():
     # exactly on time (the first 100 ms runs out at 0.1 s) is not
     assert simulate([(0.0, TENTH), (0.1 + 1e-6, TENTH)], SR).underruns == 1
     assert simulate([(0.0, TENTH), (0.1, TENTH)], SR).underruns == 0
+    assert simulate([(0.0, TENTH), (0.1, TENTH)], SR).first_stall_at_s is None
     assert simulate([(0.0, 0), (0.3, TENTH), (0.4, TENTH)], SR).underruns == 0  # empty chunk: no audio yet
 
 
@@ -126,6 +129,8 @@ def test_percentile_and_summary_by_hand():
     assert s["errors"] == ["HTTP 500"]
     assert (s["underrun_requests"], s["underrun_share"]) == (1, 0.5)  # request 1 stalled; of 2 valid streams
     assert s["underrun_share_ci"] == share_bounds(1, 2)
+    assert s["first_underrun_at"] == {"under_0.25s": 1, "0.25_to_1s": 0, "over_1s": 0}  # dry after its first 0.1 s
+    assert first_underrun_at([None, 0.0, 0.25, 0.9, 1.0, 30.0]) == {"under_0.25s": 1, "0.25_to_1s": 2, "over_1s": 2}
     # a 200 ms start-up buffer removes request 1's stall; the contract's zero-buffer player still counts it
     buffered = summarize(recs, buffer_ms=200)
     assert buffered["starvation_max_ms"] == pytest.approx(0) and buffered["underruns_mean"] == 0

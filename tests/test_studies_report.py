@@ -38,7 +38,8 @@ def cond(load, ttfa_ci=(80, 120), starv_ci=(0, 10), success=1.0, mode="closed", 
          "ttfa_p95_ci_ms": ttfa_ci, "starvation_p50_ms": 0.0, "starvation_p95_ms": starv_ci[0],
          "starvation_p95_ci_ms": starv_ci, "underruns_mean": 0.0, "throughput_rps": load / 2,
          "audio_s_per_s": load, "errors": [], "underrun_requests": underran,
-         "underrun_share": underran / ok if ok else math.nan, "underrun_share_ci": share_bounds(underran, ok)}
+         "underrun_share": underran / ok if ok else math.nan, "underrun_share_ci": share_bounds(underran, ok),
+         "first_underrun_at": {"under_0.25s": underran, "0.25_to_1s": 0, "over_1s": 0}}
     c["slo"], c["verdict"], c["contract_verdict"] = SLO().check(c), SLO().judge(c), Contract().judge(c)
     return c
 
@@ -109,7 +110,10 @@ def test_the_zero_underrun_contract_has_its_columns_and_its_capacity_beside_the_
             "succeeded") in text
     assert "from 0 underruns in 60 streams at 1, with 95% confidence at most 4.9% of its streams underrun" in text
     assert ("Load 2 breaks the zero-underrun contract: 1 of 60 streams stalled after their first audio "
-            "(share 1.7%, 90% CI [0.1%, 7.7%])") in text
+            "(share 1.7%, 90% CI [0.1%, 7.7%]; first within 0.25 s of their audio: 1, within 1 s: 0, later: 0)") in text
+    del batched["conditions"][1]["first_underrun_at"]  # a summary written before the study recorded it
+    assert "1 of 60 streams stalled after their first audio (share 1.7%, 90% CI [0.1%, 7.7%])" in contract_text(
+        batched, summary(batched))
     assert "Safe capacity per replica (batched): at least 4 streams in flight" in verdict_text(batched, s)  # unchanged
     slow = server("slow", [cond(1, success=59 / 60)], slots=4)  # default TTFA bounds (80, 120) straddle 100 ms
     text = contract_text(slow, summary(slow, loads=(1,)))
