@@ -21,7 +21,8 @@ from serving.settings import Settings
 # buffered request logs) takes a third off the fleet's first-audio overhead over `qtts-jax serve`
 # (bench/fleet_scaling.py on 2 CPU cores: +24 ms at the median without it, +16 to +17 ms in three runs with it).
 # HAProxy as the HTTP ingress, forwarding to the front's own direct-ingress port instead of Serve's Python proxy
-# relaying it through a handle, takes about 6 ms more off (+13.5 to +14.6 ms -> +7.5 ms; Ray bundles the binary).
+# relaying it through a handle, takes about 6 ms more off (+14.3 to +15.7 ms -> +7.5 to +8.8 ms; Ray bundles
+# the binary).
 RAY_ENV = {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
            "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
            "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",

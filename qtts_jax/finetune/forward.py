@@ -30,12 +30,16 @@ from qtts_jax.talker import Talker
 SUB_TALKER_WEIGHT = 0.3  # the official recipe's weight of the code predictor's loss
 
 
+def _targets(lengths: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """Which outputs have a target, per row of a batch of ``n``-frame slots: the talker's [B, n + 1] (codes 0 of
+    each real frame, then the EOS) and the code predictor's frames [B, n]; a filler row (length -1) has none."""
+    return jnp.arange(n + 1) <= lengths[:, None], jnp.arange(n) < lengths[:, None]
+
+
 def target_counts(cfg: ModelConfig, batch: tuple) -> tuple[jax.Array, jax.Array]:
-    """(talker targets, code predictor targets) of a whole batch: a real row of n frames has n + 1 talker targets
-    (its codes 0 and the EOS) and n x 15 predictor targets; a filler row (length -1) none."""
-    lengths = batch[-1]
-    frames = jnp.sum(jnp.maximum(lengths, 0))
-    return frames + jnp.sum(lengths >= 0), frames * (cfg.num_code_groups - 1)
+    """(talker targets, code predictor targets) of a whole batch: what `losses` divides its sums by."""
+    talker, frames = _targets(batch[-1], batch[-2].shape[1])
+    return jnp.sum(talker), jnp.sum(frames) * (cfg.num_code_groups - 1)
 
 
 def _nll_sum(logits: jax.Array, labels: jax.Array, valid: jax.Array) -> jax.Array:
@@ -59,18 +63,18 @@ def losses(state: dict, graph: nnx.GraphDef, cfg: ModelConfig, batch: tuple, com
     x = jax.vmap(lambda *row: embed_prompt(talker, *row))(text, codec, frames, speaker_row, speaker)  # [B, T, H]
     logits, h = jax.vmap(talker.forward, (0, None))(x, jnp.ones(x.shape[1], bool))  # [B, T, V], [B, T, H]
 
+    talker_valid, frame_valid = _targets(lengths, n)
     j = jnp.arange(n + 1)
     at = jnp.minimum(start[:, None] + j, h.shape[1] - 1)  # outputs that predict frames 0..n (n: EOS)
     labels = jnp.concatenate([codes[..., 0], jnp.zeros_like(codes[:, :1, 0])], axis=1)
     labels = jnp.where(j == lengths[:, None], cfg.codec.eos, labels)
     read = jnp.take_along_axis(logits, at[..., None], axis=1)  # [B, n+1, V]
-    talker_loss = _nll_sum(read, labels, j <= lengths[:, None]) / jnp.maximum(talker_n, 1)
+    talker_loss = _nll_sum(read, labels, talker_valid) / jnp.maximum(talker_n, 1)
 
     groups = cfg.num_code_groups - 1
     hidden = jnp.take_along_axis(h, at[:, :n, None], axis=1)  # [B, n, H]: frame j's input has not seen frame j
     frame_codes = codes.reshape(-1, groups + 1)  # [B*n, 16]
     code0 = talker.codec_embedding[...][frame_codes[:, 0]]
     cp_logits = jax.vmap(talker.predictor.forward)(hidden.reshape(-1, h.shape[-1]), code0, frame_codes[:, 1:groups])
-    valid = (jnp.arange(n)[None, :] < lengths[:, None]).reshape(-1)
-    predictor = _nll_sum(cp_logits, frame_codes[:, 1:], valid[:, None]) / jnp.maximum(predictor_n, 1)
+    predictor = _nll_sum(cp_logits, frame_codes[:, 1:], frame_valid.reshape(-1, 1)) / jnp.maximum(predictor_n, 1)
     return talker_loss + SUB_TALKER_WEIGHT * predictor, {"talker": talker_loss, "predictor": predictor}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -71,5 +70,4 @@ def random_talker(cfg: ModelConfig, seed: int, dtype=jnp.float32) -> Talker:
 
     Drawn by one jitted program: built eagerly, every parameter's draw, scaling and cast is an XLA program of its
     own to compile and launch, which cost a GPU server 20-27 s of its cold start at the 0.6B shape."""
-    build = lambda: Talker(cfg, dtype=dtype, rngs=nnx.Rngs(seed))  # noqa: E731
-    return nnx.merge(nnx.graphdef(nnx.eval_shape(build)), jax.jit(lambda: nnx.state(build()))())
+    return nnx.jit(lambda: Talker(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))()
