@@ -4,10 +4,13 @@ compile-flags-0.6b-256-h200.json, kernels-codec-0.6b-256-h200.json), linear in r
 engine loop, and a whole server around it, run on a CPU as they would on the GPU, less what XLA does on the host
 inside a call: the benchmarks that time the host's own work use it (bench/host_loop.py, bench/host_serving.py).
 
-Two clocks: `NumpyRunner` advances a simulated clock by each call's cost (the loop's host work then takes no
-simulated time at all); `RealTimeRunner` keeps real time, one simulated device running the calls one after
-another, each output ready when the device has done its call (reading it earlier waits, releasing the GIL, as
-waiting on a GPU does)."""
+Two runners: `NumpyRunner` advances a simulated clock by each call's cost (the loop's host work then takes no
+simulated time at all); `RealTimeRunner` queues the calls on one simulated device that runs them one after
+another, each output ready when the device has done its call (reading it earlier waits: in real time it sleeps,
+releasing the GIL, as waiting on a GPU does; on a simulated `Clock` it moves the clock on, so the host and the
+device overlap as they do on a GPU while the host's own work takes no time: bench/schedule_sim.py).
+
+`scale` multiplies every cost: a slower card, or a larger model, to a first approximation."""
 
 from __future__ import annotations
 
@@ -53,16 +56,19 @@ class Clock:
     def __call__(self) -> float:
         return self.now
 
+    def wait_until(self, t: float) -> None:
+        self.now = max(self.now, t)
+
 
 class NumpyRunner:
     """The runner's calls answered at once, each advancing `clock` by its cost."""
 
-    def __init__(self, config: EngineConfig, clock: Clock | None = None, seed: int = 0):
-        self.config, self.clock = config, clock
+    def __init__(self, config: EngineConfig, clock: Clock | None = None, seed: int = 0, scale: float = 1.0):
+        self.config, self.clock, self.scale = config, clock, scale
         self.rng = np.random.default_rng(seed)
 
     def _done(self, cost: float, value):
-        self.clock.now += cost
+        self.clock.now += cost * self.scale
         return value
 
     def prefill(self, bucket, items, size):
@@ -91,38 +97,46 @@ class NumpyRunner:
         pass
 
     def calibrate(self, keys, on=None) -> Calibration:
-        c = self.config
+        c, k = self.config, self.scale
         return Calibration(
-            steps={(a, n): step_s(a, n) + codec_s(a, min(n, max(c.schedule))) for kind, a, n in keys if kind == "step"},
-            firsts={a: first_s(a) for kind, a, _ in keys if kind == "first"},
-            prefills={n: prefill_s(n) for kind, a, n in keys if kind == "insert"})
+            steps={(a, n): k * (step_s(a, n) + codec_s(a, min(n, max(c.schedule))))
+                   for kind, a, n in keys if kind == "step"},
+            firsts={a: k * first_s(a) for kind, a, _ in keys if kind == "first"},
+            prefills={n: k * prefill_s(n) for kind, a, n in keys if kind == "insert"})
 
 
 class Pending:
     """A device output of `RealTimeRunner`: its value once the simulated device has run the call."""
 
-    def __init__(self, value: np.ndarray, ready: float):
-        self.value, self.ready = value, ready
+    def __init__(self, value: np.ndarray, ready: float, wait_until):
+        self.value, self.ready, self.wait_until = value, ready, wait_until
 
     def __array__(self, dtype=None, copy=None):
-        wait = self.ready - time.perf_counter()
-        if wait > 0:
-            time.sleep(wait)
+        self.wait_until(self.ready)
         return self.value if dtype is None else self.value.astype(dtype)
 
 
-class RealTimeRunner(NumpyRunner):
-    """`NumpyRunner`'s answers in real time: one simulated device runs the calls in order, and each output is
-    ready when the device has done its call. `busy` sums the device's seconds."""
+def _sleep_until(t: float) -> None:
+    if (wait := t - time.perf_counter()) > 0:
+        time.sleep(wait)
 
-    def __init__(self, config: EngineConfig, seed: int = 0):
-        super().__init__(config, None, seed)
+
+class RealTimeRunner(NumpyRunner):
+    """`NumpyRunner`'s answers from a device queue: one simulated device runs the calls in order, and each output is
+    ready when the device has done its call; in real time, or on `clock` (a simulated `Clock`). `busy` sums the
+    device's seconds."""
+
+    def __init__(self, config: EngineConfig, seed: int = 0, clock: Clock | None = None, scale: float = 1.0):
+        super().__init__(config, clock, seed, scale)
+        self.now = time.perf_counter if clock is None else clock
+        self.wait_until = _sleep_until if clock is None else clock.wait_until
         self.free = 0.0
         self.busy = 0.0
 
     def _done(self, cost: float, value):
-        self.free = max(self.free, time.perf_counter()) + cost
+        cost *= self.scale
+        self.free = max(self.free, self.now()) + cost
         self.busy += cost
         if isinstance(value, tuple):
-            return tuple(Pending(v, self.free) for v in value)
-        return Pending(value, self.free)
+            return tuple(Pending(v, self.free, self.wait_until) for v in value)
+        return Pending(value, self.free, self.wait_until)

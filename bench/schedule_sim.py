@@ -1,0 +1,177 @@
+"""The engine's scheduling alone, on a simulated clock: Poisson arrivals through the server's admission into the
+engine loop, over `sim_device.RealTimeRunner` on a simulated `Clock` (one device running the calls in order at what
+each costs on the H200, 0.6B shape, times `--scale`), with a listener per stream who plays from the first byte and
+counts every stall after it (the zero-underrun contract of the capacity study). The host's own work takes no
+time here (or `--host-ms` per iteration), so what this measures is the loop's decisions: how many frames a step
+runs while newcomers keep joining, how late first audio comes, whether any stream runs dry. It is deterministic
+for a seed and runs in seconds on a CPU, so policies are compared side by side (`--variants`, fields of
+`EngineConfig` over the server's defaults) before a GPU measures them.
+
+    python bench/schedule_sim.py --rates 60,80,100,120 --variants "now=;..." --out bench/results/schedule-sim.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.sim_device import Clock, RealTimeRunner  # noqa: E402
+from qtts_jax.codec.config import SAMPLE_RATE  # noqa: E402
+from qtts_jax.engine import Engine, EngineConfig  # noqa: E402
+from qtts_jax.model import load_model  # noqa: E402
+from qtts_jax.request import Request  # noqa: E402
+from serving.errors import ApiError  # noqa: E402
+from serving.scheduler import Scheduler  # noqa: E402
+from serving.settings import Settings  # noqa: E402
+from studies.playback import simulate  # noqa: E402
+
+
+class Inline:
+    """The engine's sender thread, run inline: on one simulated clock the hand-outs must happen in a fixed order
+    (they wait for the device as the thread would, so the device's timeline is the same)."""
+
+    def submit(self, fn, *args):
+        done = concurrent.futures.Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:  # the loop reads it from .result(), as from the thread
+            done.set_exception(exc)
+        return done
+
+
+@dataclasses.dataclass
+class Listener:
+    arrived: float
+    chunks: list = dataclasses.field(default_factory=list)  # (heard at, samples)
+    done: bool = False
+    error: str | None = None
+    stream: object = None
+
+
+def run_rate(model, config: EngineConfig, rate: float, seconds: float, frames: int, scale: float, host_s: float,
+             jitter_s: float, seed: int) -> dict:
+    clock = Clock()
+    runner = RealTimeRunner(config, seed, clock=clock, scale=scale)
+    engine = Engine(model, config, runner=runner)
+    engine.set_clock(clock)
+    engine._sender = Inline()
+    engine.warmup()
+    admission = Scheduler(engine, Settings().admission())
+    admission.ready = True
+    job = engine.prepare(Request("A request of the study's length.", speaker="ryan", max_frames=frames))
+    rng = np.random.default_rng(seed)
+    arrivals = clock.now + np.cumsum(rng.exponential(1 / rate, int(rate * seconds * 1.5) + 1))
+    arrivals = arrivals[arrivals < clock.now + seconds]
+    listeners, refused, step_frames = [], 0, []
+    step = runner.step
+
+    def counted(idx, limits, n):
+        step_frames.append(n)
+        return step(idx, limits, n)
+
+    runner.step = counted
+
+    def hear(listener: Listener):
+        def on_chunk(chunk):
+            if len(chunk.pcm):
+                late = float(rng.exponential(jitter_s)) if jitter_s else 0.0
+                engine.observe_delivery_lag(late)
+                listener.chunks.append((chunk.sent_at + late, len(chunk.pcm)))
+            if chunk.final:
+                listener.done, listener.error = True, chunk.error
+        return on_chunk
+
+    busy0, start, i = runner.busy, clock.now, 0
+    while i < len(arrivals) or engine.active or engine.queue:
+        while i < len(arrivals) and arrivals[i] <= clock.now:
+            try:
+                admission.admit()
+            except ApiError:
+                refused += 1
+            else:
+                listener = Listener(float(arrivals[i]))
+                listeners.append(listener)
+                listener.stream = engine.submit(job, hear(listener))
+            i += 1
+        clock.now += host_s
+        if not engine.run_once() and i < len(arrivals):
+            clock.now = max(clock.now, float(arrivals[i]))
+    wall = clock.now - start
+    ttfa = np.array([lst.chunks[0][0] - lst.arrived for lst in listeners if lst.chunks]) * 1e3
+    plays = [simulate(sorted(lst.chunks), SAMPLE_RATE) for lst in listeners if lst.chunks]
+    underran = [p for p in plays if p.underruns]
+    waited = np.array([lst.stream.timings.admitted - lst.arrived for lst in listeners if lst.chunks]) * 1e3
+    return {
+        "rate": rate, "requests": len(arrivals), "refused": refused, "served": len(plays),
+        "errors": sum(lst.error is not None for lst in listeners),
+        "success_rate": round(len(plays) / max(len(arrivals), 1), 4),
+        "underrun_requests": len(underran),
+        "longest_stall_ms": round(max((p.longest_stall_s for p in plays), default=0.0) * 1e3, 1),
+        "first_underrun_under_0.25s": sum(p.first_stall_at_s < 0.25 for p in underran),
+        "ttfa_p50_ms": round(float(np.percentile(ttfa, 50)), 1) if len(ttfa) else None,
+        "ttfa_p95_ms": round(float(np.percentile(ttfa, 95)), 1) if len(ttfa) else None,
+        "admitted_p50_p95_ms": [round(float(np.percentile(waited, q)), 1) for q in (50, 95)] if len(waited) else None,
+        "frames_per_step": round(float(np.mean(step_frames)), 2) if step_frames else None,
+        "device_busy": round((runner.busy - busy0) / wall, 3),
+        "throughput_rps": round(len(plays) / wall, 2),
+    }
+
+
+def parse_variants(text: str) -> dict[str, dict]:
+    """"name=field:value,field:value;name2=..." -> {name: EngineConfig overrides} (values read as Python literals)."""
+    import ast
+
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(";"))):
+        name, _, spec = item.partition("=")
+        overrides = {}
+        for pair in filter(None, spec.split(",")):
+            key, _, value = pair.partition(":")
+            if key not in fields:
+                raise SystemExit(f"--variants: {key!r} is not a field of EngineConfig")
+            overrides[key] = ast.literal_eval(value)
+        out[name] = overrides
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rates", default="60,80,100,120")
+    p.add_argument("--seconds", type=float, default=20.0, help="seconds of arrivals per rate")
+    p.add_argument("--slots", type=int, default=256)
+    p.add_argument("--frames", type=int, default=60, help="frames per request")
+    p.add_argument("--scale", type=float, default=1.0, help="every device cost times this (1: the H200, 0.6B)")
+    p.add_argument("--host-ms", type=float, default=0.0, help="host time per loop iteration")
+    p.add_argument("--jitter-ms", type=float, default=0.0,
+                   help="mean of an exponential delay from hand-out to the listener, per chunk")
+    p.add_argument("--variants", default="now=", help="name=field:value,...;... (EngineConfig fields)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out")
+    args = p.parse_args()
+    model = load_model("tiny-random")  # its tokenizer and configs; no program of it runs
+    results = {}
+    for name, overrides in parse_variants(args.variants).items():
+        config = dataclasses.replace(Settings(slots=args.slots, context=512).engine_config(), **overrides)
+        rows = []
+        for rate in (float(r) for r in args.rates.split(",")):
+            rows.append(run_rate(model, config, rate, args.seconds, args.frames, args.scale, args.host_ms / 1e3,
+                                 args.jitter_ms / 1e3, args.seed))
+            print(json.dumps({"variant": name, **rows[-1]}), flush=True)
+        results[name] = {"overrides": overrides, "rows": rows}
+    if args.out:
+        out = {"command": " ".join(sys.argv), "what": __doc__.split("\n\n")[0], "variants": results}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
