@@ -97,6 +97,32 @@ def test_a_stream_sends_every_frame_at_once_until_it_has_its_lead_then_follows_t
     assert sum(sizes) == len(stream.codes) > 7 + 8
 
 
+def test_while_a_newcomer_builds_its_lead_no_codec_call_is_wider_than_the_step(engine, clock, lead, cheap,
+                                                                              monkeypatch):
+    """A stream past its lead sends eight-frame chunks; once a newcomer joins, whose next audio waits in each
+    codec call until it has its own lead, no call is wider than the chunk the step's cost counted (three-frame
+    steps: the four-frame codec), so the planner's prediction of when that audio goes out holds."""
+    clock(1e-4)
+    lead(0.5)
+    widths = []
+    codec = engine.runner.codec
+    monkeypatch.setattr(engine.runner, "codec", lambda *a: widths.append(a[-1]) or codec(*a))
+    playing, newcomer = Collector(), Collector()
+    engine.submit(engine.prepare(Request("Far ahead of its listener.", speaker="ryan", max_frames=60, **GREEDY)),
+                  playing)
+    while not any(c.frames == 8 for c in playing.chunks):
+        assert engine.run_once()
+    assert max(widths) == 8
+    widths.clear()
+    new = engine.submit(engine.prepare(Request("Newcomer.", speaker="aiden", max_frames=40, **GREEDY)), newcomer)
+    while new.buffered(engine.clock()) is None or new.buffered(engine.clock()) < 0.5:
+        assert engine.run_once()
+    assert widths and max(widths) == 4
+    while engine.run_once():
+        pass
+    assert playing.final.error is None and newcomer.final.error is None
+
+
 def test_short_of_headroom_frames_go_out_at_once_one_per_step(engine, clock):
     """An engine slower than playback (0.3 s per clock reading) sends each frame as soon as it exists instead
     of holding it back for a bigger chunk, and steps one frame at a time, the cheapest wait for the next."""

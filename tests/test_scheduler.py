@@ -59,6 +59,23 @@ def test_below_the_lead_every_frame_goes_out_past_it_the_schedule_decides():
     np.testing.assert_array_equal(got, [1, 3, 0, 8, 2, 0])
 
 
+def test_while_a_stream_below_its_lead_waits_on_the_call_no_chunk_is_wider_than_the_step_planned():
+    """A newcomer (0.1 s in hand) waits for its next audio in this codec call, which the planner counted as two
+    frames wide: the far-ahead streams send two-frame chunks instead of their schedule's eight (or everything they
+    have), and a stream before its first chunk still gets its schedule's first size."""
+    pending = np.array([2, 8, 9, 4])
+    want = np.array([2, 8, 8, 4])
+    lm_done = np.array([False, False, True, False])
+    headroom = np.array([0.1, 1.5, 1.5, np.nan])
+    args = dict(lm_done=lm_done, lead_s=1.0, horizon_s=0.05, most=8)
+    np.testing.assert_array_equal(chunks_due(pending, want, headroom=headroom, width=2, **args), [2, 2, 2, 4])
+    # nobody below the lead has a chunk due: the schedule decides, as without a width
+    headroom[0] = 1.5
+    pending[0] = 1
+    np.testing.assert_array_equal(chunks_due(pending, want, headroom=headroom, width=2, **args), [0, 8, 8, 4])
+    np.testing.assert_array_equal(chunks_due(pending, want, headroom=headroom, **args), [0, 8, 8, 4])
+
+
 def test_before_first_audio_only_the_schedule_decides():
     got = chunks_due(np.array([1, 3]), np.array([1, 4]), np.array([False, False]), np.array([np.nan, np.nan]),
                      lead_s=1.0, horizon_s=0.05, most=8)

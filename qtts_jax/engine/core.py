@@ -383,7 +383,7 @@ class Engine:
         # the codec call is queued right behind the step, counting on the frames it makes (they are read from
         # where the step writes them), and corrected once the step's outputs are read
         self._decode_audio(self.clock(), {s: int(f) for s, f in zip(stepping, limits) if not s.lm_done}
-                           if plan is not None else {})
+                           if plan is not None else {}, plan.frames if plan is not None else None)
         parts.mark("codec_dispatch")
         if out is not None:
             frames, valid = np.asarray(out.frames), np.asarray(out.valid)  # the one host sync per step call
@@ -609,11 +609,12 @@ class Engine:
         return ((cost_in_calls(self.prefill_costs, prefilled) if prefilled and self.prefill_costs else 0.0)
                 + (cost_in_calls(self.first_costs, first) if first and self.first_costs else 0.0))
 
-    def _decode_audio(self, now: float, coming: dict[Stream, int]) -> None:
+    def _decode_audio(self, now: float, coming: dict[Stream, int], step: int | None) -> None:
         """Hand every stream's due frames (`scheduler.chunks_due`: below its lead, all it has; past it, its
         schedule's next size) to ONE codec call, each row with its own frame count. `coming` are the streams
         whose frames are being made by the step queued ahead of this call, and how many: they count as made (a
-        stream that ends early makes fewer; `_settle_audio` corrects the counts once the step is read)."""
+        stream that ends early makes fewer; `_settle_audio` corrects the counts once the step is read). The
+        call is no wider than the codec chunk that the step's cost of `step` frames counts (the calibration's)."""
         c = self.config
         waiting = [s for s in self.slots if s is not None and s.pending + coming.get(s, 0) > 0]
         if not waiting:
@@ -626,7 +627,7 @@ class Engine:
             headroom=np.array([0.0 if s.resumes else np.nan if (h := s.buffered(now)) is None else h
                                for s in waiting]),
             lead_s=c.lead_s, horizon_s=self._iteration_s + self._delivery_s + self._margin_s,
-            most=max(self._codec_sizes))
+            most=max(self._codec_sizes), width=None if step is None else rung(self._codec_sizes, step))
         due = [(s, int(f)) for s, f in zip(waiting, counts) if f]
         if not due:
             return

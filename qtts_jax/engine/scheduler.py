@@ -84,7 +84,7 @@ def newcomers_that_fit(waiting: int, min_headroom_s: float | None, margin_s: flo
 
 
 def chunks_due(pending: np.ndarray, want: np.ndarray, lm_done: np.ndarray, headroom: np.ndarray, lead_s: float,
-               horizon_s: float, most: int) -> np.ndarray:
+               horizon_s: float, most: int, width: int | None = None) -> np.ndarray:
     """Frames each stream hands to this iteration's codec call (0: none), per stream:
 
     `pending` frames made but not yet decoded, `want` its schedule's next chunk size, `lm_done` no more frames
@@ -92,13 +92,25 @@ def chunks_due(pending: np.ndarray, want: np.ndarray, lm_done: np.ndarray, headr
     is what fixes its first-audio latency). A stream below its lead, or whose headroom would not outlast
     `horizon_s` (the next iteration and the margin), sends everything it has, up to `most` (the codec's largest
     chunk); past its lead it waits for its schedule's size, or sends the rest once its LM is done.
+
+    `width`: the codec chunk the step planner counted on (its step's frames). The call runs as long as its widest
+    row, and the streams below their lead (newcomers among them) wait for their next audio in it: while any of
+    them has a chunk due, no stream with audio out sends more than `width` frames (one far-ahead stream's
+    eight-frame chunk would make the call several times as long and their audio late). Otherwise the schedule
+    decides, and a stream's first chunk is always its schedule's (its client chose that first-audio latency).
     """
     pending = np.asarray(pending, np.int64)
+    headroom = np.asarray(headroom, float)
+    started = ~np.isnan(headroom)
     with np.errstate(invalid="ignore"):
-        short = np.asarray(headroom, float) < max(lead_s, horizon_s)  # NaN compares False: no audio yet
+        short = headroom < max(lead_s, horizon_s)  # NaN compares False: no audio yet
+    limit = np.full(len(pending), most)
+    if width is not None and np.any(short & (pending > 0)):
+        limit[started] = min(most, width)
+        want = np.where(started, np.minimum(want, limit), want)
     full = pending >= want
     due = (pending > 0) & (lm_done | full | short)
-    return np.where(due, np.where(full & ~short & ~lm_done, want, np.minimum(pending, most)), 0)
+    return np.where(due, np.where(full & ~short & ~lm_done, want, np.minimum(pending, limit)), 0)
 
 
 class Jitter:
