@@ -100,6 +100,7 @@ def run_rate(model, config: EngineConfig, rate: float, seconds: float, frames: i
                 listener = Listener(float(arrivals[i]))
                 listeners.append(listener)
                 listener.stream = engine.submit(job, hear(listener))
+                listener.stream.timings.submitted = listener.arrived  # it came during the iteration, not at its end
             i += 1
         clock.now += host_s
         if not engine.run_once() and i < len(arrivals):
