@@ -11,6 +11,11 @@ from qtts_jax.engine.stream import FRAME_SECONDS
 COSTS = {1: 0.030, 2: 0.055, 4: 0.100}  # seconds of a step iteration (codec included) by frames
 
 
+def flat(seconds: float) -> dict[int, float]:
+    """The same delivery delay after a step of any size."""
+    return dict.fromkeys(COSTS, seconds)
+
+
 def test_step_takes_the_most_frames_that_every_headroom_outlasts():
     assert step_frames(COSTS, np.array([0.5, 0.3]), None, 0.0, 0.01, 0.2).frames == 4
     # the tightest stream decides: 0.07 s in hand, less the margin, fits a two-frame step only
@@ -30,10 +35,10 @@ def test_newcomers_whose_first_audio_goes_out_late_may_join_a_longer_step():
     """Their first audio waited on the device behind the previous codec call (which the measured costs count), so
     their listener started that much later: with 40 ms of it measured, a 100 ms step plus 10 ms of margin and 10 ms
     of delivery fits their 80 + 40 ms; without it, only a 55 ms one."""
-    assert step_frames(COSTS, np.array([2.0]), FRAME_SECONDS, 0.015, 0.01, 0.2, 0.010, 0.040).frames == 4
-    assert step_frames(COSTS, np.array([2.0]), FRAME_SECONDS, 0.015, 0.01, 0.2, 0.010, 0.0).frames == 2
+    assert step_frames(COSTS, np.array([2.0]), FRAME_SECONDS, 0.015, 0.01, 0.2, flat(0.010), 0.040).frames == 4
+    assert step_frames(COSTS, np.array([2.0]), FRAME_SECONDS, 0.015, 0.01, 0.2, flat(0.010), 0.0).frames == 2
     # the playing streams' headroom still bounds it
-    assert step_frames(COSTS, np.array([0.07]), FRAME_SECONDS, 0.015, 0.01, 0.2, 0.010, 0.040).frames == 1
+    assert step_frames(COSTS, np.array([0.07]), FRAME_SECONDS, 0.015, 0.01, 0.2, flat(0.010), 0.040).frames == 1
 
 
 def test_a_long_step_is_avoided_unless_only_it_keeps_up():
@@ -144,6 +149,14 @@ def test_the_wait_until_audio_is_handed_out_shortens_the_step_it_follows():
     """An iteration's audio goes out only after the next iteration's admission and dispatch: 30 ms measured
     there come out of a newcomer's one frame of audio and out of a playing stream's headroom."""
     assert step_frames(COSTS, np.array([2.0]), FRAME_SECONDS, 0.0, 0.01, 0.2).frames == 2
-    assert step_frames(COSTS, np.array([2.0]), FRAME_SECONDS, 0.0, 0.01, 0.2, delivery_s=0.03).frames == 1
+    assert step_frames(COSTS, np.array([2.0]), FRAME_SECONDS, 0.0, 0.01, 0.2, delivery_s=flat(0.03)).frames == 1
     assert step_frames(COSTS, np.array([0.12]), None, 0.0, 0.01, 0.2).frames == 4
-    assert step_frames(COSTS, np.array([0.12]), None, 0.0, 0.01, 0.2, delivery_s=0.03).frames == 2
+    assert step_frames(COSTS, np.array([0.12]), None, 0.0, 0.01, 0.2, delivery_s=flat(0.03)).frames == 2
+
+
+def test_a_longer_step_is_delivered_later_by_its_wider_codec_call():
+    """The audio of a four-frame step goes out after a four-frame codec call, measured at 30 ms where a one-frame
+    call takes 10: newcomers with 80 + 40 ms in hand fit the 100 ms step with 10 ms of delivery, not with 30."""
+    delivery = {1: 0.010, 2: 0.015, 4: 0.030}
+    assert step_frames(COSTS, np.array([2.0]), FRAME_SECONDS, 0.015, 0.01, 0.2, flat(0.010), 0.040).frames == 4
+    assert step_frames(COSTS, np.array([2.0]), FRAME_SECONDS, 0.015, 0.01, 0.2, delivery, 0.040).frames == 2

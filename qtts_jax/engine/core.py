@@ -110,6 +110,8 @@ class Engine:
         self.first_costs: dict = {}  # rung -> seconds of newcomers' first frame and its audio, measured
         self._iteration_s = 0.0
         self._delivery_s = 0.0  # iteration start -> the previous iteration's audio handed out, measured (EMA)
+        # the same by the shape (rows, frames) of the codec call that made the audio: a wider call takes longer
+        self._delivery: dict[tuple[int, int], float] = {}
         self._recent_frame_s: collections.deque[float] = collections.deque(maxlen=64)
         # newcomers' first chunks: seconds after the iteration's start + their prefill and first frame (measured),
         # by the shape of the codec call that ran ahead of them on the device (what they wait for)
@@ -304,6 +306,7 @@ class Engine:
         """Drop the measured iteration time, delivery delays and jitter: the next iterations measure them anew."""
         self._iteration_s = 0.0
         self._delivery_s = 0.0
+        self._delivery.clear()
         self._first_late.clear()
         self._late.clear()
         self.jitter = Jitter(self.config.min_margin_s)
@@ -370,7 +373,7 @@ class Engine:
         if stamping is not None:
             stamping.result()
         if handing is not None:
-            self._settle_handout(t0, *handing.result())
+            self._settle_handout(t0, ahead, *handing.result())
             parts.mark("hand_out")
         if sending is not None:
             first = sending.result()
@@ -475,8 +478,10 @@ class Engine:
         headroom = np.array([h for s in playing if (h := s.buffered(now)) is not None], float)
         newcomer_audio = FRAME_SECONDS if first is not None and first[1].any() else None
         costs = {n: self.step_costs.get((b, n), 0.0) for n in self._step_sizes}
+        # this step's audio goes out after a codec call of its own frames (`_decode_audio`'s width)
+        delivery = {n: self._delivery.get((b, rung(self._codec_sizes, n)), self._delivery_s) for n in costs}
         return step_frames(costs, headroom, newcomer_audio, extra_s, self._margin_s, c.max_step_s,
-                           self._delivery_s, self._late.get(ahead, 0.0))
+                           delivery, self._late.get(ahead, 0.0))
 
     def _rows(self, streams: list[Stream], b: int) -> tuple[np.ndarray, np.ndarray]:
         """Slot indices of a call of `b` rows (padding aimed past the last slot) and which rows are live."""
@@ -599,7 +604,9 @@ class Engine:
         live = sum(s is not None and not s.lm_done for s in self.slots)
 
         def iteration_s(m: int) -> float:
-            return self._newcomers_s(m, m) + self.step_costs[rung(self._ladder, live + m), 1] + self._delivery_s
+            b = rung(self._ladder, live + m)
+            return (self._newcomers_s(m, m) + self.step_costs[b, 1]
+                    + self._delivery.get((b, rung(self._codec_sizes, 1)), self._delivery_s))
 
         return newcomers_that_fit(waiting, min(heads, default=None), self._margin_s, iteration_s)
 
@@ -671,15 +678,16 @@ class Engine:
             s.emit(Chunk(pcm=audio[j, : f * SAMPLES_PER_FRAME], first_frame=s.decoded - f, frames=f, sent_at=now))
         return due, now, late
 
-    def _settle_handout(self, t0: float, due: list, now: float, late: int) -> None:
+    def _settle_handout(self, t0: float, shape: tuple[int, int], due: list, now: float, late: int) -> None:
         """After `_send_audio`: streams with nothing left finish; how long after the iteration's start `t0` the
-        audio went out is the delivery delay the step planner adds to an iteration (its variation goes to the
-        jitter)."""
-        if self._delivery_s:  # the first measurement sets it; later ones vary around it
-            self.jitter.add(now - t0 - self._delivery_s)
-            self._delivery_s = 0.8 * self._delivery_s + 0.2 * (now - t0)
-        else:
-            self._delivery_s = now - t0
+        audio of a codec call of `shape` went out is the delivery delay the step planner adds to an iteration
+        whose codec call has that shape (its variation goes to the jitter)."""
+        seconds = now - t0
+        if (known := self._delivery.get(shape)) is not None:  # the first measurement sets it; later ones vary
+            self.jitter.add(seconds - known)
+            seconds = 0.8 * known + 0.2 * seconds
+        self._delivery[shape] = seconds
+        self._delivery_s = 0.8 * self._delivery_s + 0.2 * (now - t0) if self._delivery_s else now - t0
         self.late_chunks += late
         for s, _ in due:
             s.inflight = 0

@@ -40,26 +40,29 @@ class StepPlan:
 
 
 def step_frames(costs: dict[int, float], headroom: np.ndarray, newcomer_audio_s: float | None, extra_s: float,
-                margin_s: float, max_step_s: float, delivery_s: float = 0.0, first_late_s: float = 0.0) -> StepPlan:
+                margin_s: float, max_step_s: float, delivery_s: dict[int, float] | None = None,
+                first_late_s: float = 0.0) -> StepPlan:
     """Frames to step, from `costs` (frames -> seconds of a step iteration at this batch, the codec included):
 
     - `headroom` [N]: seconds of audio each playing stream with audio has in hand now;
     - `newcomer_audio_s`: the audio newcomers get from their first-frame program this iteration (None: none do);
       their next audio comes with this step's, so the step must not outlast it;
     - `extra_s`: the newcomers' prefill and first-frame programs, which run before the step;
-    - `delivery_s`: from the end of the iteration to its audio being handed out (the next iteration's admission
-      and dispatch come first), measured: the audio of this step reaches its streams that much after it;
+    - `delivery_s`: per step size, from the end of the iteration to its audio being handed out (its codec call,
+      as wide as the step, and the next iteration's admission and dispatch come first), measured: the audio of
+      this step reaches its streams that much after it (0 where not given);
     - `first_late_s`: how much later than `extra_s` after the iteration's start the newcomers' first audio goes
       out, measured (it waits on the device behind the previous iteration's codec call, which `costs` count):
       their listener starts that much later, so their next audio may come that much later too.
     """
+    delivery_s = delivery_s or {}
     budget = math.inf
     if len(headroom):
-        budget = float(np.min(headroom)) - margin_s - extra_s - delivery_s
+        budget = float(np.min(headroom)) - margin_s - extra_s
     if newcomer_audio_s is not None:
-        budget = min(budget, newcomer_audio_s + first_late_s - margin_s - delivery_s)
+        budget = min(budget, newcomer_audio_s + first_late_s - margin_s)
     sizes = sorted(costs)
-    fits = [n for n in sizes if costs[n] <= budget]
+    fits = [n for n in sizes if costs[n] + delivery_s.get(n, 0.0) <= budget]
     brief = [n for n in fits if costs[n] <= max_step_s and costs[n] + extra_s <= n * FRAME_SECONDS]
     n = max(brief or fits, default=sizes[0])
     return StepPlan(n, extra_s + costs[n])
