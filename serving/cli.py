@@ -33,7 +33,7 @@ def add_server_flags(s: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--lead-ms", type=float, help="playback lead each stream builds from spare compute before its "
                                                  "chunks grow to the schedule's sizes (QTTS_LEAD_MS; default 1000)")
     s.add_argument("--max-step-ms", type=float, help="the longest engine step, which a newly arrived request waits "
-                                                     "for, unless only a longer one keeps up (QTTS_MAX_STEP_MS; default 100)")
+                                                     "for, unless only a longer one keeps up (QTTS_MAX_STEP_MS; default 60)")
     s.add_argument("--newcomer-guard", type=_on_off, metavar="{on,off}",
                    help="on: an engine iteration starts only the waiting requests whose prefill and first frame "
                         "every playing stream's audio in hand outlasts, the others wait an iteration; off: all that "

@@ -19,7 +19,7 @@ class Settings:
     context: int = 1024
     frames_per_step: int = 4
     lead_ms: float = 1000.0  # playback lead each stream builds from spare compute (EngineConfig.lead_s)
-    max_step_ms: float = 100.0  # the longest step; a request arriving during it waits for it (EngineConfig.max_step_s)
+    max_step_ms: float = 60.0  # the longest step; a request arriving during it waits for it (EngineConfig.max_step_s)
     newcomer_guard: bool = True  # start only the newcomers the playing streams' headroom pays for (EngineConfig)
     dtype: str = "float32"
     codec_dtype: str = "float32"  # the streaming codec's arithmetic (EngineConfig.codec_dtype)

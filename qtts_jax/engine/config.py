@@ -53,8 +53,12 @@ class EngineConfig:
     # holds a step and a codec; the large rungs cost a cold start half a minute each and serve only bursts,
     # whose later arrivals then start one iteration later).
     max_first: int = 64
-    # The longest a step may run: a request arriving during it waits that long before its own prefill.
-    max_step_s: float = 0.1
+    # The longest a step may run: a request arriving during it waits that long before its own prefill, and then
+    # for its own path (the codec call queued behind the step, its prefill, its first frame and audio: 35-45 ms
+    # on the H200). 60 ms keeps first audio within the field's 100 ms at the 95th percentile; on
+    # bench/schedule_sim.py it moved the 0.6B shape's rates with p95 <= 100 ms from 40 rps to 100 at the same
+    # throughput, and cost nothing at the costs x1.8 (bench/results/schedule-sim-max-step-cpu.json).
+    max_step_s: float = 0.06
     # Playback policy. Every stream builds a lead of `lead_s` of audio from spare compute, each frame going
     # out as soon as it exists until then; beyond it chunks follow `schedule`. The margin kept in hand beyond
     # an iteration's predicted cost is the jitter measured between prediction, engine and listener (see
