@@ -108,13 +108,13 @@ def test_while_a_newcomer_builds_its_lead_no_codec_call_is_wider_than_the_step(e
     codec = engine.runner.codec
     monkeypatch.setattr(engine.runner, "codec", lambda *a: widths.append(a[-1]) or codec(*a))
     playing, newcomer = Collector(), Collector()
-    engine.submit(engine.prepare(Request("Far ahead of its listener.", speaker="ryan", max_frames=60, **GREEDY)),
+    engine.submit(engine.prepare(Request("Far ahead of its listener.", speaker="ryan", max_frames=36, **GREEDY)),
                   playing)
     while not any(c.frames == 8 for c in playing.chunks):
         assert engine.run_once()
     assert max(widths) == 8
     widths.clear()
-    new = engine.submit(engine.prepare(Request("Newcomer.", speaker="aiden", max_frames=40, **GREEDY)), newcomer)
+    new = engine.submit(engine.prepare(Request("Newcomer.", speaker="aiden", max_frames=12, **GREEDY)), newcomer)
     while new.buffered(engine.clock()) is None or new.buffered(engine.clock()) < 0.5:
         assert engine.run_once()
     assert widths and max(widths) == 4
