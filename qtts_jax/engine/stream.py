@@ -60,6 +60,10 @@ class Timings:
         }
 
 
+def _ended(chunk: Chunk) -> None:
+    """A stream's callback once its final chunk is out: nothing listens any more."""
+
+
 class Stream:
     """Handle of one submitted request. `cancel()` is safe from any thread."""
 
@@ -137,7 +141,12 @@ class Stream:
             self.play_shift = now - self.timings.first_chunk - (self.decoded - chunk.frames) * FRAME_SECONDS
         self.timings.chunk_times.append(now)
         self.chunks_sent += 1
+        on_chunk = self.on_chunk
         if chunk.final:
             self.finished = True
             self.timings.finished = now
-        self.on_chunk(chunk)
+            # nothing follows the final chunk. A callback that holds its caller's handle of this stream (the asyncio
+            # bridge's does) made each request a reference cycle, which only the collector's full passes freed:
+            # passes that hold the GIL, and with it the engine loop, 20-50 ms under load
+            self.on_chunk = _ended
+        on_chunk(chunk)
