@@ -13,6 +13,7 @@ for a seed and runs in seconds on a CPU, so policies are compared side by side (
 from __future__ import annotations
 
 import argparse
+import ast
 import concurrent.futures
 import dataclasses
 import json
@@ -51,13 +52,12 @@ class Inline:
 class Listener:
     arrived: float
     chunks: list = dataclasses.field(default_factory=list)  # (heard at, samples)
-    done: bool = False
     error: str | None = None
-    stream: object = None
+    stream: object = None  # its engine stream
 
 
 def run_rate(model, config: EngineConfig, rate: float, seconds: float, frames: int, scale: float, host_s: float,
-             jitter_s: float, seed: int) -> dict:
+             seed: int) -> dict:
     clock = Clock()
     runner = RealTimeRunner(config, seed, clock=clock, scale=scale)
     engine = Engine(model, config, runner=runner)
@@ -82,14 +82,12 @@ def run_rate(model, config: EngineConfig, rate: float, seconds: float, frames: i
     def hear(listener: Listener):
         def on_chunk(chunk):
             if len(chunk.pcm):
-                late = float(rng.exponential(jitter_s)) if jitter_s else 0.0
-                engine.observe_delivery_lag(late)
-                listener.chunks.append((chunk.sent_at + late, len(chunk.pcm)))
+                listener.chunks.append((chunk.sent_at, len(chunk.pcm)))
             if chunk.final:
-                listener.done, listener.error = True, chunk.error
+                listener.error = chunk.error
         return on_chunk
 
-    busy0, start, i = runner.busy, clock.now, 0
+    start, i = clock.now, 0
     while i < len(arrivals) or engine.active or engine.queue:
         while i < len(arrivals) and arrivals[i] <= clock.now:
             try:
@@ -121,15 +119,12 @@ def run_rate(model, config: EngineConfig, rate: float, seconds: float, frames: i
         "ttfa_p95_ms": round(float(np.percentile(ttfa, 95)), 1) if len(ttfa) else None,
         "admitted_p50_p95_ms": [round(float(np.percentile(waited, q)), 1) for q in (50, 95)] if len(waited) else None,
         "frames_per_step": round(float(np.mean(step_frames)), 2) if step_frames else None,
-        "device_busy": round((runner.busy - busy0) / wall, 3),
         "throughput_rps": round(len(plays) / wall, 2),
     }
 
 
 def parse_variants(text: str) -> dict[str, dict]:
     """"name=field:value,field:value;name2=..." -> {name: EngineConfig overrides} (values read as Python literals)."""
-    import ast
-
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     out = {}
     for item in filter(None, (x.strip() for x in text.split(";"))):
@@ -152,8 +147,6 @@ def main() -> None:
     p.add_argument("--frames", type=int, default=60, help="frames per request")
     p.add_argument("--scale", type=float, default=1.0, help="every device cost times this (1: the H200, 0.6B)")
     p.add_argument("--host-ms", type=float, default=0.0, help="host time per loop iteration")
-    p.add_argument("--jitter-ms", type=float, default=0.0,
-                   help="mean of an exponential delay from hand-out to the listener, per chunk")
     p.add_argument("--variants", default="now=", help="name=field:value,...;... (EngineConfig fields)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out")
@@ -165,7 +158,7 @@ def main() -> None:
         rows = []
         for rate in (float(r) for r in args.rates.split(",")):
             rows.append(run_rate(model, config, rate, args.seconds, args.frames, args.scale, args.host_ms / 1e3,
-                                 args.jitter_ms / 1e3, args.seed))
+                                 args.seed))
             print(json.dumps({"variant": name, **rows[-1]}), flush=True)
         results[name] = {"overrides": overrides, "rows": rows}
     if args.out:

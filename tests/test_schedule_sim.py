@@ -23,7 +23,7 @@ def test_under_steady_poisson_arrivals_every_stream_is_served_and_none_runs_dry(
     frame, runs dry (158 of 450 did, 108 more were refused, before codec calls were held to the step's width)."""
     config = Settings(slots=256, context=512).engine_config()
     got = schedule_sim.run_rate(tiny_model, config, rate=120.0, seconds=5.0, frames=60, scale=1.0, host_s=0.005,
-                                jitter_s=0.0, seed=0)
+                                seed=0)
     assert got["requests"] > 500 and got["refused"] == 0 and got["errors"] == 0
     assert got["served"] == got["requests"] and got["underrun_requests"] == 0
     assert got["frames_per_step"] > 2  # steps stay long enough to keep up, not one frame at a time

@@ -620,8 +620,9 @@ class Engine:
         """Hand every stream's due frames (`scheduler.chunks_due`: below its lead, all it has; past it, its
         schedule's next size) to ONE codec call, each row with its own frame count. `coming` are the streams
         whose frames are being made by the step queued ahead of this call, and how many: they count as made (a
-        stream that ends early makes fewer; `_settle_audio` corrects the counts once the step is read). The
-        call is no wider than the codec chunk that the step's cost of `step` frames counts (the calibration's)."""
+        stream that ends early makes fewer; `_settle_audio` corrects the counts once the step is read). While a
+        stream below its lead waits on it, the call is no wider than the codec chunk that the cost of a step of
+        `step` frames counts (the calibration's), so it ends when the step planner said."""
         c = self.config
         waiting = [s for s in self.slots if s is not None and s.pending + coming.get(s, 0) > 0]
         if not waiting:
