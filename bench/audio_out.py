@@ -7,6 +7,10 @@ Per condition: CPU milliseconds per second of model audio (median of --runs; the
 takes is that / 1000), the output length against round(samples / speed) at the asked rate (duration error),
 and the F0 of the output against the input's (pitch kept). No accelerator: this work runs on the server's CPU.
 
+Then, per format, the audio seconds a second that one thread and two threads encoding streams at once get through
+(`parallel`): an encoder that lets go of the GIL goes about twice as fast on two threads (the server runs those
+off its event loop, `serving.audio_out.OFF_LOOP`); one that holds it goes no faster, or slower.
+
     python bench/audio_out.py --out bench/results/audio-out-cpu.json
 """
 
@@ -17,6 +21,7 @@ import json
 import platform
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -71,6 +76,25 @@ def run(fmt: str, rate: int, speed: float, x: np.ndarray, runs: int) -> dict:
     return row
 
 
+def parallel(fmt: str, x: np.ndarray, threads: int, seconds: float = 2.0) -> float:
+    """Audio seconds a second that `threads` threads, each encoding a stream of `x` chunk by chunk, get through."""
+    done = [0] * threads
+
+    def work(i: int) -> None:
+        out, at, t0 = StreamOut(fmt), 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            out.encode(x[at:at + CHUNK])
+            done[i] += CHUNK
+            at = (at + CHUNK) % (len(x) - CHUNK)
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return sum(done) / SR / seconds
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=10.0)
@@ -82,14 +106,19 @@ def main(argv=None) -> None:
     rows += [run("pcm", r, 1.0, x, args.runs) for r in (8000, 16000, 22050, 44100, 48000)]
     rows += [run(f, 8000, s, x, args.runs) for f in ("ulaw", "alaw") for s in (1.0, 1.5)]
     rows += [run("mp3", 24000, s, x, args.runs) for s in (1.0, 2.0)]
+    par = []
+    for fmt in ("pcm", "wav", "ulaw", "flac", "mp3", "aac", "opus"):
+        one, two = parallel(fmt, x, 1), parallel(fmt, x, 2)
+        par.append({"format": fmt, "audio_s_per_s_1_thread": round(one, 1), "audio_s_per_s_2_threads": round(two, 1),
+                    "speedup": round(two / one, 2)})
     result = {"bench": "audio_out", "what": "CPU cost per stream of speed (WSOLA), resampling and G.711, "
-                                           "chunk by chunk; duration error; pitch kept",
+                                           "chunk by chunk; duration error; pitch kept; encoders on 1 and 2 threads",
               "signal": f"{args.seconds:g} s voiced, F0 110->220 Hz, 80 ms chunks", "runs": args.runs,
               "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
-              "rows": rows}
+              "rows": rows, "parallel": par}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    for r in rows:
+    for r in rows + par:
         print(json.dumps(r))
 
 

@@ -36,7 +36,7 @@ import numpy as np
 from aiohttp import web
 
 from serving import script, ssml, voice_routes
-from serving.audio_out import StreamOut, output_rate, whole
+from serving.audio_out import StreamOut, awhole, output_rate
 from serving.errors import ApiError, bad
 from serving.keys import ALIASES, BRIDGE, ENGINE, MODEL, SERVED_NAMES, SETTINGS, VOICES
 from serving.live_input import LiveInput, append_live
@@ -196,15 +196,15 @@ class OmniSession:
             if config.get("stream_audio"):
                 out = StreamOut(fmt, rate, speed, None if live else speech.max_samples(speed))
                 async for pcm in u.chunks():
-                    sent += await self._send_bytes(out.encode(pcm))
+                    sent += await self._send_bytes(await out.aencode(pcm))
                     await self._words(u, where)
                 if u.error is None:
-                    sent += await self._send_bytes(out.finish())
+                    sent += await self._send_bytes(await out.afinish())
             else:
                 parts = [pcm async for pcm in u.chunks()]
                 if u.error is None:
                     audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-                    sent += await self._send_bytes(whole(fmt, audio, rate, speed))
+                    sent += await self._send_bytes(await awhole(fmt, audio, rate, speed))
             await self._words(u, where)
             if u.error is not None:
                 failed = True

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from serving import script, voice_routes
 from serving.audio_encoders import CONTENT_TYPES, SAMPLE_FORMATS
-from serving.audio_out import StreamOut, whole
+from serving.audio_out import StreamOut, awhole
 from serving.errors import ApiError
 from serving.keys import (ALIASES, ENGINE, METRICS, MODEL, REQUEST_ID, SCHEDULER, SERVED_NAMES, SETTINGS, VOICES,
                           WARMUP_ERROR)
@@ -95,7 +95,7 @@ async def _whole(request, u: Utterance, p: SpeechParams) -> web.Response:
     if u.error is not None:
         raise _engine_error(u)
     audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-    data = whole(p.response_format, audio, p.sample_rate, p.speed)
+    data = await awhole(p.response_format, audio, p.sample_rate, p.speed)
     headers = _audio_headers(p, u.rid, u)
     headers["X-Audio-Frames"] = str(u.frames)
     headers["X-Timings"] = json.dumps(u.timings(), separators=(",", ":"))
@@ -135,14 +135,14 @@ async def _chunked(request, u: Utterance, p: SpeechParams) -> web.StreamResponse
     await resp.prepare(request)
     enc = StreamOut(p.response_format, p.sample_rate, p.speed, u.script.max_samples(p.speed))
     if first is not None:
-        await _write(resp, enc.encode(first))
+        await _write(resp, await enc.aencode(first))
         async for pcm in it:
-            await _write(resp, enc.encode(pcm))
+            await _write(resp, await enc.aencode(pcm))
     if u.error is not None:  # mid-stream failure: abort so the client sees a truncated transfer
         if request.transport is not None:
             request.transport.close()
         return resp
-    await _write(resp, enc.finish())
+    await _write(resp, await enc.afinish())
     await resp.write_eof()
     return resp
 
@@ -175,13 +175,13 @@ async def _sse(request, u: Utterance, p: SpeechParams) -> web.StreamResponse:
             await resp.write(_sse_event({"type": "speech.words", "words": words}))
 
     if first is not None:
-        await delta(enc.encode(first))
+        await delta(await enc.aencode(first))
         async for pcm in it:
-            await delta(enc.encode(pcm))
+            await delta(await enc.aencode(pcm))
     if u.error is not None:
         await resp.write(_sse_event({"type": "error", "error": {"code": "engine_error", "message": u.error}}))
     else:
-        await delta(enc.finish())
+        await delta(await enc.afinish())
         done = {"type": "speech.audio.done", "usage": _usage(u)}
         done.update(u.summary())
         await resp.write(_sse_event(done))

@@ -234,11 +234,11 @@ class Session:
         try:
             await self.send({"type": "utterance.started", "utterance_id": uid, "request_id": rid})
             async for pcm in u.chunks():
-                data = out.encode(pcm)
+                data = await out.aencode(pcm)
                 if data and gen == self.generation and not self.ws.closed:
                     await self.ws.send_bytes(data)
                 await self._words(uid, u)
-            data = out.finish() if u.error is None else b""
+            data = await out.afinish() if u.error is None else b""
             if data and gen == self.generation and not self.ws.closed:
                 await self.ws.send_bytes(data)
             await self._words(uid, u)

@@ -4,7 +4,9 @@ chunk, and every format at every rate through `StreamOut`."""
 
 from __future__ import annotations
 
+import asyncio
 import io
+import threading
 import warnings
 
 import numpy as np
@@ -13,7 +15,7 @@ import soundfile as sf
 import soxr
 
 from serving import g711
-from serving.audio_out import StreamOut, output_rate, whole
+from serving.audio_out import StreamOut, awhole, output_rate, whole
 from serving.errors import ApiError
 from serving.resample import RATES, StreamResampler
 from serving.timestretch import TimeStretch
@@ -104,3 +106,43 @@ def test_every_format_at_every_rate_streams_or_is_refused_naming_sample_rate():
             else:
                 assert len(data) > 100, (fmt, rate)
     assert output_rate("ulaw", None) == 8000 and output_rate("mp3", None) == SR
+
+
+@pytest.mark.parametrize("fmt, off_loop", [("mp3", True), ("opus", True), ("aac", True), ("pcm", False),
+                                           ("flac", False)])
+def test_compressed_formats_are_encoded_off_the_event_loop_in_order_and_the_same(fmt, off_loop):
+    """From a coroutine, MP3, Opus and AAC are encoded on the encoding threads (their encoders let go of the GIL, and
+    on the event loop a few hundred streams of them would hold up every chunk), each stream's calls one after
+    another, into exactly the bytes inline encoding makes; the cheap formats stay on the loop. A whole file too."""
+    x = voiced(1.0)
+    pieces = [x[i:i + 1920] for i in range(0, len(x), 1920)]
+    inline = StreamOut(fmt)
+    expected = b"".join(inline.encode(p) for p in pieces) + inline.finish()
+
+    async def main():
+        out, threads = StreamOut(fmt), []
+        encode = out.encode
+
+        def spy(pcm):
+            threads.append(threading.get_ident())
+            return encode(pcm)
+
+        out.encode = spy
+        got = b"".join([await out.aencode(p) for p in pieces]) + await out.afinish()
+        return got, threads, threading.get_ident(), await awhole(fmt, x)
+
+    got, threads, loop_thread, file = asyncio.run(main())
+    assert same_stream(got, expected)
+    assert len(threads) == len(pieces) and (loop_thread not in threads) == off_loop
+    assert same_stream(file, whole(fmt, x))
+
+
+def same_stream(a: bytes, b: bytes) -> bool:
+    """Equal bytes, but for what an Ogg stream draws at random: each page's serial number and the checksum over it."""
+    if not a.startswith(b"OggS"):
+        return a == b
+    a, b = bytearray(a), bytearray(b)
+    for page in (i for i in range(len(a)) if a.startswith(b"OggS", i)):
+        a[page + 14:page + 18] = b[page + 14:page + 18] = b"\0" * 4
+        a[page + 22:page + 26] = b[page + 22:page + 26] = b"\0" * 4
+    return a == b
