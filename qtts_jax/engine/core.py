@@ -398,12 +398,12 @@ class Engine:
         parts.mark("bookkeeping")
         self._profile.add(parts, live=len(live), new=len(new), frames=plan.frames if plan else 0)
         elapsed = self.clock() - t0
-        self._iteration_s = 0.8 * self._iteration_s + 0.2 * elapsed if self._iteration_s else elapsed
+        self._iteration_s = _ema(self._iteration_s or None, elapsed)
         if plan is not None:  # what a step iteration really takes, host work included, newcomers' share not
             self.jitter.add(elapsed - plan.predicted_s)
             cost = max(elapsed - extra, 0.0)
             key = (b, plan.frames)
-            self.step_costs[key] = 0.8 * self.step_costs.get(key, cost) + 0.2 * cost
+            self.step_costs[key] = _ema(self.step_costs.get(key), cost)
         self.iterations += 1
         with self._lock:
             self._stats = self._snapshot()
@@ -478,10 +478,15 @@ class Engine:
         headroom = np.array([h for s in playing if (h := s.buffered(now)) is not None], float)
         newcomer_audio = FRAME_SECONDS if first is not None and first[1].any() else None
         costs = {n: self.step_costs.get((b, n), 0.0) for n in self._step_sizes}
-        # this step's audio goes out after a codec call of its own frames (`_decode_audio`'s width)
-        delivery = {n: self._delivery.get((b, rung(self._codec_sizes, n)), self._delivery_s) for n in costs}
+        delivery = {n: self._delivery_after(b, n) for n in costs}
         return step_frames(costs, headroom, newcomer_audio, extra_s, self._margin_s, c.max_step_s,
                            delivery, self._late.get(ahead, 0.0))
+
+    def _delivery_after(self, b: int, frames: int) -> float:
+        """Measured delay from the end of an iteration stepping `frames` frames at rung `b` to its audio going out:
+        its codec call is that wide (`_decode_audio`), and a wider call takes longer (until this shape has been
+        measured, the average over every call)."""
+        return self._delivery.get((b, rung(self._codec_sizes, frames)), self._delivery_s)
 
     def _rows(self, streams: list[Stream], b: int) -> tuple[np.ndarray, np.ndarray]:
         """Slot indices of a call of `b` rows (padding aimed past the last slot) and which rows are live."""
@@ -605,8 +610,7 @@ class Engine:
 
         def iteration_s(m: int) -> float:
             b = rung(self._ladder, live + m)
-            return (self._newcomers_s(m, m) + self.step_costs[b, 1]
-                    + self._delivery.get((b, rung(self._codec_sizes, 1)), self._delivery_s))
+            return self._newcomers_s(m, m) + self.step_costs[b, 1] + self._delivery_after(b, 1)
 
         return newcomers_that_fit(waiting, min(heads, default=None), self._margin_s, iteration_s)
 
@@ -686,9 +690,8 @@ class Engine:
         seconds = now - t0
         if (known := self._delivery.get(shape)) is not None:  # the first measurement sets it; later ones vary
             self.jitter.add(seconds - known)
-            seconds = 0.8 * known + 0.2 * seconds
-        self._delivery[shape] = seconds
-        self._delivery_s = 0.8 * self._delivery_s + 0.2 * (now - t0) if self._delivery_s else now - t0
+        self._delivery[shape] = _ema(known, seconds)
+        self._delivery_s = _ema(self._delivery_s or None, seconds)
         self.late_chunks += late
         for s, _ in due:
             s.inflight = 0
@@ -722,6 +725,11 @@ class Engine:
             queued, self.queue = list(self.queue), collections.deque()
         for s in queued:
             self._finish(s, error=message)
+
+
+def _ema(old: float | None, new: float) -> float:
+    """The loop's running averages of what it measures: `new` alone when nothing was measured before."""
+    return new if old is None else 0.8 * old + 0.2 * new
 
 
 def _frames_left(in_slots: list[Stream]) -> tuple[int, ...]:
