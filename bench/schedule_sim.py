@@ -35,6 +35,9 @@ from serving.settings import Settings  # noqa: E402
 from studies.playback import simulate  # noqa: E402
 
 
+REFUSAL_ROUND_TRIP_S = 0.002  # a closed-loop client's next request after a 429: one local HTTP round trip
+
+
 class Inline:
     """The engine's sender thread, run inline: on one simulated clock the hand-outs must happen in a fixed order
     (they wait for the device as the thread would, so the device's timeline is the same)."""
@@ -57,7 +60,10 @@ class Listener:
 
 
 def run_rate(model, config: EngineConfig, rate: float, seconds: float, frames: int, scale: float, host_s: float,
-             seed: int) -> dict:
+             seed: int, closed: int = 0) -> dict:
+    """One condition: Poisson arrivals at `rate` for `seconds`, or with `closed` N, N clients that each send their
+    next request as soon as their last one ends (its final chunk, or a refusal: the study's closed-loop client
+    does not wait out a Retry-After), 2N requests in all, all N at once at the start."""
     clock = Clock()
     runner = RealTimeRunner(config, seed, clock=clock, scale=scale)
     engine = Engine(model, config, runner=runner)
@@ -67,9 +73,18 @@ def run_rate(model, config: EngineConfig, rate: float, seconds: float, frames: i
     admission = Scheduler(engine, Settings().admission())
     admission.ready = True
     job = engine.prepare(Request("A request of the study's length.", speaker="ryan", max_frames=frames))
-    rng = np.random.default_rng(seed)
-    arrivals = clock.now + np.cumsum(rng.exponential(1 / rate, int(rate * seconds * 1.5) + 1))
-    arrivals = arrivals[arrivals < clock.now + seconds]
+    if closed:
+        arrivals, total = [clock.now] * closed, 2 * closed  # grows as clients send their next requests
+    else:
+        rng = np.random.default_rng(seed)
+        arrivals = clock.now + np.cumsum(rng.exponential(1 / rate, int(rate * seconds * 1.5) + 1))
+        arrivals = list(arrivals[arrivals < clock.now + seconds])
+        total = len(arrivals)
+
+    def next_request(at: float):
+        if closed and len(arrivals) < total:  # never before what the loop has taken (the list stays sorted)
+            arrivals.append(max(at, arrivals[i - 1] if i else at))
+            arrivals.sort()
     listeners, refused, step_frames = [], 0, []
     step = runner.step
 
@@ -85,6 +100,7 @@ def run_rate(model, config: EngineConfig, rate: float, seconds: float, frames: i
                 listener.chunks.append((chunk.sent_at, len(chunk.pcm)))
             if chunk.final:
                 listener.error = chunk.error
+                next_request(chunk.sent_at)
         return on_chunk
 
     start, i = clock.now, 0
@@ -94,6 +110,7 @@ def run_rate(model, config: EngineConfig, rate: float, seconds: float, frames: i
                 admission.admit()
             except ApiError:
                 refused += 1
+                next_request(clock.now + REFUSAL_ROUND_TRIP_S)
             else:
                 listener = Listener(float(arrivals[i]))
                 listeners.append(listener)
@@ -109,7 +126,7 @@ def run_rate(model, config: EngineConfig, rate: float, seconds: float, frames: i
     underran = [p for p in plays if p.underruns]
     waited = np.array([lst.stream.timings.admitted - lst.arrived for lst in listeners if lst.chunks]) * 1e3
     return {
-        "rate": rate, "requests": len(arrivals), "refused": refused, "served": len(plays),
+        "rate": rate, "closed": closed, "requests": len(arrivals), "refused": refused, "served": len(plays),
         "errors": sum(lst.error is not None for lst in listeners),
         "success_rate": round(len(plays) / max(len(arrivals), 1), 4),
         "underrun_requests": len(underran),
@@ -142,6 +159,7 @@ def parse_variants(text: str) -> dict[str, dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rates", default="60,80,100,120")
+    p.add_argument("--loads", default="", help="closed loop: requests in flight (each a condition of 2N requests)")
     p.add_argument("--seconds", type=float, default=20.0, help="seconds of arrivals per rate")
     p.add_argument("--slots", type=int, default=256)
     p.add_argument("--frames", type=int, default=60, help="frames per request")
@@ -156,9 +174,11 @@ def main() -> None:
     for name, overrides in parse_variants(args.variants).items():
         config = dataclasses.replace(Settings(slots=args.slots, context=512).engine_config(), **overrides)
         rows = []
-        for rate in (float(r) for r in args.rates.split(",")):
+        conditions = [(float(r), 0) for r in args.rates.split(",") if r] + [
+            (0.0, int(n)) for n in args.loads.split(",") if n]
+        for rate, closed in conditions:
             rows.append(run_rate(model, config, rate, args.seconds, args.frames, args.scale, args.host_ms / 1e3,
-                                 args.seed))
+                                 args.seed, closed))
             print(json.dumps({"variant": name, **rows[-1]}), flush=True)
         results[name] = {"overrides": overrides, "rows": rows}
     if args.out:
