@@ -51,8 +51,11 @@ class EngineConfig:
     max_prefill: int = 32  # requests per prefill call; a prefill ladder of powers of 8 up to this
     # Newcomers whose first frame one iteration runs: its programs exist for the rungs up to this only (each
     # holds a step and a codec; the large rungs cost a cold start half a minute each and serve only bursts,
-    # whose later arrivals then start one iteration later).
-    max_first: int = 64
+    # whose later arrivals then start one iteration later). Poisson arrivals up to capacity never bring more than
+    # 64 at once, but a closed loop as wide as the slots does: on bench/schedule_sim.py, 256 clients on 256 slots
+    # had p95 first audio 297 ms with 64 (the burst started over four iterations, each paid for by the streams
+    # already playing) and 179 ms with 128, for one program more (bench/results/schedule-sim-closed-cpu.json).
+    max_first: int = 128
     # The longest a step may run: a request arriving during it waits that long before its own prefill, and then
     # for its own path (the codec call queued behind the step, its prefill, its first frame and audio: 35-45 ms
     # on the H200). 60 ms keeps first audio within the field's 100 ms at the 95th percentile; on
