@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import bisect
 import concurrent.futures
 import dataclasses
 import json
@@ -74,17 +75,15 @@ def run_rate(model, config: EngineConfig, rate: float, seconds: float, frames: i
     admission.ready = True
     job = engine.prepare(Request("A request of the study's length.", speaker="ryan", max_frames=frames))
     if closed:
-        arrivals, total = [clock.now] * closed, 2 * closed  # grows as clients send their next requests
+        arrivals = [clock.now] * closed  # grows as clients send their next requests
     else:
         rng = np.random.default_rng(seed)
         arrivals = clock.now + np.cumsum(rng.exponential(1 / rate, int(rate * seconds * 1.5) + 1))
         arrivals = list(arrivals[arrivals < clock.now + seconds])
-        total = len(arrivals)
 
     def next_request(at: float):
-        if closed and len(arrivals) < total:  # never before what the loop has taken (the list stays sorted)
-            arrivals.append(max(at, arrivals[i - 1] if i else at))
-            arrivals.sort()
+        if len(arrivals) < 2 * closed:  # in order, never before what the loop has taken
+            bisect.insort(arrivals, max(at, arrivals[i - 1] if i else at), lo=i)
     listeners, refused, step_frames = [], 0, []
     step = runner.step
 
