@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from qtts_jax import xla_flags  # noqa: E402
 
 TINY = dict(models="tiny-random-base", batch=2, frames=16, text=12, steps=3, warmup=1)
 
@@ -202,6 +203,8 @@ def main() -> None:
                 [f"--micro-batch={args.micro_batch}"] if args.micro_batch else []) + (
                 ["--compile-only"] if args.compile_only else [])
             env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+            if side == "ours":  # as `qtts-jax finetune` does; torch's allocator has no cap to lift
+                env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", xla_flags.TRAINING_MEMORY_FRACTION)
             done = subprocess.run(cmd, capture_output=True, text=True, env=env)
             row[side] = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {
                 "error": done.stderr[-2000:]}

@@ -25,3 +25,15 @@ def merged(flags: str, extra: tuple[str, ...]) -> str:
 
 def apply() -> None:
     os.environ["XLA_FLAGS"] = merged(os.environ.get("XLA_FLAGS", ""), TUNED)
+
+
+# A training process owns its GPU. JAX's allocator otherwise stops at 75% of it: on an H200 (104 of 139 GiB) the
+# 1.7B Base step at batch 32 ran out of memory asking for a 71 GiB temporary beside about 36 GiB of weights and
+# optimiser state, where torch's allocator, which has no such cap, ran the official step.
+TRAINING_MEMORY_FRACTION = "0.95"
+
+
+def claim_device_memory() -> None:
+    """Let JAX's allocator use `TRAINING_MEMORY_FRACTION` of the device, unless the user set a fraction; takes
+    effect where no backend has started yet."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", TRAINING_MEMORY_FRACTION)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 
 import jax
@@ -17,7 +18,7 @@ import pytest
 import soundfile as sf
 
 from qtts_cli.main import main
-from qtts_jax import nn
+from qtts_jax import nn, xla_flags
 from qtts_jax.finetune import train
 from qtts_jax.finetune.data import Example
 from qtts_jax.model import load_model
@@ -177,9 +178,12 @@ def test_bad_data_stops_before_training(dataset, tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-def test_a_micro_batch_that_does_not_divide_the_batch_stops_before_anything_loads(tmp_path, capsys):
+def test_a_micro_batch_that_does_not_divide_the_batch_stops_before_anything_loads(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     rc = main(["finetune", "--model", "tiny-random-base", "--data", str(tmp_path / "none.jsonl"), "--speaker", "nova",
                "--out", str(tmp_path / "run"), "--batch", "4", "--micro-batch", "3"])
     assert rc == 2
     assert "--micro-batch must divide --batch (4)" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+    # the training process claims the device's memory before any backend starts (xla_flags.claim_device_memory)
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == xla_flags.TRAINING_MEMORY_FRACTION
