@@ -1,9 +1,9 @@
 """The whole server's host side under load, with the device simulated: `qtts-jax serve`'s app and engine loop over
 `sim_device.RealTimeRunner` (each call costs what it costs on the H200, 0.6B shape), swept with the capacity
-study's Poisson open loop under the zero-underrun contract (a client that plays from the first byte and counts any
-stall). What is left between this and the GPU server is what XLA does on the host inside its calls: what this
-shows comes from the loop's decisions on the device's real costs and from the host's own work (the event loop,
-the engine's threads, the GIL between them).
+study's Poisson open loop (and, with `--loads`, its closed loop) under the zero-underrun contract (a client that
+plays from the first byte and counts any stall). What is left between this and the GPU server is what XLA does
+on the host inside its calls: what this shows comes from the loop's decisions on the device's real costs and from
+the host's own work (the event loop, the engine's threads, the GIL between them).
 
 Each variant is one server process started with its own settings (`name=flags`, flags of this script's `--serve`
 mode, e.g. `--switch-ms 0.5` or `--setting max_step_ms=60`), all variants in one run, one after another. Writes
@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.capacity import COLUMNS, server_marks, server_side  # noqa: E402
+from bench.capacity import COLUMNS, requests_for, server_marks, server_side  # noqa: E402
 
 
 def serve(argv: list[str]) -> int:
@@ -77,14 +77,16 @@ def sweep_variant(args, name: str, flags: str, out: Path) -> dict:
     try:
         run_sync(wait_ready(url, 120, idle=True))
         contract = Contract(args.contract_ttfa_ms)
-        for rate in args.rates:
+        for mode, load in [("closed", n) for n in args.loads] + [("open-poisson", r) for r in args.rates]:
             marks = server_marks(url, log_path)
-            cdir = out / name / f"poisson-{rate:g}"
-            summary = sweep(url, "open-poisson", [rate], max(60, int(rate * args.seconds)), load_corpus("voice_agent"),
-                            cdir, options={"voice": "ryan", "seed": 0, "max_frames": args.max_frames},
+            closed = mode == "closed"
+            cdir = out / name / (f"closed-{load}" if closed else f"poisson-{load:g}")
+            summary = sweep(url, mode, [load], requests_for(args, mode, load), load_corpus("voice_agent"), cdir,
+                            options={"voice": "ryan", "seed": 0, "max_frames": args.max_frames},
                             warmup=args.warmup, slo=SLO(), contract=contract)
             (c,) = summary["conditions"]
-            row = {"rate": rate, **{k: c[k] for k in COLUMNS}, "zero_underrun": c["contract_verdict"]["overall"],
+            row = {"mode": mode, "load" if closed else "rate": load, **{k: c[k] for k in COLUMNS},
+                   "zero_underrun": c["contract_verdict"]["overall"],
                    **server_side(url, log_path, marks, cdir / "records.jsonl")}
             conditions.append(row)
             print(name, json.dumps({k: v for k, v in row.items() if k != "iteration_profile"}, default=float),
@@ -99,17 +101,21 @@ def main() -> None:
     if sys.argv[1:2] == ["--serve"]:
         sys.exit(serve(sys.argv[2:]))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rates", default="40,60", help="Poisson requests/s")
+    p.add_argument("--rates", default="40,60", help="Poisson requests/s ('' for none)")
+    p.add_argument("--loads", default="", help="closed loop: requests in flight")
     p.add_argument("--variants", default="default=", help='"name=flags;name=flags" (flags of the --serve mode)')
     p.add_argument("--slots", type=int, default=256)
-    p.add_argument("--seconds", type=float, default=20.0, help="of Poisson arrivals per rate")
+    p.add_argument("--seconds", dest="poisson_seconds", type=float, default=20.0, help="of Poisson arrivals per rate")
+    p.add_argument("--requests", type=int, help="measured requests per condition (default: max(60, 2 x load) "
+                                                "closed, --seconds of arrivals Poisson)")
     p.add_argument("--max-frames", type=int, default=60)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--contract-ttfa-ms", type=float, default=100.0)
     p.add_argument("--runs-dir", help="keep each rate's records and the server logs here (default: discarded)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    args.rates = [float(x) for x in args.rates.split(",")]
+    args.rates = [float(x) for x in args.rates.split(",") if x]
+    args.loads = [int(x) for x in args.loads.split(",") if x]
     result = {"command": " ".join(sys.argv), "slots": args.slots, "variants": {}}
     with tempfile.TemporaryDirectory() as tmp:
         runs = Path(args.runs_dir or tmp)
