@@ -58,9 +58,11 @@ def ours(args) -> dict:
     compiled = step.lower(*jax.eval_shape(init, params), batch).compile()
     compile_s = time.perf_counter() - t0
     plan = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
     row = {"compile_s": compile_s, "micro_batch": args.micro_batch or args.batch,
            "plan_temp_bytes": plan.temp_size_in_bytes if plan else None,
            "plan_argument_bytes": plan.argument_size_in_bytes if plan else None,
+           "plan_flops": cost.get("flops"), "plan_bytes_accessed": cost.get("bytes accessed"),
            "sequence_positions": int(batch[0].shape[1]), "compute_dtype": args.compute_dtype,
            "device": str(jax.devices()[0])}
     if args.compile_only:

@@ -48,8 +48,7 @@ class CodePredictor(nnx.Module):
         groups = self.heads.shape[0]
         rest = self.embedding[...][jnp.arange(groups - 1), codes]
         x = self._project(jnp.concatenate([jnp.stack([past_hidden, code0_embedding]), rest]))
-        cache = KVCache.zeros(self.stack.cfg, groups + 1, x.dtype)
-        h, _ = self.stack.forward(x, jnp.arange(groups + 1), cache, jnp.int32(0), jnp.ones(groups + 1, bool))
+        h = self.stack.forward_causal(x, jnp.arange(groups + 1), jnp.ones(groups + 1, bool))
         return jnp.einsum("gh,ghv->gv", h[1:], self.heads[...]).astype(jnp.float32)
 
     def predict(

@@ -64,9 +64,7 @@ class Talker(nnx.Module):
         """Teacher forcing over a whole sequence x [T, H] (left-padded; valid [T] marks real rows): float32 logits
         [T, 3072] of every position and the final-normed hidden states [T, H] (what training reads; the engine's
         `prefill` computes only the last position's logits and keeps the cache)."""
-        positions = jnp.maximum(jnp.cumsum(valid) - 1, 0)
-        cache = KVCache.zeros(self.stack.cfg, x.shape[0], x.dtype)
-        h, _ = self.stack.forward(x, positions, cache, jnp.int32(0), valid)
+        h = self.stack.forward_causal(x, jnp.maximum(jnp.cumsum(valid) - 1, 0), valid)
         return (h @ self.codec_head[...]).astype(jnp.float32), h
 
     def prefill(self, x: jax.Array, valid: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array, KVCache]:

@@ -149,6 +149,21 @@ class DecoderStack(nnx.Module):
 
         return self.layers_scan(x, cos, sin, cache, attend)
 
+    def forward_causal(self, x: jax.Array, positions: jax.Array, key_valid: jax.Array) -> jax.Array:
+        """`forward` of a whole sequence from an empty cache of its own length, without the cache: token t attends
+        rows j <= t with key_valid[j], the keys and values of its own layer pass. The same arithmetic, for teacher
+        forcing (training): a cache carried through the layer scan would make its gradient a full-size buffer
+        added into at every layer of the backward pass. x [T, hidden] -> final-normed hidden states [T, hidden]."""
+        cfg, t = self.cfg, x.shape[0]
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        mask = key_valid[None, :] & (jnp.arange(t)[None, :] <= jnp.arange(t)[:, None])
+        scale = cfg.head_dim**-0.5
+
+        def attend(q, k, v, cache, i):
+            return _attention(q, k, v, mask, scale), cache
+
+        return self.layers_scan(x, cos, sin, (), attend)[0]
+
     def layers_scan(self, x, cos, sin, cache: KVCache, attend) -> tuple[jax.Array, KVCache]:
         """The layer stack in one scan (`nn.scan`); `attend(q, k, v, cache, i)` writes layer i's new keys/values
         and returns the attention output [N, heads*D] (one sequence's own cache, or rows of a shared one) and the
