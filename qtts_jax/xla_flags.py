@@ -1,5 +1,5 @@
-"""XLA flags the model's programs compile and run best under, set before JAX starts a backend (XLA reads
-`XLA_FLAGS` once). A flag the user already set in `XLA_FLAGS` is left as it is.
+"""XLA flags the model's programs compile and run best under, and the share of the device a training process
+takes, set before JAX starts a backend (XLA reads both once). What the user already set is left as it is.
 
 `--xla_gpu_enable_triton_gemm=false`: the matrix products go to cuBLAS instead of Triton kernels that XLA
 autotunes one by one. On the H200 this halves compiling the engine's step, first-frame and prefill programs and
