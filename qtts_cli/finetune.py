@@ -96,8 +96,9 @@ def finetune(args) -> int:
     print(f"{len(examples)} examples, {settings.total_steps(len(examples))} steps", file=sys.stderr)
     try:
         with _Progress() as progress:
+            # the model's talker weights become the training state: one copy on the device (the codec stays)
             run = train.train(model.talker, model.cfg, model.tokenizer, examples, settings, args.out / "checkpoints",
-                              args.resume, progress)
+                              args.resume, progress, release=True)
     except train.ResumeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

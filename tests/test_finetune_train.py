@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 import soundfile as sf
+from flax import nnx
 
 from qtts_cli.main import main
 from qtts_jax import nn, xla_flags
@@ -69,6 +70,16 @@ def test_a_resumed_run_matches_an_uninterrupted_one(tiny_base_model, examples, t
     steps = sorted(int(p.name) for p in (tmp_path / "whole").iterdir() if p.name.isdigit())
     assert steps == [4, 6]  # keep=2
     assert not any("tmp" in p.name for p in (tmp_path / "cut").iterdir())
+
+
+def test_a_released_talker_gives_its_weights_to_the_run_and_trains_the_same(tiny_base_model, examples, tmp_path):
+    kept = run(tiny_base_model, examples, tmp_path / "kept")
+    fresh = load_model("tiny-random-base")  # the same seeded weights as the fixture's
+    released = train.train(fresh.talker, fresh.cfg, fresh.tokenizer, examples, SETTINGS, tmp_path / "released",
+                           release=True)
+    assert all(a.is_deleted() for a in jax.tree.leaves(nnx.state(fresh.talker, nnx.Param)))
+    assert released.curve == kept.curve
+    jax.tree.map(np.testing.assert_array_equal, nn.flat_params(released.talker), nn.flat_params(kept.talker))
 
 
 def test_the_model_learns_and_its_weights_are_left_alone(tiny_base_model, examples, tmp_path):
