@@ -44,6 +44,7 @@ FULL_LINE = re.compile(r"every rung compiled and timed after ([\d.]+) s")
 SIZING_LINE = re.compile(r"slots: \d+ \((.*)\)")
 GC_BUCKET = re.compile(r'qtts_gc_pause_seconds_bucket\{generation="(\d)",le="([^"]+)"\} (\S+)')
 GC_FREED = re.compile(r'qtts_gc_collected_objects_total\{generation="(\d)"\} (\S+)')
+LATE = re.compile(r"^(qtts_late_chunks_total|qtts_engine_late_chunks) (\S+)$", re.M)
 PROFILE_LINE = re.compile(r"iterations: \d+ in [\d.]+ s; mean per iteration \(ms, or count\): (\{.*\})")
 COLUMNS = ("success_rate", "rejected_429", "ttfa_p50_ms", "ttfa_p95_ms", "starvation_p95_ms", "underruns_mean",
            "underrun_requests", "underrun_share", "first_underrun_at", "throughput_rps", "audio_s_per_s")
@@ -113,21 +114,33 @@ def gc_passes_since(now: dict[str, dict[str, float]], before: dict[str, dict[str
     return out
 
 
+def late_chunks(metrics: str) -> dict[str, float]:
+    """Chunks handed out after their listener ran dry so far, from the server's /metrics text: by the engine's own
+    account ("engine") and when they reached the event loop ("server"). A stall the client heard that neither
+    counts happened after the server let go of the chunk."""
+    names = {"qtts_engine_late_chunks": "engine", "qtts_late_chunks_total": "server"}
+    return {names[name]: float(value) for name, value in LATE.findall(metrics)}
+
+
 def metrics_text(url: str) -> str:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         return r.read().decode()
 
 
-def server_marks(url: str, log_path: Path) -> tuple[int, dict]:
-    """Where the server's log and its collector's counts stand before a condition (`server_side` reads after)."""
-    return log_path.stat().st_size, gc_passes(metrics_text(url))
+def server_marks(url: str, log_path: Path) -> tuple[int, dict, dict]:
+    """Where the server's log, its collector's counts and its late chunks stand before a condition (`server_side`
+    reads after)."""
+    text = metrics_text(url)
+    return log_path.stat().st_size, gc_passes(text), late_chunks(text)
 
 
-def server_side(url: str, log_path: Path, marks: tuple[int, dict], records_path: Path) -> dict:
-    """What the server did during a condition, since `marks`: why requests failed, its collector's passes and its
-    iteration profile."""
-    offset, passes = marks
-    return {"refusals": refusals(records_path), "gc_passes": gc_passes_since(gc_passes(metrics_text(url)), passes),
+def server_side(url: str, log_path: Path, marks: tuple[int, dict, dict], records_path: Path) -> dict:
+    """What the server did during a condition, since `marks`: why requests failed, its collector's passes, the
+    chunks it handed out late and its iteration profile."""
+    offset, passes, late = marks
+    text = metrics_text(url)
+    return {"refusals": refusals(records_path), "gc_passes": gc_passes_since(gc_passes(text), passes),
+            "late_chunks": {k: int(n - late.get(k, 0)) for k, n in late_chunks(text).items()},
             "iteration_profile": profile_since(log_path, offset)}
 
 

@@ -57,6 +57,9 @@ class Metrics:
             scheduler.min_headroom)
         Gauge("qtts_iteration_seconds_recent", "Engine loop iteration time, recent average (EMA)",
               registry=r).set_function(lambda: stats().iteration_s)
+        # beside qtts_late_chunks (late at the event loop): a stall the engine already handed out late is its plan's
+        Gauge("qtts_engine_late_chunks", "Chunks the engine handed out after their listener ran dry (since start)",
+              registry=r).set_function(lambda: stats().late_chunks)
         Gauge("qtts_ready", "1 when accepting work", registry=r).set_function(lambda: float(scheduler.accepting))
         r.register(PauseCollector())
         self._iterations_seen = 0

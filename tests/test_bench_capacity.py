@@ -62,3 +62,9 @@ def test_the_bench_counts_the_long_collector_passes_and_what_they_freed(monkeypa
         "0": {"passes": 0, "over_20ms": 0, "over_50ms": 0, "collected": 0},
         "1": {"passes": 1, "over_20ms": 0, "over_50ms": 0, "collected": 3},
         "2": {"passes": 2, "over_20ms": 2, "over_50ms": 1, "collected": 90_700}}
+
+
+def test_the_bench_reads_late_chunks_by_where_they_were_late():
+    text = ("# HELP qtts_late_chunks_total Chunks handed out after their playback deadline\n"
+            "qtts_late_chunks_total 7.0\nqtts_late_chunks_created 1.7e+09\nqtts_engine_late_chunks 2.0\n")
+    assert bench.late_chunks(text) == {"server": 7.0, "engine": 2.0}
