@@ -44,7 +44,8 @@ FULL_LINE = re.compile(r"every rung compiled and timed after ([\d.]+) s")
 SIZING_LINE = re.compile(r"slots: \d+ \((.*)\)")
 GC_BUCKET = re.compile(r'qtts_gc_pause_seconds_bucket\{generation="(\d)",le="([^"]+)"\} (\S+)')
 GC_FREED = re.compile(r'qtts_gc_collected_objects_total\{generation="(\d)"\} (\S+)')
-LATE = re.compile(r"^(qtts_late_chunks_total|qtts_engine_late_chunks) (\S+)$", re.M)
+LATE_NAMES = {"qtts_engine_late_chunks": "engine", "qtts_late_chunks_total": "server"}
+LATE = re.compile(rf"^({'|'.join(LATE_NAMES)}) (\S+)$", re.M)
 PROFILE_LINE = re.compile(r"iterations: \d+ in [\d.]+ s; mean per iteration \(ms, or count\): (\{.*\})")
 COLUMNS = ("success_rate", "rejected_429", "ttfa_p50_ms", "ttfa_p95_ms", "starvation_p95_ms", "underruns_mean",
            "underrun_requests", "underrun_share", "first_underrun_at", "throughput_rps", "audio_s_per_s")
@@ -118,8 +119,7 @@ def late_chunks(metrics: str) -> dict[str, float]:
     """Chunks handed out after their listener ran dry so far, from the server's /metrics text: by the engine's own
     account ("engine") and when they reached the event loop ("server"). A stall the client heard that neither
     counts happened after the server let go of the chunk."""
-    names = {"qtts_engine_late_chunks": "engine", "qtts_late_chunks_total": "server"}
-    return {names[name]: float(value) for name, value in LATE.findall(metrics)}
+    return {LATE_NAMES[name]: float(value) for name, value in LATE.findall(metrics)}
 
 
 def metrics_text(url: str) -> str:

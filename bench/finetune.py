@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from qtts_jax import xla_flags  # noqa: E402
 
 TINY = dict(models="tiny-random-base", batch=2, frames=16, text=12, steps=3, warmup=1)
 
@@ -44,8 +43,11 @@ def ours(args) -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
+    from qtts_jax import xla_flags
     from qtts_jax.finetune import layout, train
     from qtts_jax.model import load_model
+
+    xla_flags.claim_device_memory()  # as `qtts-jax finetune` does; torch's allocator has no cap to lift
 
     model = load_model(args.model, dtype=jnp.float32)
     batch = layout.collate(model.cfg, model.tokenizer, _examples(model, args.batch, args.frames, args.text)).arrays()
@@ -207,8 +209,6 @@ def main() -> None:
                 [f"--micro-batch={args.micro_batch}"] if args.micro_batch else []) + (
                 ["--compile-only"] if args.compile_only else [])
             env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-            if side == "ours":  # as `qtts-jax finetune` does; torch's allocator has no cap to lift
-                env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", xla_flags.TRAINING_MEMORY_FRACTION)
             done = subprocess.run(cmd, capture_output=True, text=True, env=env)
             row[side] = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {
                 "error": done.stderr[-2000:]}
