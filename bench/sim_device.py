@@ -124,17 +124,26 @@ def _sleep_until(t: float) -> None:
 class RealTimeRunner(NumpyRunner):
     """`NumpyRunner`'s answers from a device queue: one simulated device runs the calls in order, and each output is
     ready when the device has done its call; in real time, or on `clock` (a simulated `Clock`). `busy` sums the
-    device's seconds."""
+    device's seconds.
 
-    def __init__(self, config: EngineConfig, seed: int = 0, clock: Clock | None = None, scale: float = 1.0):
+    `jitter_s`: every call costs an extra delay drawn from an exponential of this mean, as a real card's calls vary
+    (on the H100, the step's host-driven loop trips held the engine thread 10-40 ms for the same shape): the loop
+    learns the mean from what it measures; the tail is what its margin must cover."""
+
+    def __init__(self, config: EngineConfig, seed: int = 0, clock: Clock | None = None, scale: float = 1.0,
+                 jitter_s: float = 0.0):
         super().__init__(config, clock, seed, scale)
         self.now = time.perf_counter if clock is None else clock
         self.wait_until = _sleep_until if clock is None else clock.wait_until
         self.free = 0.0
         self.busy = 0.0
+        self.jitter_s = jitter_s
+        self._jitter = np.random.default_rng(seed + 1)
 
     def _done(self, cost: float, value):
         cost *= self.scale
+        if self.jitter_s:
+            cost += self._jitter.exponential(self.jitter_s)
         self.free = max(self.free, self.now()) + cost
         self.busy += cost
         if isinstance(value, tuple):

@@ -39,3 +39,23 @@ def test_a_closed_loop_as_wide_as_the_slots_is_served_whole_within_the_seed_slo(
     assert got["requests"] == 512 and got["refused"] == 0 and got["errors"] == 0
     assert got["served"] == 512 and got["underrun_requests"] == 0
     assert got["ttfa_p95_ms"] <= 300
+
+
+
+def test_a_jittered_device_runs_each_call_longer_by_a_random_delay_the_same_for_a_seed():
+    """`--jitter-ms`: every call costs its measured time plus a delay drawn from an exponential of that mean,
+    drawn from the seed, so side-by-side runs see the same delays."""
+    import numpy as np
+
+    config = Settings(slots=256, context=512).engine_config()
+    idx, limits = np.arange(64, dtype=np.int32), np.ones(64, np.int32)
+
+    def busy(jitter_s):
+        runner = schedule_sim.RealTimeRunner(config, 0, clock=schedule_sim.Clock(), jitter_s=jitter_s)
+        for _ in range(200):
+            runner.step(idx, limits, 1)
+        return runner.busy
+
+    plain, jittered = busy(0.0), busy(0.005)
+    assert jittered == busy(0.005)
+    assert 0.004 < (jittered - plain) / 200 < 0.006  # the mean of 200 draws of an exponential of mean 5 ms
