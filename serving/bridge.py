@@ -3,8 +3,10 @@
 
 Chunks cross threads through one outbox per event loop: whatever the engine hands out before the loop next runs
 moves into the requests' queues in ONE `call_soon_threadsafe` callback (one wake-up of the event loop per engine
-iteration, not one per chunk per stream), and the callback reports how long the oldest chunk waited for the
-loop, which is jitter the engine's playback margin must cover."""
+iteration, not one per chunk per stream). Once the requests' coroutines have taken the batch's chunks (each works up
+to its next await in turn), the outbox reports how long after the engine handed out the oldest chunk the last was
+taken: jitter the engine's playback margin must cover, since a listener's playback runs from when its request
+takes its first chunk."""
 
 from __future__ import annotations
 
@@ -76,9 +78,14 @@ class _Outbox:
     def _deliver(self) -> None:
         with self._lock:
             items, self._items, since = self._items, [], self._since
-        self.on_lag(time.perf_counter() - since)
         for queue, chunk, _ in items:
             queue.put_nowait(chunk)
+        # the coroutines these chunks wake run next, in turn, each taking its chunk and working up to its next
+        # await; this runs after them: the lag of the batch's last taking, which is where its listener's clock is
+        self.loop.call_soon(self._taken, since)
+
+    def _taken(self, since: float) -> None:
+        self.on_lag(time.perf_counter() - since)
 
 
 class AsyncEngine:

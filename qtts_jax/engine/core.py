@@ -35,8 +35,8 @@ One iteration of the loop (`run_once`); its decisions are `scheduler`'s pure fun
 Live text (`prepare(live=True)`, `append_text`): ids appended to a playing stream go to its trailing text on the
 device at the start of an iteration; a stream that has read every id it has skips the steps until more come (each
 step row has its own frame limit), so its codes are those of its whole text at once.
-The margin is measured, not guessed: iterations that overran their prediction and chunks that reached the
-listener's event loop late (`observe_delivery_lag`) feed `scheduler.Jitter`.
+The margin is measured, not guessed: iterations that overran their prediction, audio handed out later than usual
+after them, and chunks their listeners' event loop took late (`observe_delivery_lag`) feed `scheduler.Jitter`.
 
 The frame step is `generate.frame_step`, shared with `Model.generate`: codes chosen per row (`vmap`), one
 batched talker call; nothing mixes rows, so a seeded request gives the same codes alone or beside others.
@@ -312,9 +312,9 @@ class Engine:
         self.jitter = Jitter(self.config.min_margin_s)
 
     def observe_delivery_lag(self, seconds: float) -> None:
-        """A chunk reached its listener's side (the event loop) `seconds` after the engine handed it out: that
-        lag is jitter the margin must cover (safe from any thread)."""
-        self.jitter.add(seconds)
+        """A batch of chunks was taken by its listeners (their event loop's coroutines) `seconds` after the engine
+        handed it out: that lag is jitter the margin must cover (safe from any thread)."""
+        self.jitter.add("listener", seconds)
 
     def stats(self) -> EngineStats:
         """The latest published snapshot, with the queue, the streams in slots and the rungs in use as they are
@@ -400,7 +400,7 @@ class Engine:
         elapsed = self.clock() - t0
         self._iteration_s = _ema(self._iteration_s or None, elapsed)
         if plan is not None:  # what a step iteration really takes, host work included, newcomers' share not
-            self.jitter.add(elapsed - plan.predicted_s)
+            self.jitter.add("iteration", elapsed - plan.predicted_s)
             cost = max(elapsed - extra, 0.0)
             key = (b, plan.frames)
             self.step_costs[key] = _ema(self.step_costs.get(key), cost)
@@ -689,7 +689,7 @@ class Engine:
         whose codec call has that shape (its variation goes to the jitter)."""
         seconds = now - t0
         if (known := self._delivery.get(shape)) is not None:  # the first measurement sets it; later ones vary
-            self.jitter.add(seconds - known)
+            self.jitter.add("delivery", seconds - known)
         self._delivery[shape] = _ema(known, seconds)
         self._delivery_s = _ema(self._delivery_s or None, seconds)
         self.late_chunks += late

@@ -1,0 +1,41 @@
+"""The asyncio bridge's report of how late its requests take their chunks (the engine's margin covers it)."""
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+
+from qtts_jax.engine.stream import Chunk
+from serving.bridge import AsyncStream, _Outbox
+
+
+def test_the_lag_reported_for_a_batch_counts_until_its_last_request_took_its_chunk():
+    """Requests that take a batch's chunks one after another, each working on the event loop before its next await,
+    make the last of them take its chunk that much later: the lag the outbox reports includes that work, where a
+    report at the batch's delivery would not."""
+    work_s, requests = 0.01, 5
+
+    async def scenario():
+        lags = []
+        outbox = _Outbox(asyncio.get_running_loop(), lags.append)
+        streams = [AsyncStream(asyncio.Queue()) for _ in range(requests)]
+
+        async def request(stream):
+            chunk = await stream.__anext__()
+            time.sleep(work_s)  # encoding and writing it, on the event loop
+            return chunk
+
+        tasks = [asyncio.create_task(request(s)) for s in streams]
+        await asyncio.sleep(0)  # every request waits on its queue
+        chunk = Chunk(np.zeros(1920, np.float32), 0, 1, sent_at=time.perf_counter())
+        handing = threading.Thread(target=lambda: [outbox.put(s._queue, chunk, s) for s in streams])
+        handing.start()
+        handing.join()
+        taken = await asyncio.gather(*tasks)
+        await asyncio.sleep(0)
+        return lags, taken
+
+    lags, taken = asyncio.run(scenario())
+    assert len(taken) == requests and len(lags) == 1  # one batch, one report
+    assert lags[0] >= requests * work_s
