@@ -314,7 +314,7 @@ class Engine:
     def observe_delivery_lag(self, seconds: float) -> None:
         """A batch of chunks was taken by its listeners (their event loop's coroutines) `seconds` after the engine
         handed it out: that lag is jitter the margin must cover (safe from any thread)."""
-        self.jitter.add("listener", seconds)
+        self.jitter.add(seconds)
 
     def stats(self) -> EngineStats:
         """The latest published snapshot, with the queue, the streams in slots and the rungs in use as they are
@@ -400,7 +400,7 @@ class Engine:
         elapsed = self.clock() - t0
         self._iteration_s = _ema(self._iteration_s or None, elapsed)
         if plan is not None:  # what a step iteration really takes, host work included, newcomers' share not
-            self.jitter.add("iteration", elapsed - plan.predicted_s)
+            self.jitter.add(elapsed - plan.predicted_s)
             cost = max(elapsed - extra, 0.0)
             key = (b, plan.frames)
             self.step_costs[key] = _ema(self.step_costs.get(key), cost)
@@ -689,7 +689,7 @@ class Engine:
         whose codec call has that shape (its variation goes to the jitter)."""
         seconds = now - t0
         if (known := self._delivery.get(shape)) is not None:  # the first measurement sets it; later ones vary
-            self.jitter.add("delivery", seconds - known)
+            self.jitter.add(seconds - known)
         self._delivery[shape] = _ema(known, seconds)
         self._delivery_s = _ema(self._delivery_s or None, seconds)
         self.late_chunks += late

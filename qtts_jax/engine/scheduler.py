@@ -15,9 +15,9 @@ the first byte. A stream's *headroom* is the audio it has handed out minus what 
 - **Newcomers.** An iteration starts only as many waiting requests as the playing streams' headroom pays for:
   their prefill and first frame run before the playing streams' next frame, so a burst of arrivals waits an
   iteration or two rather than making a playing stream run dry.
-- **Margin.** The late side of what was measured, summed along a chunk's way out: iterations that ran longer
-  than predicted, audio handed out later than usual after them, and chunks taken by their listeners' event loop
-  after the engine handed them out. Not a constant guessed here.
+- **Margin.** The late side of what was measured: iterations that ran longer than predicted, audio handed out
+  later than usual after them, and chunks their listeners' coroutines took later than the engine handed them out.
+  Not a constant guessed here.
 """
 
 from __future__ import annotations
@@ -118,29 +118,21 @@ def chunks_due(pending: np.ndarray, want: np.ndarray, lm_done: np.ndarray, headr
 
 
 class Jitter:
-    """How late things ran beyond what the loop planned, over a recent window per source, each sample seconds late:
-
-    - "iteration": an iteration that ran longer than predicted;
-    - "delivery": an iteration's audio handed out later after it than its codec call's shape usually takes;
-    - "listener": a batch of chunks taken by its listeners' event loop after the engine handed it out.
-
-    A chunk meets all three on its way to its listener, so the margin is the sum of each source's high quantile
-    (a chunk late at every stage is late by the sum); a source's own window keeps the rare late samples of one from
-    being crowded out by another's many on-time ones. Before a source has samples it adds nothing; never less
-    than the floor.
+    """How late things ran beyond what the loop planned, over a recent window: each sample is seconds late
+    (an iteration longer than predicted; its audio handed out later than usual; a batch of chunks taken by its
+    listeners after the engine handed it out). The margin is a high quantile of them, so it covers what this
+    machine and this load really do.
 
     `add` is safe from any thread (a deque append); `margin` is read on the engine thread."""
 
-    SOURCES = ("iteration", "delivery", "listener")
-
     def __init__(self, floor_s: float, window: int = 512, quantile: float = 0.99):
         self.floor_s, self.quantile = floor_s, quantile
-        self._samples = {source: collections.deque(maxlen=window) for source in self.SOURCES}
+        self._samples: collections.deque[float] = collections.deque(maxlen=window)
 
-    def add(self, source: str, late_s: float) -> None:
-        self._samples[source].append(max(float(late_s), 0.0))
+    def add(self, late_s: float) -> None:
+        self._samples.append(max(float(late_s), 0.0))
 
     def margin(self) -> float:
-        late = sum(float(np.quantile(np.fromiter(samples, float), self.quantile))
-                   for samples in list(self._samples.values()) if samples)
-        return max(self.floor_s, late)
+        if not self._samples:
+            return self.floor_s
+        return max(self.floor_s, float(np.quantile(np.fromiter(self._samples, float), self.quantile)))
