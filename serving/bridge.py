@@ -11,6 +11,7 @@ takes its first chunk."""
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 import weakref
@@ -78,6 +79,10 @@ class _Outbox:
     def _deliver(self) -> None:
         with self._lock:
             items, self._items, since = self._items, [], self._since
+        # the coroutines wake in this order and each works before the next: the chunks whose listeners run dry
+        # soonest first (a newcomer's second chunk before a far-ahead stream's), those with nothing playing yet
+        # (first chunks, listeners waiting to resume) before all
+        items.sort(key=lambda item: -math.inf if item[1].due is None else item[1].due)
         for queue, chunk, _ in items:
             queue.put_nowait(chunk)
         # the coroutines these chunks wake run next, in turn, each taking its chunk and working up to its next

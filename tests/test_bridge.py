@@ -39,3 +39,27 @@ def test_the_lag_reported_for_a_batch_counts_until_its_last_request_took_its_chu
     lags, taken = asyncio.run(scenario())
     assert len(taken) == requests and len(lags) == 1  # one batch, one report
     assert lags[0] >= requests * work_s
+
+
+def test_a_batch_reaches_its_requests_soonest_due_first():
+    """The coroutines of one batch run one after another, so the order is who waits: chunks with nothing playing
+    yet (a first chunk) go first, then the rest by when their listeners run dry without them."""
+    async def scenario():
+        outbox = _Outbox(asyncio.get_running_loop(), lambda lag: None)
+        taken = []
+
+        async def request(name, stream):
+            await stream.__anext__()
+            taken.append(name)
+
+        order = [("far ahead", 105.0), ("first", None), ("second chunk", 100.02), ("ahead", 101.0)]
+        streams = {name: AsyncStream(asyncio.Queue()) for name, _ in order}
+        tasks = [asyncio.create_task(request(name, s)) for name, s in streams.items()]
+        await asyncio.sleep(0)
+        for name, due in order:
+            outbox.put(streams[name]._queue, Chunk(np.zeros(1920, np.float32), 1, 1, sent_at=100.0, due=due),
+                       streams[name])
+        await asyncio.gather(*tasks)
+        return taken
+
+    assert asyncio.run(scenario()) == ["first", "second chunk", "ahead", "far ahead"]

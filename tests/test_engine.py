@@ -14,6 +14,7 @@ import pytest
 
 from serving.bridge import AsyncEngine
 from qtts_jax.engine import Engine, PromptTooLong
+from qtts_jax.engine.stream import FRAME_SECONDS
 from qtts_jax.request import Request, RequestError
 from support import GREEDY, STREAMING, Collector, assert_same_codes, run, run_small
 
@@ -84,6 +85,19 @@ def test_ahead_of_playback_chunks_follow_the_schedule(engine, clock, lead):
     assert sizes[:4] == [1, 2, 4, 8] and sum(sizes) == len(stream.codes)
     t = stream.timings
     assert t.submitted <= t.admitted <= t.prefilled <= t.first_frame <= t.first_chunk <= t.finished
+
+
+def test_each_chunk_after_the_first_carries_when_its_listener_runs_dry_without_it(engine, clock, lead):
+    """A listener who plays from the first chunk has, when chunk k arrives, the audio of the chunks before it:
+    it runs dry at the first chunk's time plus their frames. The bridge delivers the soonest due first; a first
+    chunk and the final one have no such time."""
+    clock(1e-4)
+    lead(0.0)
+    (stream, col), = run(engine, [(0, Request("Due times.", speaker="aiden", max_frames=20, **GREEDY))])
+    first, *rest = [c for c in col.chunks if not c.final]
+    assert first.due is None and col.final.due is None and len(rest) >= 3
+    for c in rest:
+        assert c.due == pytest.approx(stream.timings.first_chunk + c.first_frame * FRAME_SECONDS)
 
 
 def test_a_stream_sends_every_frame_at_once_until_it_has_its_lead_then_follows_the_schedule(engine, clock, lead,

@@ -679,8 +679,10 @@ class Engine:
         for j, (s, f) in enumerate(due):
             if s.finished or not f:  # cancelled while its audio was in the codec; or its frames were never made
                 continue
-            late += (h := s.buffered(now)) is not None and h - f * FRAME_SECONDS < 0  # its listener ran dry first
-            s.emit(Chunk(pcm=audio[j, : f * SAMPLES_PER_FRAME], first_frame=s.decoded - f, frames=f, sent_at=now))
+            dry = None if (h := s.buffered(now)) is None else now + h - f * FRAME_SECONDS  # without this chunk
+            late += dry is not None and dry < now  # its listener ran dry first
+            s.emit(Chunk(pcm=audio[j, : f * SAMPLES_PER_FRAME], first_frame=s.decoded - f, frames=f, sent_at=now,
+                         due=dry))
         return due, now, late
 
     def _settle_handout(self, t0: float, shape: tuple[int, int], due: list, now: float, late: int) -> None:

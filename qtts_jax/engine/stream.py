@@ -35,6 +35,9 @@ class Chunk:
     sent_at: float
     final: bool = False
     error: str | None = None
+    # when its listener runs dry without it, on the engine's clock; None where nothing plays yet (a first chunk,
+    # a listener waiting to resume) or nothing follows (the final chunk)
+    due: float | None = None
 
 
 @dataclasses.dataclass
