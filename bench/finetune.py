@@ -55,7 +55,7 @@ def ours(args) -> dict:
     micro = train.micro_batches(args.batch, args.micro_batch)
     # as `qtts-jax finetune` does: the model's weights become the state (donated), one copy on the device
     init, step, _ = train._programs(graph, model.cfg, 1e-5, args.accumulate, args.compute_dtype, 0, micro,
-                                    donate_params=True)
+                                    donate_params=True, predictor_chunk=args.predictor_chunk)
     params = nnx.to_pure_dict(params)
     t0 = time.perf_counter()
     # compiled ahead of time: XLA's plan of the step's device memory comes with it, also where it would not fit
@@ -64,6 +64,7 @@ def ours(args) -> dict:
     plan = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     row = {"compile_s": compile_s, "micro_batch": args.micro_batch or args.batch,
+           "predictor_chunk": args.predictor_chunk,
            "plan_temp_bytes": plan.temp_size_in_bytes if plan else None,
            "plan_argument_bytes": plan.argument_size_in_bytes if plan else None,
            "plan_flops": cost.get("flops"), "plan_bytes_accessed": cost.get("bytes accessed"),
@@ -180,6 +181,8 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=4)
     p.add_argument("--compute-dtype", default="bfloat16")
     p.add_argument("--micro-batch", type=int, help="ours: examples per forward/backward pass (default: the batch)")
+    p.add_argument("--predictor-chunk", type=int,
+                   help="ours: frames per code-predictor pass, recomputed in the backward pass (default: all at once)")
     p.add_argument("--compile-only", action="store_true",
                    help="ours: compile the step and report XLA's memory plan, without running it (any machine)")
     p.add_argument("--steps", type=int, default=8, help="timed steps, after one compiling and --warmup more")
@@ -207,6 +210,7 @@ def main() -> None:
                 f"--{k}={getattr(args, k.replace('-', '_'))}"
                 for k in ("batch", "frames", "text", "accumulate", "compute-dtype", "steps", "warmup")] + (
                 [f"--micro-batch={args.micro_batch}"] if args.micro_batch else []) + (
+                [f"--predictor-chunk={args.predictor_chunk}"] if args.predictor_chunk else []) + (
                 ["--compile-only"] if args.compile_only else [])
             env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
             done = subprocess.run(cmd, capture_output=True, text=True, env=env)

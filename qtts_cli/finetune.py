@@ -30,6 +30,9 @@ def add_finetune_parser(sub) -> argparse.ArgumentParser:
     f.add_argument("--micro-batch", type=int, metavar="N",
                    help="examples per forward/backward pass, a divisor of --batch: a step adds its micro-batches' "
                         "gradients, the same as the whole batch's, in less memory (default: the whole batch)")
+    f.add_argument("--predictor-chunk", type=int, metavar="N",
+                   help="frames per code-predictor pass, recomputed in the backward pass instead of kept: less "
+                        "memory for more compute, the same gradients (default: every frame in one pass)")
     f.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="forward/backward arithmetic; weights and optimiser state stay fp32 (default float32; "
                         "bfloat16 on a GPU, as the official recipe)")
@@ -59,6 +62,8 @@ def _check(args) -> None:
         raise UsageError(f"--micro-batch must divide --batch ({args.batch})") from None
     if args.lora < 0:
         raise UsageError("--lora must be >= 0")
+    if args.predictor_chunk is not None and args.predictor_chunk < 1:
+        raise UsageError("--predictor-chunk must be >= 1")
     if args.steps is not None and args.steps < 1:
         raise UsageError("--steps must be >= 1")
     if not args.lr > 0:
@@ -91,7 +96,7 @@ def finetune(args) -> int:
     settings = train.Settings(lr=args.lr, batch=args.batch, accumulate=args.accumulate, epochs=args.epochs,
                               steps=args.steps, seed=args.seed, checkpoint_every=args.checkpoint_every,
                               keep=args.keep, compute_dtype=args.compute_dtype, lora=args.lora,
-                              micro_batch=args.micro_batch)
+                              micro_batch=args.micro_batch, predictor_chunk=args.predictor_chunk)
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"{len(examples)} examples, {settings.total_steps(len(examples))} steps", file=sys.stderr)
     try:

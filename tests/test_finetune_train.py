@@ -122,6 +122,37 @@ def test_micro_batches_give_the_whole_batchs_loss_and_gradient(tiny_base_model, 
         train.Settings(batch=4, micro_batch=3)
 
 
+def test_the_code_predictor_in_recomputed_chunks_gives_the_same_loss_and_gradient(tiny_base_model, examples):
+    """--predictor-chunk: the code predictor over a few frames at a time, recomputed in the backward pass (the last
+    chunk padded with frames that have no target), gives the loss and the gradient of all frames in one pass."""
+    from flax import nnx
+
+    from qtts_jax.finetune import layout
+
+    model = tiny_base_model
+    graph, params = nnx.split(model.talker, nnx.Param)
+    batch = layout.collate(model.cfg, model.tokenizer, examples[:2], SETTINGS.batch).arrays()
+    frames = batch[-2].shape[0] * batch[-2].shape[1]
+    chunk = frames // 2 + 1  # two chunks, the second padded
+    assert frames % chunk
+    out = {}
+    for c in (None, chunk):
+        init, step, _ = train._programs(graph, model.cfg, SETTINGS.lr, SETTINGS.accumulate, "float32", 0, 1,
+                                        predictor_chunk=c)
+        state, frozen = init(nnx.to_pure_dict(params))
+        state, parts = step(state, frozen, batch)
+        out[c] = parts, state["opt"].acc_grads
+    for key in ("loss", "talker", "predictor"):
+        np.testing.assert_allclose(float(out[chunk][0][key]), float(out[None][0][key]), rtol=1e-5)
+    whole, chunked = jax.tree.leaves(out[None][1]), jax.tree.leaves(out[chunk][1])
+    assert len(whole) == len(chunked) and any(np.abs(np.asarray(g)).max() > 0 for g in whole)
+    for a, b in zip(whole, chunked):
+        scale = np.abs(np.asarray(a)).max() + 1e-12
+        np.testing.assert_allclose(np.asarray(b) / scale, np.asarray(a) / scale, atol=1e-5)
+    with pytest.raises(ValueError, match="predictor_chunk 0 must be at least 1"):
+        train.Settings(predictor_chunk=0)
+
+
 def test_lora_starts_from_the_base_model_and_changes_only_the_projections(tiny_base_model, examples, tmp_path):
     settings = dataclasses.replace(SETTINGS, lora=2, steps=4, lr=1e-2)
     full = run(tiny_base_model, examples, tmp_path / "full")

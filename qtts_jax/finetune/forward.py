@@ -49,13 +49,36 @@ def _nll_sum(logits: jax.Array, labels: jax.Array, valid: jax.Array) -> jax.Arra
     return jnp.sum(jnp.where(jnp.broadcast_to(valid, nll.shape), nll, 0.0))
 
 
+def _predictor_nll_sum(talker: Talker, hidden: jax.Array, code0: jax.Array, codes: jax.Array, valid: jax.Array,
+                       chunk: int | None) -> jax.Array:
+    """The code predictor's summed NLL over frames (`hidden` [F, H], `code0` [F, H] embedded, `codes` [F, 16],
+    `valid` [F]). With ``chunk``, frames go through in chunks of that many, each recomputed in the backward pass
+    (`jax.checkpoint`) rather than kept: over a whole batch's frames (4,800 at 32 clips of 150) the predictor's
+    activations are most of a step's memory, and only one chunk's are alive at a time."""
+    groups = codes.shape[1] - 1
+
+    def nll(h, c0, fc, v):
+        logits = jax.vmap(talker.predictor.forward)(h, c0, fc[:, 1:groups])
+        return _nll_sum(logits, fc[:, 1:], v[:, None])
+
+    frames = hidden.shape[0]
+    if chunk is None or chunk >= frames:
+        return nll(hidden, code0, codes, valid)
+    pad = -frames % chunk  # padded frames have no target
+    parts = [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(-1, chunk, *a.shape[1:])
+             for a in (hidden, code0, codes, valid)]
+    total, _ = jax.lax.scan(lambda acc, xs: (acc + jax.checkpoint(nll)(*xs), None), jnp.float32(0.0), parts)
+    return total
+
+
 def losses(state: dict, graph: nnx.GraphDef, cfg: ModelConfig, batch: tuple, compute_dtype=jnp.float32,
-           counts: tuple | None = None) -> tuple[jax.Array, dict]:
+           counts: tuple | None = None, predictor_chunk: int | None = None) -> tuple[jax.Array, dict]:
     """(total loss, {"talker", "predictor"}) of one batch, given as `layout.Batch.arrays()` (a filler row's
     length, -1, leaves it without targets). ``graph``, ``state``: `nnx.split(talker, nnx.Param, ...)`'s first two.
     Each cross-entropy is a sum over the batch's targets divided by their count, `target_counts(cfg, batch)`; a
     micro-batch passes the whole batch's ``counts``, so the micro-batches' losses (and gradients) add up to the
-    whole batch's."""
+    whole batch's. ``predictor_chunk``: frames per code-predictor pass, recomputed in the backward pass (None: all
+    of them in one, kept)."""
     text, codec, frames, speaker_row, speaker, start, codes, lengths = batch
     talker_n, predictor_n = target_counts(cfg, batch) if counts is None else counts
     talker: Talker = nn.merge(graph, jax.tree.map(lambda a: a.astype(compute_dtype), state))
@@ -71,10 +94,9 @@ def losses(state: dict, graph: nnx.GraphDef, cfg: ModelConfig, batch: tuple, com
     read = jnp.take_along_axis(logits, at[..., None], axis=1)  # [B, n+1, V]
     talker_loss = _nll_sum(read, labels, talker_valid) / jnp.maximum(talker_n, 1)
 
-    groups = cfg.num_code_groups - 1
     hidden = jnp.take_along_axis(h, at[:, :n, None], axis=1)  # [B, n, H]: frame j's input has not seen frame j
-    frame_codes = codes.reshape(-1, groups + 1)  # [B*n, 16]
+    frame_codes = codes.reshape(-1, cfg.num_code_groups)  # [B*n, 16]
     code0 = talker.codec_embedding[...][frame_codes[:, 0]]
-    cp_logits = jax.vmap(talker.predictor.forward)(hidden.reshape(-1, h.shape[-1]), code0, frame_codes[:, 1:groups])
-    predictor = _nll_sum(cp_logits, frame_codes[:, 1:], frame_valid.reshape(-1, 1)) / jnp.maximum(predictor_n, 1)
+    predictor = _predictor_nll_sum(talker, hidden.reshape(-1, h.shape[-1]), code0, frame_codes,
+                                   frame_valid.reshape(-1), predictor_chunk) / jnp.maximum(predictor_n, 1)
     return talker_loss + SUB_TALKER_WEIGHT * predictor, {"talker": talker_loss, "predictor": predictor}

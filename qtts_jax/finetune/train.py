@@ -46,9 +46,14 @@ class Settings:
     # examples per forward and backward pass (None: the whole batch): a step runs the batch in micro-batches and
     # adds their gradients, which equal the whole batch's, in a fraction of the activations' memory
     micro_batch: int | None = None
+    # frames per code-predictor pass, recomputed in the backward pass instead of kept (None: every frame of the
+    # micro-batch in one pass): the predictor's activations over a batch's frames are most of a step's memory
+    predictor_chunk: int | None = None
 
     def __post_init__(self):
         micro_batches(self.batch, self.micro_batch)
+        if self.predictor_chunk is not None and self.predictor_chunk < 1:
+            raise ValueError(f"predictor_chunk {self.predictor_chunk} must be at least 1")
 
     def total_steps(self, n_examples: int) -> int:
         return self.steps if self.steps is not None else self.epochs * batches_per_epoch(n_examples, self.batch)
@@ -82,7 +87,7 @@ class ResumeError(ValueError):
 def _identity(settings: Settings, n_examples: int) -> dict:
     """What a resumed run must share with the run that saved the checkpoint (its length may change)."""
     fixed = dataclasses.asdict(settings)
-    for free in ("steps", "epochs", "checkpoint_every", "keep", "micro_batch"):
+    for free in ("steps", "epochs", "checkpoint_every", "keep", "micro_batch", "predictor_chunk"):
         fixed.pop(free)
     return {**fixed, "examples": n_examples}
 
@@ -107,7 +112,8 @@ def train(talker: Talker, cfg: ModelConfig, tok: TextTokenizer, examples: list[E
     # Exhaustive: the talker holds nothing but Params, so this state is all there is to train and to merge back.
     graph, params = nnx.split(talker, nnx.Param)
     init, step_fn, result = _programs(graph, cfg, settings.lr, settings.accumulate, settings.compute_dtype,
-                                      settings.lora, micro_batches(settings.batch, settings.micro_batch), release)
+                                      settings.lora, micro_batches(settings.batch, settings.micro_batch), release,
+                                      settings.predictor_chunk)
     state, frozen = init(nnx.to_pure_dict(params))
     ckpt = Checkpoints(checkpoint_dir, settings.checkpoint_every, settings.keep)
     total = settings.total_steps(len(examples))
@@ -139,14 +145,15 @@ def train(talker: Talker, cfg: ModelConfig, tok: TextTokenizer, examples: list[E
 
 @functools.lru_cache(maxsize=8)
 def _programs(graph: nnx.GraphDef, cfg: ModelConfig, lr: float, accumulate: int, compute_dtype: str,
-              lora_rank: int = 0, micro: int = 1, donate_params: bool = False):
+              lora_rank: int = 0, micro: int = 1, donate_params: bool = False,
+              predictor_chunk: int | None = None):
     """(init, step, result), jitted and kept per talker graph and configuration: runs of the same settings in one
     process compile them once. init(params) -> (state, frozen): the trained part and its optimiser state (the steps
     donate it), and what stays fixed (LoRA: the base weights; else nothing), copied to fp32 in one program (an eager
     op per leaf would compile one per shape); ``params`` is the talker's Param state as a plain dict (`init` of
     optax and the checkpoints take it as it is; ``donate_params``: init consumes it). step(state, frozen, batch),
-    its batch run as ``micro`` equal micro-batches, one after the other; result(frozen, trained) -> the full Param
-    state."""
+    its batch run as ``micro`` equal micro-batches, one after the other, the code predictor over ``predictor_chunk``
+    frames at a time (`forward.losses`); result(frozen, trained) -> the full Param state."""
     tx = optimizer.make(lr, accumulate)
     combine = lora.merge if lora_rank else (lambda frozen, trained: trained)
 
@@ -159,7 +166,8 @@ def _programs(graph: nnx.GraphDef, cfg: ModelConfig, lr: float, accumulate: int,
         counts = forward.target_counts(cfg, batch)
 
         def loss(trained, part):
-            return forward.losses(combine(frozen, trained), graph, cfg, part, jnp.dtype(compute_dtype), counts)
+            return forward.losses(combine(frozen, trained), graph, cfg, part, jnp.dtype(compute_dtype), counts,
+                                  predictor_chunk)
 
         grad = jax.value_and_grad(loss, has_aux=True)
         if micro == 1:
