@@ -79,18 +79,29 @@ class _Outbox:
     def _deliver(self) -> None:
         with self._lock:
             items, self._items, since = self._items, [], self._since
-        # the coroutines wake in this order and each works before the next: the chunks whose listeners run dry
-        # soonest first (a newcomer's second chunk before a far-ahead stream's), those with nothing playing yet
-        # (first chunks, listeners waiting to resume) before all
-        items.sort(key=lambda item: -math.inf if item[1].due is None else item[1].due)
-        for queue, chunk, _ in items:
-            queue.put_nowait(chunk)
+        # the coroutines wake in this order and each works through its request's chunks before the next: the
+        # requests whose listeners run dry soonest first (a newcomer's second chunk before a far-ahead stream's);
+        # a request's own chunks keep their order
+        requests: dict[int, list] = {}
+        for item in items:
+            requests.setdefault(id(item[0]), []).append(item)
+        for request in sorted(requests.values(), key=lambda its: min(_urgency(chunk) for _, chunk, _ in its)):
+            for queue, chunk, _ in request:
+                queue.put_nowait(chunk)
         # the coroutines these chunks wake run next, in turn, each taking its chunk and working up to its next
         # await; this runs after them: the lag of the batch's last taking, which is where its listener's clock is
         self.loop.call_soon(self._taken, since)
 
     def _taken(self, since: float) -> None:
         self.on_lag(time.perf_counter() - since)
+
+
+def _urgency(chunk: Chunk) -> float:
+    """When its listener runs dry without it: soonest for one with nothing playing yet (a first chunk, a listener
+    waiting to resume), never for the final chunk (no audio)."""
+    if chunk.final and not len(chunk.pcm):
+        return math.inf
+    return -math.inf if chunk.due is None else chunk.due
 
 
 class AsyncEngine:

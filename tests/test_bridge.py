@@ -63,3 +63,30 @@ def test_a_batch_reaches_its_requests_soonest_due_first():
         return taken
 
     assert asyncio.run(scenario()) == ["first", "second chunk", "ahead", "far ahead"]
+
+
+def test_a_requests_own_chunks_keep_their_order_whatever_else_is_more_urgent():
+    """A stream's last audio chunk and its final chunk handed out before the event loop ran reach it in that order
+    (the final one first would end the stream and lose the audio), while another request's more urgent chunk in
+    the same batch still goes first."""
+    async def scenario():
+        outbox = _Outbox(asyncio.get_running_loop(), lambda lag: None)
+        ending, urgent = AsyncStream(asyncio.Queue()), AsyncStream(asyncio.Queue())
+        taken = []
+
+        async def request(name, stream):
+            async for chunk in stream:
+                taken.append((name, len(chunk.pcm), chunk.final))
+
+        tasks = [asyncio.create_task(request("ending", ending)), asyncio.create_task(request("urgent", urgent))]
+        await asyncio.sleep(0)
+        audio = np.zeros(1920, np.float32)
+        outbox.put(ending._queue, Chunk(audio, 10, 1, sent_at=100.0, due=100.5), ending)
+        outbox.put(urgent._queue, Chunk(audio, 1, 1, sent_at=100.0, due=100.01), urgent)
+        outbox.put(ending._queue, Chunk(np.zeros(0, np.float32), 11, 0, sent_at=100.0, final=True), ending)
+        outbox.put(urgent._queue, Chunk(np.zeros(0, np.float32), 2, 0, sent_at=100.0, final=True), urgent)
+        await asyncio.gather(*tasks)
+        return taken
+
+    assert asyncio.run(scenario()) == [("urgent", 1920, False), ("urgent", 0, True),
+                                       ("ending", 1920, False), ("ending", 0, True)]
