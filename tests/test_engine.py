@@ -549,3 +549,18 @@ def test_live_text_that_outgrows_the_trailing_buffer_is_refused_whole(engine, mo
     while engine.run_once():
         pass
     assert stream.finished
+
+
+def test_the_iteration_profile_logs_the_margin_the_loop_planned_with(engine, caplog, monkeypatch):
+    """A capacity run reads the margin beside the iteration's parts from the log: when streams ran dry, whether the
+    margin had covered the lateness measured then."""
+    import logging
+    import re
+
+    from qtts_jax.engine.core import _IterationProfile
+
+    monkeypatch.setattr(engine, "_profile", _IterationProfile(every_s=0.0))
+    with caplog.at_level(logging.INFO, logger="qtts_jax.engine.core"):
+        run(engine, [(0, Request("Profiled.", speaker="aiden", max_frames=4, **GREEDY))])
+    margins = [float(m) for m in re.findall(r"'margin_ms': ([\d.]+)", caplog.text)]
+    assert margins and min(margins) >= engine.config.min_margin_s * 1e3

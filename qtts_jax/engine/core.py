@@ -396,7 +396,8 @@ class Engine:
             self._record(stepping, frames, valid, now, limits)
             self._settle_audio()
         parts.mark("bookkeeping")
-        self._profile.add(parts, live=len(live), new=len(new), frames=plan.frames if plan else 0)
+        self._profile.add(parts, live=len(live), new=len(new), frames=plan.frames if plan else 0,
+                          margin_ms=self._margin_s * 1e3)
         elapsed = self.clock() - t0
         self._iteration_s = _ema(self._iteration_s or None, elapsed)
         if plan is not None:  # what a step iteration really takes, host work included, newcomers' share not
@@ -763,7 +764,8 @@ class _IterationProfile:
     def _reset(self, now: float) -> None:
         self.since, self.iterations, self.sums = now, 0, collections.Counter()
 
-    def add(self, parts: _PartTimer, **counts: int) -> None:
+    def add(self, parts: _PartTimer, **counts: float) -> None:
+        """`parts`' seconds, and `counts`: numbers averaged as they are (streams, frames, the margin in ms)."""
         self.iterations += 1
         self.sums.update(parts.seconds)
         self.sums.update({k: float(v) for k, v in counts.items()})
