@@ -564,3 +564,18 @@ def test_the_iteration_profile_logs_the_margin_the_loop_planned_with(engine, cap
         run(engine, [(0, Request("Profiled.", speaker="aiden", max_frames=4, **GREEDY))])
     margins = [float(m) for m in re.findall(r"'margin_ms': ([\d.]+)", caplog.text)]
     assert margins and min(margins) >= engine.config.min_margin_s * 1e3
+
+
+def test_no_module_is_merged_or_nnx_jitted_on_the_per_frame_path(engine, monkeypatch):
+    """The modules are merged back from their state at trace time only: once the engine's programs are compiled,
+    serving requests frame after frame calls neither `nnx.merge` nor `nnx.jit` (each would cost a Python walk of the
+    model per call)."""
+    from flax import nnx
+
+    run(engine, [(0, Request("Compiled first.", speaker="aiden", max_frames=6, **GREEDY))])  # every shape traced
+    calls = []
+    for name in ("merge", "jit"):
+        real = getattr(nnx, name)
+        monkeypatch.setattr(nnx, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    got = run(engine, [(0, Request("Then served.", speaker="aiden", max_frames=6, **GREEDY))])
+    assert len(got[0][0].codes) > 1 and calls == []
