@@ -52,3 +52,16 @@ def test_trainable_state_and_pure_forwards(tiny_model):
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
     for layers in (grads["stack"]["layers"], grads["predictor"]["stack"]["layers"]):
         assert np.all(np.abs(np.asarray(layers["wq"])).reshape(layers["wq"].shape[0], -1).max(axis=1) > 0)
+
+
+def test_every_part_of_a_base_model_is_an_nnx_module_of_params(tiny_base_model):
+    """The talker (with its code predictor and both decoder stacks), the codec decoder, the codec encoder and the
+    speaker encoder are `nnx.Module`s whose state is `nnx.Param`s and nothing else."""
+    model = tiny_base_model
+    parts = {"talker": model.talker, "code predictor": model.talker.predictor, "talker stack": model.talker.stack,
+             "predictor stack": model.talker.predictor.stack, "codec decoder": model.codec,
+             "codec encoder": model.voice_encoders.codec_encoder, "speaker encoder": model.voice_encoders.speaker}
+    for name, part in parts.items():
+        assert isinstance(part, nnx.Module), name
+        _, params, rest = nnx.split(part, nnx.Param, ...)
+        assert jax.tree.leaves(params) and not jax.tree.leaves(rest), name
