@@ -38,6 +38,10 @@ def add_server_flags(s: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="on: an engine iteration starts only the waiting requests whose prefill and first frame "
                         "every playing stream's audio in hand outlasts, the others wait an iteration; off: all that "
                         "have a free slot start at once (QTTS_NEWCOMER_GUARD; default on)")
+    s.add_argument("--margin-quantile", type=_fraction,
+                   help="the share of the lateness measured between the engine and its listeners (iterations over "
+                        "their prediction, audio handed out late) that the playback margin covers: higher, fewer "
+                        "chunks late, for shorter steps while requests join (QTTS_MARGIN_QUANTILE; default 0.99)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"], help="weights dtype (QTTS_DTYPE; default float32)")
     s.add_argument("--codec-dtype", choices=["float32", "bfloat16"],
                    help="the streaming codec's arithmetic: bfloat16 runs its convolutions on tensor cores "
@@ -69,6 +73,16 @@ def _on_off(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is not None and 0.0 < value <= 1.0:
+        return value
+    raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+
+
 def _slots(text: str) -> int | str:
     if text == "auto":
         return text
@@ -82,7 +96,7 @@ def settings_from_args(args):
     from serving.settings import Settings
 
     keys = ("model", "host", "port", "slots", "context", "frames_per_step", "lead_ms", "max_step_ms", "dtype",
-            "codec_dtype", "ttfa_target_ms", "newcomer_guard",
+            "codec_dtype", "ttfa_target_ms", "newcomer_guard", "margin_quantile",
             "starvation_ms", "max_queue", "max_input_chars", "drain_timeout_s", "voices_dir", "compile_cache")
     keys += ("header_timeout_s", "idle_timeout_s", "max_connections", "voice_aliases")
     return Settings.from_env(**{k: getattr(args, k) for k in keys})

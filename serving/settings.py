@@ -21,6 +21,7 @@ class Settings:
     lead_ms: float = 1000.0  # playback lead each stream builds from spare compute (EngineConfig.lead_s)
     max_step_ms: float = 60.0  # the longest step; a request arriving during it waits for it (EngineConfig.max_step_s)
     newcomer_guard: bool = True  # start only the newcomers the playing streams' headroom pays for (EngineConfig)
+    margin_quantile: float = 0.99  # share of the measured lateness the playback margin covers (EngineConfig)
     dtype: str = "float32"
     codec_dtype: str = "float32"  # the streaming codec's arithmetic (EngineConfig.codec_dtype)
     ttfa_target_ms: float = 300.0
@@ -78,7 +79,8 @@ class Settings:
         return EngineConfig(slots=self.slots, context=self.context, frames_per_step=self.frames_per_step,
                             prompt_buckets=buckets, max_trailing=min(256, self.context // 2),
                             lead_s=self.lead_ms / 1000, max_step_s=self.max_step_ms / 1000,
-                            guard_newcomers=self.newcomer_guard, codec_dtype=self.codec_dtype)
+                            guard_newcomers=self.newcomer_guard, codec_dtype=self.codec_dtype,
+                            margin_quantile=self.margin_quantile)
 
     def admission(self) -> AdmissionConfig:
         return AdmissionConfig(ttfa_target_s=self.ttfa_target_ms / 1000, starvation_s=self.starvation_ms / 1000,

@@ -47,6 +47,18 @@ def test_newcomer_guard_flag_is_on_or_off_and_nothing_else():
         parser.parse_args(["--newcomer-guard", "maybe"])
 
 
+def test_margin_quantile_flag_is_a_share_and_reaches_the_engine(capsys):
+    from serving.cli import settings_from_args
+
+    parser = _serve_parser()
+    assert settings_from_args(parser.parse_args(["--margin-quantile", "0.999"])).engine_config().margin_quantile == 0.999
+    assert settings_from_args(parser.parse_args([])).engine_config().margin_quantile == 0.99
+    for bad in ("0", "1.5", "high"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--margin-quantile", bad])
+        assert "--margin-quantile: expected a number in (0, 1]" in capsys.readouterr().err
+
+
 def test_study_help_names_each_default_once(capsys):
     """argparse's defaults formatter printed "(default: X)" beside help that already named its default."""
     for command in ("capacity", "sustained", "fleet", "explore"):

@@ -425,6 +425,21 @@ def test_delivery_lag_reported_by_the_bridge_widens_the_margin(engine):
     assert engine.jitter.margin() == floor
 
 
+def test_the_margin_covers_the_configured_share_of_the_measured_lateness(model):
+    """`margin_quantile` 1.0: the margin covers every lateness measured in its window, the rarest included; the
+    default 0.99 leaves one sample in a hundred above it."""
+    samples = [0.012] * 99 + [0.05]
+    margins = {}
+    for q in (0.99, 1.0):
+        engine = Engine(model, dataclasses.replace(CONFIG, margin_quantile=q))
+        for late in samples:
+            engine.observe_delivery_lag(late)
+        margins[q] = engine.jitter.margin()
+    assert margins[1.0] == pytest.approx(0.05) and margins[0.99] < 0.05
+    with pytest.raises(ValueError, match="margin_quantile 0 must be in"):
+        dataclasses.replace(CONFIG, margin_quantile=0)
+
+
 class ManualClock:
     """Engine time that moves only when the test moves it."""
 

@@ -68,6 +68,9 @@ class EngineConfig:
     # `scheduler.Jitter`), never less than `min_margin_s`.
     lead_s: float = 1.0
     min_margin_s: float = 0.01
+    # The share of the measured lateness samples the margin covers (`scheduler.Jitter`): higher, fewer chunks late
+    # beyond it, for shorter steps while newcomers join.
+    margin_quantile: float = 0.99
     # Start only the newcomers whose prefill and first frame the playing streams' headroom pays for
     # (`scheduler.newcomers_that_fit`); off, every waiting request with a free slot starts at once.
     guard_newcomers: bool = True
@@ -75,6 +78,10 @@ class EngineConfig:
     # tensor cores in the channels-last layout cuDNN runs natively; in fp32 XLA hands cuDNN channels-first tensors
     # and cuDNN converts them back, a fifth of a codec call's time on the H200 (bench/results/kernels-*.json).
     codec_dtype: str = "float32"
+
+    def __post_init__(self):
+        if not 0.0 < self.margin_quantile <= 1.0:
+            raise ValueError(f"margin_quantile {self.margin_quantile} must be in (0, 1]")
 
     @property
     def codec_sizes(self) -> tuple[int, ...]:

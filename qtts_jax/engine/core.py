@@ -122,7 +122,7 @@ class Engine:
         self._profile = _IterationProfile()
         # hands audio out while the loop dispatches the step; its idle thread ends when the engine is collected
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qtts-audio-out")
-        self.jitter = Jitter(c.min_margin_s)  # lateness beyond plan: iterations, and delivery to the listener
+        self.jitter = Jitter(c.min_margin_s, quantile=c.margin_quantile)  # lateness beyond plan
         self._margin_s = c.min_margin_s  # this iteration's margin, read once from `jitter`
         self.late_chunks = 0  # chunks handed out after their stream's listener ran dry
         self.iterations = 0
@@ -309,7 +309,7 @@ class Engine:
         self._delivery.clear()
         self._first_late.clear()
         self._late.clear()
-        self.jitter = Jitter(self.config.min_margin_s)
+        self.jitter = Jitter(self.config.min_margin_s, quantile=self.config.margin_quantile)
 
     def observe_delivery_lag(self, seconds: float) -> None:
         """A batch of chunks was taken by its listeners (their event loop's coroutines) `seconds` after the engine
