@@ -11,7 +11,6 @@ takes its first chunk."""
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
 import time
 import weakref
@@ -85,7 +84,7 @@ class _Outbox:
         requests: dict[int, list] = {}
         for item in items:
             requests.setdefault(id(item[0]), []).append(item)
-        for request in sorted(requests.values(), key=lambda its: min(_urgency(chunk) for _, chunk, _ in its)):
+        for request in sorted(requests.values(), key=lambda its: min(chunk.due for _, chunk, _ in its)):
             for queue, chunk, _ in request:
                 queue.put_nowait(chunk)
         # the coroutines these chunks wake run next, in turn, each taking its chunk and working up to its next
@@ -94,14 +93,6 @@ class _Outbox:
 
     def _taken(self, since: float) -> None:
         self.on_lag(time.perf_counter() - since)
-
-
-def _urgency(chunk: Chunk) -> float:
-    """When its listener runs dry without it: soonest for one with nothing playing yet (a first chunk, a listener
-    waiting to resume), never for the final chunk (no audio)."""
-    if chunk.final and not len(chunk.pcm):
-        return math.inf
-    return -math.inf if chunk.due is None else chunk.due
 
 
 class AsyncEngine:

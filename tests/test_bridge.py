@@ -1,6 +1,7 @@
 """The asyncio bridge's report of how late its requests take their chunks (the engine's margin covers it)."""
 
 import asyncio
+import math
 import threading
 import time
 
@@ -52,7 +53,7 @@ def test_a_batch_reaches_its_requests_soonest_due_first():
             await stream.__anext__()
             taken.append(name)
 
-        order = [("far ahead", 105.0), ("first", None), ("second chunk", 100.02), ("ahead", 101.0)]
+        order = [("far ahead", 105.0), ("first", -math.inf), ("second chunk", 100.02), ("ahead", 101.0)]
         streams = {name: AsyncStream(asyncio.Queue()) for name, _ in order}
         tasks = [asyncio.create_task(request(name, s)) for name, s in streams.items()]
         await asyncio.sleep(0)
@@ -83,8 +84,10 @@ def test_a_requests_own_chunks_keep_their_order_whatever_else_is_more_urgent():
         audio = np.zeros(1920, np.float32)
         outbox.put(ending._queue, Chunk(audio, 10, 1, sent_at=100.0, due=100.5), ending)
         outbox.put(urgent._queue, Chunk(audio, 1, 1, sent_at=100.0, due=100.01), urgent)
-        outbox.put(ending._queue, Chunk(np.zeros(0, np.float32), 11, 0, sent_at=100.0, final=True), ending)
-        outbox.put(urgent._queue, Chunk(np.zeros(0, np.float32), 2, 0, sent_at=100.0, final=True), urgent)
+        outbox.put(ending._queue, Chunk(np.zeros(0, np.float32), 11, 0, sent_at=100.0, final=True, due=math.inf),
+                   ending)
+        outbox.put(urgent._queue, Chunk(np.zeros(0, np.float32), 2, 0, sent_at=100.0, final=True, due=math.inf),
+                   urgent)
         await asyncio.gather(*tasks)
         return taken
 

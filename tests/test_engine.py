@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import math
 import time
 import weakref
 
@@ -90,12 +91,12 @@ def test_ahead_of_playback_chunks_follow_the_schedule(engine, clock, lead):
 def test_each_chunk_after_the_first_carries_when_its_listener_runs_dry_without_it(engine, clock, lead):
     """A listener who plays from the first chunk has, when chunk k arrives, the audio of the chunks before it:
     it runs dry at the first chunk's time plus their frames. The bridge delivers the soonest due first; a first
-    chunk and the final one have no such time."""
+    chunk is due before any (its listener is waiting for it), the final one after all (it has no audio)."""
     clock(1e-4)
     lead(0.0)
     (stream, col), = run(engine, [(0, Request("Due times.", speaker="aiden", max_frames=20, **GREEDY))])
     first, *rest = [c for c in col.chunks if not c.final]
-    assert first.due is None and col.final.due is None and len(rest) >= 3
+    assert first.due == -math.inf and col.final.due == math.inf and len(rest) >= 3
     for c in rest:
         assert c.due == pytest.approx(stream.timings.first_chunk + c.first_frame * FRAME_SECONDS)
 

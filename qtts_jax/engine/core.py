@@ -54,6 +54,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import threading
 import time
 
@@ -680,10 +681,10 @@ class Engine:
         for j, (s, f) in enumerate(due):
             if s.finished or not f:  # cancelled while its audio was in the codec; or its frames were never made
                 continue
-            dry = None if (h := s.buffered(now)) is None else now + h - f * FRAME_SECONDS  # without this chunk
-            late += dry is not None and dry < now  # its listener ran dry first
+            h = s.buffered(now)
+            late += h is not None and h - f * FRAME_SECONDS < 0  # its listener ran dry first
             s.emit(Chunk(pcm=audio[j, : f * SAMPLES_PER_FRAME], first_frame=s.decoded - f, frames=f, sent_at=now,
-                         due=dry))
+                         due=-math.inf if h is None else now + h - f * FRAME_SECONDS))
         return due, now, late
 
     def _settle_handout(self, t0: float, shape: tuple[int, int], due: list, now: float, late: int) -> None:
@@ -705,7 +706,8 @@ class Engine:
         if stream.slot is not None and self.slots[stream.slot] is stream:
             self.slots[stream.slot] = None
         stream.lm_done = True
-        stream.emit(Chunk(np.zeros(0, np.float32), stream.decoded, 0, self.clock(), final=True, error=error))
+        stream.emit(Chunk(np.zeros(0, np.float32), stream.decoded, 0, self.clock(), final=True, error=error,
+                          due=math.inf))
 
     def _reap_cancelled(self) -> None:
         """Cancelled streams leave at once: a slot is free for the very next step."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import threading
 import time
 from typing import Callable
@@ -35,9 +36,9 @@ class Chunk:
     sent_at: float
     final: bool = False
     error: str | None = None
-    # when its listener runs dry without it, on the engine's clock; None where nothing plays yet (a first chunk,
-    # a listener waiting to resume) or nothing follows (the final chunk)
-    due: float | None = None
+    # when its listener runs dry without it, on the engine's clock: -inf where the listener is waiting for it
+    # already (nothing plays yet: a first chunk, a listener waiting to resume), +inf for the final chunk (no audio)
+    due: float = -math.inf
 
 
 @dataclasses.dataclass
