@@ -2,8 +2,9 @@
 `sim_device.RealTimeRunner` (each call costs what it costs on the H200, 0.6B shape), swept with the capacity
 study's Poisson open loop (and, with `--loads`, its closed loop) under the zero-underrun contract (a client that
 plays from the first byte and counts any stall). What is left between this and the GPU server is what XLA does
-on the host inside its calls: what this shows comes from the loop's decisions on the device's real costs and from
-the host's own work (the event loop, the engine's threads, the GIL between them).
+on the host inside its calls, unless a variant passes `--xla-host` (each call then holds the engine's thread as
+long as the H200's did: sim_device.py): what this shows comes from the loop's decisions on the device's real costs
+and from the host's own work (the event loop, the engine's threads, the GIL between them).
 
 Each variant is one server process started with its own settings (`name=flags`, flags of this script's `--serve`
 mode, e.g. `--switch-ms 0.5` or `--setting max_step_ms=60`), all variants in one run, one after another. Writes
@@ -36,6 +37,8 @@ def serve(argv: list[str]) -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--slots", type=int, default=256)
     p.add_argument("--switch-ms", type=float, default=5.0, help="Python's thread switch interval (its default: 5)")
+    p.add_argument("--xla-host", action="store_true",
+                   help="each device call holds the engine's thread for XLA's host work in it, as on the H200")
     p.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
                    help="a serving.settings.Settings field other than those fixed here (port, slots, context, "
                         "compile_cache, warm_voice_encoders), e.g. max_step_ms=60 (repeatable)")
@@ -56,7 +59,8 @@ def serve(argv: list[str]) -> int:
     settings = Settings.from_env(port=args.port, slots=args.slots, context=512, compile_cache="off",
                                  warm_voice_encoders=False)
     config = settings.engine_config()
-    return run(settings, Engine(load_model("tiny-random"), config, runner=RealTimeRunner(config)))
+    runner = RealTimeRunner(config, xla_host=args.xla_host)
+    return run(settings, Engine(load_model("tiny-random"), config, runner=runner))
 
 
 def sweep_variant(args, name: str, flags: str, out: Path) -> dict:

@@ -61,12 +61,12 @@ class Listener:
 
 
 def run_rate(model, config: EngineConfig, rate: float, seconds: float, frames: int, scale: float, host_s: float,
-             seed: int, closed: int = 0, jitter_s: float = 0.0) -> dict:
+             seed: int, closed: int = 0, jitter_s: float = 0.0, xla_host: bool = False) -> dict:
     """One condition: Poisson arrivals at `rate` for `seconds`, or with `closed` N, N clients that each send their
     next request as soon as their last one ends (its final chunk, or a refusal: the study's closed-loop client
     does not wait out a Retry-After), 2N requests in all, all N at once at the start."""
     clock = Clock()
-    runner = RealTimeRunner(config, seed, clock=clock, scale=scale, jitter_s=jitter_s)
+    runner = RealTimeRunner(config, seed, clock=clock, scale=scale, jitter_s=jitter_s, xla_host=xla_host)
     engine = Engine(model, config, runner=runner)
     engine.set_clock(clock)
     engine._sender = Inline()
@@ -166,6 +166,8 @@ def main() -> None:
     p.add_argument("--host-ms", type=float, default=0.0, help="host time per loop iteration")
     p.add_argument("--jitter-ms", type=float, default=0.0,
                    help="mean of an exponential extra delay of every device call (the calls' variation)")
+    p.add_argument("--xla-host", action="store_true",
+                   help="each device call holds the engine's thread for XLA's host work in it, as on the H200")
     p.add_argument("--variants", default="now=", help="name=field:value,...;... (EngineConfig fields)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out")
@@ -179,7 +181,7 @@ def main() -> None:
             (0.0, int(n)) for n in args.loads.split(",") if n]
         for rate, closed in conditions:
             rows.append(run_rate(model, config, rate, args.seconds, args.frames, args.scale, args.host_ms / 1e3,
-                                 args.seed, closed, args.jitter_ms / 1e3))
+                                 args.seed, closed, args.jitter_ms / 1e3, args.xla_host))
             print(json.dumps({"variant": name, **rows[-1]}), flush=True)
         results[name] = {"overrides": overrides, "rows": rows}
     if args.out:

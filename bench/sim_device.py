@@ -2,7 +2,8 @@
 call costs on the H200 (the 0.6B shape, bf16 codec, cuBLAS GEMMs: bench/results/nnx-ab-0.6b-256-h200.json,
 compile-flags-0.6b-256-h200.json, kernels-codec-0.6b-256-h200.json), linear in rows between 16 and 256. With it the
 engine loop, and a whole server around it, run on a CPU as they would on the GPU, less what XLA does on the host
-inside a call: the benchmarks that time the host's own work use it (bench/host_loop.py, bench/host_serving.py).
+inside a call unless asked (`RealTimeRunner(xla_host=True)`): the benchmarks that time the host's own work use it
+(bench/host_loop.py, bench/host_serving.py).
 
 Two runners: `NumpyRunner` advances a simulated clock by each call's cost (the loop's host work then takes no
 simulated time at all); `RealTimeRunner` queues the calls on one simulated device that runs them one after
@@ -47,6 +48,22 @@ def prefill_s(requests: int) -> float:
     return 0.003 + 0.0003 * requests
 
 
+# What XLA does on the host inside each call (the `host_ms` of bench/compile.py, the iteration profile's dispatch
+# phases; H200, 0.6B shape, bench/results/command-buffers-0.6b-h200.json, capacity-0.6b-256-h200-run14.json):
+# launching the layer and code-predictor loops' kernels one trip at a time costs about 2.2 ms plus 1.8 ms per
+# frame; a codec call about 4 ms, a first-frame call 1.5, a prefill 1. The launch queue holds about 30 ms of the
+# device's work, so a call also returns no sooner than that before the device will have finished it (a 256-row
+# 4-frame step of 51 ms returned after 21 ms, the device idle before it).
+LAUNCH_AHEAD_S = 0.030
+
+
+def step_host_s(frames: int) -> float:
+    return 0.0022 + 0.0018 * frames
+
+
+CODEC_HOST_S, FIRST_HOST_S, PREFILL_HOST_S = 0.004, 0.0015, 0.001
+
+
 class Clock:
     """A simulated clock: advanced by the simulated device, never by the host's own work."""
 
@@ -67,25 +84,27 @@ class NumpyRunner:
         self.config, self.clock, self.scale = config, clock, scale
         self.rng = np.random.default_rng(seed)
 
-    def _done(self, cost: float, value):
+    def _done(self, cost: float, value, host: float = 0.0):
+        """`value` once the device has spent `cost`; `host`: the call's own host time (`RealTimeRunner` only)."""
         self.clock.now += cost * self.scale
         return value
 
     def prefill(self, bucket, items, size):
-        return self._done(prefill_s(size), np.zeros(1))
+        return self._done(prefill_s(size), np.zeros(1), PREFILL_HOST_S)
 
     def first(self, idx, live, fresh, decode) -> FirstOutcome:
         out = (self.rng.integers(0, 2048, (1, len(idx), 16)), np.asarray(live)[None],
                np.zeros((len(idx), SAMPLES_PER_FRAME), np.float32))
-        return FirstOutcome(*self._done(first_s(len(idx)), out))
+        return FirstOutcome(*self._done(first_s(len(idx)), out, FIRST_HOST_S))
 
     def step(self, idx, limits, frames) -> StepOutcome:
         valid = np.arange(frames)[:, None] < np.asarray(limits)[None]
         out = (self.rng.integers(0, 2048, (frames, len(idx), 16)), valid)
-        return StepOutcome(*self._done(step_s(len(idx), frames), out))
+        return StepOutcome(*self._done(step_s(len(idx), frames), out, step_host_s(frames)))
 
     def codec(self, idx, fresh, start, count, frames):
-        return self._done(codec_s(len(idx), frames), np.zeros((len(idx), frames * SAMPLES_PER_FRAME), np.float32))
+        return self._done(codec_s(len(idx), frames), np.zeros((len(idx), frames * SAMPLES_PER_FRAME), np.float32),
+                          CODEC_HOST_S)
 
     def append_text(self, slot, start, ids, cap) -> None:
         pass
@@ -128,24 +147,32 @@ class RealTimeRunner(NumpyRunner):
 
     `jitter_s`: every call costs an extra delay drawn from an exponential of this mean, as a real card's calls vary
     (on the H100, the step's host-driven loop trips held the engine thread 10-40 ms for the same shape): the loop
-    learns the mean from what it measures; the tail is what its margin must cover."""
+    learns the mean from what it measures; the tail is what its margin must cover.
+
+    `xla_host`: every call also holds its calling thread (the GIL released, as XLA's launches do) for its own host
+    time and until the device is within `LAUNCH_AHEAD_S` of finishing it, as a GPU call does; off, a call returns at
+    once."""
 
     def __init__(self, config: EngineConfig, seed: int = 0, clock: Clock | None = None, scale: float = 1.0,
-                 jitter_s: float = 0.0):
+                 jitter_s: float = 0.0, xla_host: bool = False):
         super().__init__(config, clock, seed, scale)
         self.now = time.perf_counter if clock is None else clock
         self.wait_until = _sleep_until if clock is None else clock.wait_until
         self.free = 0.0
         self.busy = 0.0
         self.jitter_s = jitter_s
+        self.xla_host = xla_host
         self._jitter = np.random.default_rng(seed + 1)
 
-    def _done(self, cost: float, value):
+    def _done(self, cost: float, value, host: float = 0.0):
         cost *= self.scale
         if self.jitter_s:
             cost += self._jitter.exponential(self.jitter_s)
-        self.free = max(self.free, self.now()) + cost
+        called = self.now()
+        self.free = max(self.free, called) + cost
         self.busy += cost
+        if self.xla_host:
+            self.wait_until(max(called + host, self.free - LAUNCH_AHEAD_S))
         if isinstance(value, tuple):
             return tuple(Pending(v, self.free, self.wait_until) for v in value)
         return Pending(value, self.free, self.wait_until)

@@ -8,6 +8,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 from serving.settings import Settings
 
 spec = importlib.util.spec_from_file_location("schedule_sim", Path(__file__).parents[1] / "bench" / "schedule_sim.py")
@@ -59,3 +61,30 @@ def test_a_jittered_device_runs_each_call_longer_by_a_random_delay_the_same_for_
     plain, jittered = busy(0.0), busy(0.005)
     assert jittered == busy(0.005)
     assert 0.004 < (jittered - plain) / 200 < 0.006  # the mean of 200 draws of an exponential of mean 5 ms
+
+
+def test_with_xla_host_a_call_holds_its_thread_for_its_launches_and_until_the_device_is_nearly_through():
+    """`xla_host`: a call returns after its own host time, and no sooner than the launch queue's reach before the
+    device finishes it; without it a call returns at once (the clock is the engine thread's)."""
+    import numpy as np
+    from bench import sim_device
+
+    config = Settings(slots=256, context=512).engine_config()
+    idx, limits = np.arange(256, dtype=np.int32), np.full(256, 4, np.int32)
+
+    def returned_after(xla_host, frames, busy_before=0.0):
+        clock = sim_device.Clock()
+        runner = sim_device.RealTimeRunner(config, 0, clock=clock, xla_host=xla_host)
+        start = clock.now
+        runner.free = start + busy_before  # the device still running earlier calls
+        runner.step(idx, limits, frames)
+        return clock.now - start, runner.free - start
+
+    assert returned_after(False, 4)[0] == 0.0
+    held, _ = returned_after(True, 1)  # a one-frame step: the device finishes it within the queue's reach
+    assert held == pytest.approx(sim_device.step_host_s(1))
+    held, done = returned_after(True, 4)  # 55 ms of device work: the launches wait for the queue
+    assert done == pytest.approx(sim_device.step_s(256, 4))
+    assert held == pytest.approx(done - sim_device.LAUNCH_AHEAD_S)
+    held, done = returned_after(True, 1, busy_before=0.05)  # behind 50 ms of queued work
+    assert held == pytest.approx(done - sim_device.LAUNCH_AHEAD_S) and held > sim_device.step_host_s(1)
