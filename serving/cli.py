@@ -42,6 +42,10 @@ def add_server_flags(s: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the share of the lateness measured between the engine and its listeners (iterations over "
                         "their prediction, audio handed out late) that the playback margin covers: higher, fewer "
                         "chunks late, for shorter steps while requests join (QTTS_MARGIN_QUANTILE; default 0.99)")
+    s.add_argument("--hold-first", type=_on_off, metavar="{on,off}",
+                   help="on: a newcomer's one-frame first chunk waits to go out with its first step's frames when "
+                        "the lateness measured would let it play out before its next audio arrives (first audio a "
+                        "step later, no stall); off: it always goes out alone (QTTS_HOLD_FIRST; default on)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"], help="weights dtype (QTTS_DTYPE; default float32)")
     s.add_argument("--codec-dtype", choices=["float32", "bfloat16"],
                    help="the streaming codec's arithmetic: bfloat16 runs its convolutions on tensor cores "
@@ -96,7 +100,7 @@ def settings_from_args(args):
     from serving.settings import Settings
 
     keys = ("model", "host", "port", "slots", "context", "frames_per_step", "lead_ms", "max_step_ms", "dtype",
-            "codec_dtype", "ttfa_target_ms", "newcomer_guard", "margin_quantile",
+            "codec_dtype", "ttfa_target_ms", "newcomer_guard", "margin_quantile", "hold_first",
             "starvation_ms", "max_queue", "max_input_chars", "drain_timeout_s", "voices_dir", "compile_cache")
     keys += ("header_timeout_s", "idle_timeout_s", "max_connections", "voice_aliases")
     return Settings.from_env(**{k: getattr(args, k) for k in keys})

@@ -22,6 +22,7 @@ class Settings:
     max_step_ms: float = 60.0  # the longest step; a request arriving during it waits for it (EngineConfig.max_step_s)
     newcomer_guard: bool = True  # start only the newcomers the playing streams' headroom pays for (EngineConfig)
     margin_quantile: float = 0.99  # share of the measured lateness the playback margin covers (EngineConfig)
+    hold_first: bool = True  # a newcomer's first frame waits for its step's when it could play out first (EngineConfig)
     dtype: str = "float32"
     codec_dtype: str = "float32"  # the streaming codec's arithmetic (EngineConfig.codec_dtype)
     ttfa_target_ms: float = 300.0
@@ -80,7 +81,7 @@ class Settings:
                             prompt_buckets=buckets, max_trailing=min(256, self.context // 2),
                             lead_s=self.lead_ms / 1000, max_step_s=self.max_step_ms / 1000,
                             guard_newcomers=self.newcomer_guard, codec_dtype=self.codec_dtype,
-                            margin_quantile=self.margin_quantile)
+                            margin_quantile=self.margin_quantile, hold_first=self.hold_first)
 
     def admission(self) -> AdmissionConfig:
         return AdmissionConfig(ttfa_target_s=self.ttfa_target_ms / 1000, starvation_s=self.starvation_ms / 1000,

@@ -59,6 +59,21 @@ def test_margin_quantile_flag_is_a_share_and_reaches_the_engine(capsys):
         assert "--margin-quantile: expected a number in (0, 1]" in capsys.readouterr().err
 
 
+def test_hold_first_flag_is_on_or_off_and_reaches_the_engine(capsys, monkeypatch):
+    from serving.cli import settings_from_args
+
+    parser = _serve_parser()
+    monkeypatch.delenv("QTTS_HOLD_FIRST", raising=False)
+    assert settings_from_args(parser.parse_args(["--hold-first", "off"])).engine_config().hold_first is False
+    assert settings_from_args(parser.parse_args([])).engine_config().hold_first is True
+    monkeypatch.setenv("QTTS_HOLD_FIRST", "off")
+    assert settings_from_args(parser.parse_args([])).engine_config().hold_first is False
+    assert settings_from_args(parser.parse_args(["--hold-first", "on"])).engine_config().hold_first is True
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--hold-first", "sometimes"])
+    assert "--hold-first" in capsys.readouterr().err
+
+
 def test_study_help_names_each_default_once(capsys):
     """argparse's defaults formatter printed "(default: X)" beside help that already named its default."""
     for command in ("capacity", "sustained", "fleet", "explore"):

@@ -61,8 +61,12 @@ class SimulatedClock:
 
 @pytest.fixture
 def clock(engine):
+    """A simulated clock for one test; the costs its iterations measured (simulated seconds) go with it."""
+    costs = {name: dict(getattr(engine, name)) for name in ("step_costs", "first_costs", "prefill_costs")}
     yield lambda tick: engine.set_clock(SimulatedClock(tick))
     engine.set_clock(time.perf_counter)
+    for name, value in costs.items():
+        setattr(engine, name, value)
 
 
 @pytest.fixture
@@ -78,7 +82,7 @@ def cheap(engine, monkeypatch):
         monkeypatch.setattr(engine, name, {k: 1e-3 for k in getattr(engine, name)})
 
 
-def test_ahead_of_playback_chunks_follow_the_schedule(engine, clock, lead):
+def test_ahead_of_playback_chunks_follow_the_schedule(engine, clock, lead, cheap):
     clock(1e-4)  # far faster than real time: every stream has plenty of headroom
     lead(0.0)  # no lead to build: the schedule alone sizes the chunks
     (stream, col), = run(engine, [(0, Request("Schedule.", speaker="aiden", max_frames=20, **GREEDY))])
@@ -99,6 +103,25 @@ def test_each_chunk_after_the_first_carries_when_its_listener_runs_dry_without_i
     assert first.due == -math.inf and col.final.due == math.inf and len(rest) >= 3
     for c in rest:
         assert c.due == pytest.approx(stream.timings.first_chunk + c.first_frame * FRAME_SECONDS)
+
+
+def test_when_measured_lateness_outlasts_a_frame_the_first_chunk_carries_the_steps_frames_too(engine, model, clock,
+                                                                                          lead, cheap):
+    """With 200 ms of lateness measured (a burst's busy event loop), a one-frame first chunk would play out before
+    its next audio reached the listener: the newcomer's first frame is decoded with its first step's frames and
+    goes out with them, the same audio as `Model.generate`'s."""
+    clock(1e-4)
+    lead(0.0)
+    for _ in range(10):
+        engine.observe_delivery_lag(0.2)
+    req = Request("Held first frame.", speaker="aiden", max_frames=12, **GREEDY)
+    (stream, col), = run(engine, [(0, req)])
+    sizes = [c.frames for c in col.chunks if not c.final]
+    assert sizes[0] > 1 and sum(sizes) == len(stream.codes)
+    assert col.chunks[0].due == -math.inf and col.chunks[0].first_frame == 0
+    (expected,) = model.generate([req])
+    np.testing.assert_array_equal(np.stack(stream.codes), expected.codes)
+    np.testing.assert_allclose(col.audio, expected.audio, atol=1e-5, rtol=0)
 
 
 def test_a_stream_sends_every_frame_at_once_until_it_has_its_lead_then_follows_the_schedule(engine, clock, lead,
@@ -140,9 +163,11 @@ def test_while_a_newcomer_builds_its_lead_no_codec_call_is_wider_than_the_step(e
     assert playing.final.error is None and newcomer.final.error is None
 
 
-def test_short_of_headroom_frames_go_out_at_once_one_per_step(engine, clock):
+def test_short_of_headroom_frames_go_out_at_once_one_per_step(engine, clock, monkeypatch):
     """An engine slower than playback (0.3 s per clock reading) sends each frame as soon as it exists instead
-    of holding it back for a bigger chunk, and steps one frame at a time, the cheapest wait for the next."""
+    of holding it back for a bigger chunk, and steps one frame at a time, the cheapest wait for the next (the
+    first frame going out alone: `hold_first` off)."""
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, hold_first=False))
     clock(0.3)
     (stream, col), = run(engine, [(0, Request("Hurry up.", speaker="aiden", max_frames=12, **GREEDY))])
     sizes = [c.frames for c in col.chunks if not c.final]
@@ -200,8 +225,7 @@ def test_stats_follow_a_cancel_that_leaves_the_engine_idle(engine):
     would be refused work for ever."""
     stream = engine.submit(engine.prepare(Request("Leaving early.", speaker="ryan", max_frames=100, **GREEDY)),
                            Collector())
-    for _ in range(3):
-        engine.run_once()
+    engine.run_once()
     assert engine.stats().live == 1 and engine.stats().frames_left[0] > 0
     stream.cancel()
     while engine.run_once():
@@ -276,7 +300,7 @@ def test_asyncio_bridge_streams_chunks_with_timings(engine):
         assert chunks[-1].final and chunks[-1].error is None
         assert sum(c.frames for c in chunks) == len(s.stream.codes) <= 6
         assert all(v is not None for v in s.timings.as_dict().values())
-    assert len(first.pcm) == 1920
+    assert first.frames >= 1 and len(first.pcm) == first.frames * 1920  # one frame, or more if held (hold_first)
     assert rest[-1].final and rest[-1].error == "cancelled"
 
 

@@ -74,6 +74,11 @@ class EngineConfig:
     # Start only the newcomers whose prefill and first frame the playing streams' headroom pays for
     # (`scheduler.newcomers_that_fit`); off, every waiting request with a free slot starts at once.
     guard_newcomers: bool = True
+    # A newcomer's one-frame first chunk goes out alone only while its next audio can follow before that frame has
+    # played, the measured margin spared (`scheduler.first_chunk_alone`); otherwise, with this on, its first frame
+    # waits for its first step's frames and goes out with them: first audio one step later, and no listener run
+    # dry 80 ms into its stream because a burst made the event loop late. Off: the first frame always goes alone.
+    hold_first: bool = True
     # The streaming codec's arithmetic: "float32" (the reference's), or "bfloat16", which puts its convolutions on
     # tensor cores in the channels-last layout cuDNN runs natively; in fp32 XLA hands cuDNN channels-first tensors
     # and cuDNN converts them back, a fifth of a codec call's time on the H200 (bench/results/kernels-*.json).

@@ -12,7 +12,9 @@ One iteration of the loop (`run_once`); its decisions are `scheduler`'s pure fun
    burst of N arrivals costs about one prefill; as many as the playing streams' headroom pays for (their
    prefill and first frame run before the playing streams' next frame), the rest waiting an iteration;
 2. the newcomers step their first frame and decode it in one small program of their own, queued first, so
-   their first audio does not wait for the playing streams' step;
+   their first audio does not wait for the playing streams' step; unless their next audio could not follow that
+   one frame before it has played, the measured margin spared (`scheduler.first_chunk_alone`, `hold_first`):
+   then the first frame goes out with the step's frames, a longer first chunk one step later;
 3. the playing rows, and the newcomers right after their first frame, step `n` frames in one `lax.scan`: the
    most frames whose measured cost leaves every stream's playback headroom (audio handed out minus audio a
    zero-buffer listener has played) above the margin, a newcomer's one frame of audio included (counted from
@@ -65,7 +67,7 @@ from qtts_jax.codec.config import SAMPLES_PER_FRAME
 from qtts_jax.engine.config import EngineConfig, rung
 from qtts_jax.engine.job import Job
 from qtts_jax.engine.runner import Calibration, FirstOutcome, Key, Runner, stages
-from qtts_jax.engine.scheduler import Jitter, StepPlan, chunks_due, newcomers_that_fit, step_frames
+from qtts_jax.engine.scheduler import Jitter, StepPlan, chunks_due, first_chunk_alone, newcomers_that_fit, step_frames
 from qtts_jax.engine.stats import EngineStats, cost_in_calls
 from qtts_jax.engine.stream import FRAME_SECONDS, Chunk, Stream
 from qtts_jax.model import Model
@@ -346,11 +348,12 @@ class Engine:
             return False
         new = [s for s in live if not s.codes]  # at most max(first_sizes): see _admit
         playing = [s for s in live if s.codes]
-        first = self._dispatch_first(new) if new else None
+        ahead = self._codec_shape if self._audio is not None else None  # the codec call the device runs first
+        alone = bool(new) and self._first_alone(len(playing) + len(new), ahead)
+        first = self._dispatch_first(new, alone) if new else None
         # the previous codec call's audio, then the newcomers' first chunks, go out from the sender thread as the
         # device finishes them (in the order it runs them), while this thread dispatches the step (whose call
         # holds it for its loop trips)
-        ahead = self._codec_shape if self._audio is not None else None  # the codec call the device runs first
         handing = self._sender.submit(self._send_audio, *self._audio) if self._audio is not None else None
         self._audio = None
         stamping = self._sender.submit(self._stamp_prefilled, joined, prefill_done) if prefill_done is not None else None
@@ -387,7 +390,8 @@ class Engine:
         # the codec call is queued right behind the step, counting on the frames it makes (they are read from
         # where the step writes them), and corrected once the step's outputs are read
         self._decode_audio(self.clock(), {s: int(f) for s, f in zip(stepping, limits) if not s.lm_done}
-                           if plan is not None else {}, plan.frames if plan is not None else None)
+                           if plan is not None else {}, plan.frames if plan is not None else None,
+                           () if alone else new)
         parts.mark("codec_dispatch")
         if out is not None:
             frames, valid = np.asarray(out.frames), np.asarray(out.valid)  # the one host sync per step call
@@ -398,7 +402,7 @@ class Engine:
             self._settle_audio()
         parts.mark("bookkeeping")
         self._profile.add(parts, live=len(live), new=len(new), frames=plan.frames if plan else 0,
-                          margin_ms=self._margin_s * 1e3)
+                          margin_ms=self._margin_s * 1e3, held=len(new) if new and not alone else 0)
         elapsed = self.clock() - t0
         self._iteration_s = _ema(self._iteration_s or None, elapsed)
         if plan is not None:  # what a step iteration really takes, host work included, newcomers' share not
@@ -498,14 +502,22 @@ class Engine:
         mask[: len(streams)] = True
         return idx, mask
 
-    def _dispatch_first(self, new: list[Stream]):
+    def _first_alone(self, rows: int, ahead: tuple[int, int] | None) -> bool:
+        """`scheduler.first_chunk_alone` from the measured costs: the shortest step at the rung of `rows` and its
+        delivery, against one frame of audio going out `_late[ahead]` later than the newcomers' programs end."""
+        b, n = rung(self._ladder, rows), min(self._step_sizes)
+        return not self.config.hold_first or first_chunk_alone(
+            self.step_costs.get((b, n), 0.0) + self._delivery_after(b, n), self._late.get(ahead, 0.0), self._margin_s)
+
+    def _dispatch_first(self, new: list[Stream], alone: bool):
         """Queue newcomers' first frame and its audio (one program) ahead of the step. Returns its outputs and
-        which newcomers decode their frame in it (those whose schedule starts with a one-frame chunk)."""
+        which newcomers decode their frame in it: those whose schedule starts with a one-frame chunk, if `alone`
+        (`_first_alone`); the others' first frame is decoded with the step's frames."""
         b = rung(self._first_sizes, len(new))
         idx, mask = self._rows(new, b)
         fresh, decode = np.zeros(b, bool), np.zeros(b, bool)
         for j, s in enumerate(new):
-            fresh[j], decode[j] = s.fresh_codec, s.next_chunk_frames() == 1
+            fresh[j], decode[j] = s.fresh_codec, alone and s.next_chunk_frames() == 1
         return self.runner.first(idx, mask, fresh, decode), decode[: len(new)]
 
     def _send_first(self, new: list[Stream], out: FirstOutcome, decode: np.ndarray):
@@ -622,20 +634,21 @@ class Engine:
         return ((cost_in_calls(self.prefill_costs, prefilled) if prefilled and self.prefill_costs else 0.0)
                 + (cost_in_calls(self.first_costs, first) if first and self.first_costs else 0.0))
 
-    def _decode_audio(self, now: float, coming: dict[Stream, int], step: int | None) -> None:
+    def _decode_audio(self, now: float, coming: dict[Stream, int], step: int | None, held=()) -> None:
         """Hand every stream's due frames (`scheduler.chunks_due`: below its lead, all it has; past it, its
         schedule's next size) to ONE codec call, each row with its own frame count. `coming` are the streams
         whose frames are being made by the step queued ahead of this call, and how many: they count as made (a
         stream that ends early makes fewer; `_settle_audio` corrects the counts once the step is read). While a
         stream below its lead waits on it, the call is no wider than the codec chunk that the cost of a step of
-        `step` frames counts (the calibration's), so it ends when the step planner said."""
+        `step` frames counts (the calibration's), so it ends when the step planner said. `held`: newcomers whose
+        first frame waited for this step (`_first_alone`): their first chunk is every frame they have."""
         c = self.config
         waiting = [s for s in self.slots if s is not None and s.pending + coming.get(s, 0) > 0]
         if not waiting:
             return
         counts = chunks_due(
             pending=np.array([s.pending + coming.get(s, 0) for s in waiting]),
-            want=np.array([s.next_chunk_frames() for s in waiting]),
+            want=np.array([s.pending + coming.get(s, 0) if s in held else s.next_chunk_frames() for s in waiting]),
             lm_done=np.array([s.lm_done or s.waiting_text for s in waiting]),  # none coming soon: all out
             # a listener that ran dry waiting for live text gets what there is at once, as one below its lead
             headroom=np.array([0.0 if s.resumes else np.nan if (h := s.buffered(now)) is None else h

@@ -14,7 +14,8 @@ the first byte. A stream's *headroom* is the audio it has handed out minus what 
   longer step keeps up with playback.
 - **Newcomers.** An iteration starts only as many waiting requests as the playing streams' headroom pays for:
   their prefill and first frame run before the playing streams' next frame, so a burst of arrivals waits an
-  iteration or two rather than making a playing stream run dry.
+  iteration or two rather than making a playing stream run dry. Their first frame goes out alone only while their
+  next audio can follow it within its 80 ms, the margin spared; else it goes out with the step's frames.
 - **Margin.** The late side of what was measured: iterations that ran longer than predicted, audio handed out
   later than usual after them, and chunks their listeners' coroutines took later than the engine handed them out.
   Not a constant guessed here.
@@ -61,12 +62,27 @@ def step_frames(costs: dict[int, float], headroom: np.ndarray, newcomer_audio_s:
     if len(headroom):
         budget = float(np.min(headroom)) - margin_s - extra_s
     if newcomer_audio_s is not None:
-        budget = min(budget, newcomer_audio_s + first_late_s - margin_s)
+        budget = min(budget, _newcomer_budget(newcomer_audio_s, first_late_s, margin_s))
     sizes = sorted(costs)
     fits = [n for n in sizes if costs[n] + delivery_s.get(n, 0.0) <= budget]
     brief = [n for n in fits if costs[n] <= max_step_s and costs[n] + extra_s <= n * FRAME_SECONDS]
     n = max(brief or fits, default=sizes[0])
     return StepPlan(n, extra_s + costs[n])
+
+
+def _newcomer_budget(newcomer_audio_s: float, first_late_s: float, margin_s: float) -> float:
+    """Seconds a step and its delivery may take for newcomers' next audio to reach them before their first chunk
+    has played, less the margin (their listeners start `first_late_s` after the newcomers' own programs)."""
+    return newcomer_audio_s + first_late_s - margin_s
+
+
+def first_chunk_alone(next_audio_s: float, first_late_s: float, margin_s: float) -> bool:
+    """Whether newcomers' one-frame first chunks go out on their own, ahead of the step: only when their next audio,
+    `next_audio_s` after their own programs (the shortest step and its delivery, measured), reaches them before that
+    frame has played, with the margin to spare. Otherwise the first frame is decoded with the step's frames and goes
+    out with them: a longer first chunk, first audio one step later, and no listener that runs dry after 80 ms
+    because the measured lateness (a burst of arrivals, a busy event loop) exceeds one frame of audio."""
+    return next_audio_s <= _newcomer_budget(FRAME_SECONDS, first_late_s, margin_s)
 
 
 def newcomers_that_fit(waiting: int, min_headroom_s: float | None, margin_s: float,
