@@ -124,6 +124,25 @@ def test_when_measured_lateness_outlasts_a_frame_the_first_chunk_carries_the_ste
     np.testing.assert_allclose(col.audio, expected.audio, atol=1e-5, rtol=0)
 
 
+def test_a_held_first_chunk_is_no_longer_than_the_codecs_largest_and_no_frame_is_lost(engine, model, clock, lead,
+                                                                                       cheap, monkeypatch):
+    """Held for a three-frame step, a first chunk would hold four frames; with two-frame codec calls the largest
+    (a schedule of 1 and 2 frames), it holds two and the rest follow: every frame decoded once, the same audio as `Model.generate`'s (a chunk
+    wider than the call dropped a frame's audio)."""
+    clock(1e-4)
+    lead(0.0)
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, schedule=(1, 2)))
+    monkeypatch.setattr(engine, "_codec_sizes", (1, 2))  # the schedule's, compiled already
+    for _ in range(10):
+        engine.observe_delivery_lag(0.2)
+    req = Request("Held, then capped.", speaker="aiden", max_frames=12, **GREEDY)
+    (stream, col), = run(engine, [(0, req)])
+    sizes = [c.frames for c in col.chunks if not c.final]
+    assert sizes[0] == 2 and max(sizes) == 2 and sum(sizes) == len(stream.codes)
+    (expected,) = model.generate([req])
+    np.testing.assert_allclose(col.audio, expected.audio, atol=1e-5, rtol=0)
+
+
 def test_a_stream_sends_every_frame_at_once_until_it_has_its_lead_then_follows_the_schedule(engine, clock, lead,
                                                                                              cheap):
     """Far faster than playback, a stream's frames go out in the iteration that made them (three per step) until

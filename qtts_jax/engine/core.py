@@ -641,20 +641,23 @@ class Engine:
         stream that ends early makes fewer; `_settle_audio` corrects the counts once the step is read). While a
         stream below its lead waits on it, the call is no wider than the codec chunk that the cost of a step of
         `step` frames counts (the calibration's), so it ends when the step planner said. `held`: newcomers whose
-        first frame waited for this step (`_first_alone`): their first chunk is every frame they have."""
+        first frame waited for this step (`_first_alone`): their first chunk is every frame they have, up to the
+        codec's largest chunk."""
         c = self.config
         waiting = [s for s in self.slots if s is not None and s.pending + coming.get(s, 0) > 0]
         if not waiting:
             return
+        most = max(self._codec_sizes)
         counts = chunks_due(
             pending=np.array([s.pending + coming.get(s, 0) for s in waiting]),
-            want=np.array([s.pending + coming.get(s, 0) if s in held else s.next_chunk_frames() for s in waiting]),
+            want=np.array([min(s.pending + coming.get(s, 0), most) if s in held else s.next_chunk_frames()
+                           for s in waiting]),
             lm_done=np.array([s.lm_done or s.waiting_text for s in waiting]),  # none coming soon: all out
             # a listener that ran dry waiting for live text gets what there is at once, as one below its lead
             headroom=np.array([0.0 if s.resumes else np.nan if (h := s.buffered(now)) is None else h
                                for s in waiting]),
             lead_s=c.lead_s, horizon_s=self._iteration_s + self._delivery_s + self._margin_s,
-            most=max(self._codec_sizes), width=None if step is None else rung(self._codec_sizes, step))
+            most=most, width=None if step is None else rung(self._codec_sizes, step))
         due = [(s, int(f)) for s, f in zip(waiting, counts) if f]
         if not due:
             return
