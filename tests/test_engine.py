@@ -143,6 +143,22 @@ def test_a_held_first_chunk_is_no_longer_than_the_codecs_largest_and_no_frame_is
     np.testing.assert_allclose(col.audio, expected.audio, atol=1e-5, rtol=0)
 
 
+def test_a_first_chunk_the_client_sized_is_never_held_to_another_size(engine, clock, lead, cheap):
+    """Holding concerns one-frame first chunks: a client whose schedule starts with two frames gets two, with
+    the same lateness measured that holds a one-frame first chunk for the step."""
+    clock(1e-4)
+    lead(0.0)
+    for _ in range(10):
+        engine.observe_delivery_lag(0.2)
+    col = Collector()
+    stream = engine.submit(engine.prepare(Request("Two first.", speaker="aiden", max_frames=12, **GREEDY), (2, 4)),
+                           col)
+    while not col.final:
+        engine.run_once()
+    sizes = [c.frames for c in col.chunks if not c.final]
+    assert sizes[0] == 2 and sum(sizes) == len(stream.codes)
+
+
 def test_a_stream_sends_every_frame_at_once_until_it_has_its_lead_then_follows_the_schedule(engine, clock, lead,
                                                                                              cheap):
     """Far faster than playback, a stream's frames go out in the iteration that made them (three per step) until

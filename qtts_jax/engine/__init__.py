@@ -14,5 +14,4 @@ from qtts_jax.engine.stats import EngineStats
 
 __all__ = ["Calibration", "Engine", "EngineConfig", "EngineState", "EngineStats", "FirstOutcome", "Jitter",
            "PromptTooLong", "Runner", "StepOutcome", "StepPlan", "chunks_due", "first_chunk_alone", "init_state",
-           "newcomers_that_fit",
-           "rung", "step_frames"]
+           "newcomers_that_fit", "rung", "step_frames"]

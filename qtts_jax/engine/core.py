@@ -350,6 +350,8 @@ class Engine:
         playing = [s for s in live if s.codes]
         ahead = self._codec_shape if self._audio is not None else None  # the codec call the device runs first
         alone = bool(new) and self._first_alone(len(playing) + len(new), ahead)
+        # newcomers whose one-frame first chunk waits for this step's frames
+        held = [] if alone else [s for s in new if s.next_chunk_frames() == 1]
         first = self._dispatch_first(new, alone) if new else None
         # the previous codec call's audio, then the newcomers' first chunks, go out from the sender thread as the
         # device finishes them (in the order it runs them), while this thread dispatches the step (whose call
@@ -390,8 +392,7 @@ class Engine:
         # the codec call is queued right behind the step, counting on the frames it makes (they are read from
         # where the step writes them), and corrected once the step's outputs are read
         self._decode_audio(self.clock(), {s: int(f) for s, f in zip(stepping, limits) if not s.lm_done}
-                           if plan is not None else {}, plan.frames if plan is not None else None,
-                           () if alone else new)
+                           if plan is not None else {}, plan.frames if plan is not None else None, held)
         parts.mark("codec_dispatch")
         if out is not None:
             frames, valid = np.asarray(out.frames), np.asarray(out.valid)  # the one host sync per step call
@@ -402,7 +403,7 @@ class Engine:
             self._settle_audio()
         parts.mark("bookkeeping")
         self._profile.add(parts, live=len(live), new=len(new), frames=plan.frames if plan else 0,
-                          margin_ms=self._margin_s * 1e3, held=len(new) if new and not alone else 0)
+                          margin_ms=self._margin_s * 1e3, held=len(held))
         elapsed = self.clock() - t0
         self._iteration_s = _ema(self._iteration_s or None, elapsed)
         if plan is not None:  # what a step iteration really takes, host work included, newcomers' share not
