@@ -33,6 +33,7 @@ import itertools
 import math
 import time
 
+from qtts_jax.engine.scheduler import newcomer_budget
 from qtts_jax.engine.stream import FRAME_SECONDS, Stream
 from serving.errors import ApiError
 
@@ -150,7 +151,7 @@ class Scheduler:
         newcomer = st.prefill_cost(1) + st.first_cost(1)
         # its audio goes out only after the next iteration's admission and dispatch (the engine's delivery_s); its
         # first audio went out first_late_s after its prefill and first frame, so its listener plays from then
-        outlasts = FRAME_SECONDS + st.first_late_s - st.headroom_margin_s
+        outlasts = newcomer_budget(FRAME_SECONDS, st.first_late_s, st.headroom_margin_s)
         sizes = [n for n in st.step_sizes if st.step_cost(batch, n) + st.delivery_s <= outlasts] or [1]
         frame_s = min((newcomer + st.step_cost(batch, n)) / n for n in sizes)
         free_at = [0.0] * (st.slots - len(left)) + [n * frame_s for n in left]

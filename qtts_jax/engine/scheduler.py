@@ -62,7 +62,7 @@ def step_frames(costs: dict[int, float], headroom: np.ndarray, newcomer_audio_s:
     if len(headroom):
         budget = float(np.min(headroom)) - margin_s - extra_s
     if newcomer_audio_s is not None:
-        budget = min(budget, _newcomer_budget(newcomer_audio_s, first_late_s, margin_s))
+        budget = min(budget, newcomer_budget(newcomer_audio_s, first_late_s, margin_s))
     sizes = sorted(costs)
     fits = [n for n in sizes if costs[n] + delivery_s.get(n, 0.0) <= budget]
     brief = [n for n in fits if costs[n] <= max_step_s and costs[n] + extra_s <= n * FRAME_SECONDS]
@@ -70,9 +70,10 @@ def step_frames(costs: dict[int, float], headroom: np.ndarray, newcomer_audio_s:
     return StepPlan(n, extra_s + costs[n])
 
 
-def _newcomer_budget(newcomer_audio_s: float, first_late_s: float, margin_s: float) -> float:
+def newcomer_budget(newcomer_audio_s: float, first_late_s: float, margin_s: float) -> float:
     """Seconds a step and its delivery may take for newcomers' next audio to reach them before their first chunk
-    has played, less the margin (their listeners start `first_late_s` after the newcomers' own programs)."""
+    has played, less the margin (their listeners start `first_late_s` after the newcomers' own programs). The
+    engine plans by it; admission predicts the engine's steps by it."""
     return newcomer_audio_s + first_late_s - margin_s
 
 
@@ -82,7 +83,7 @@ def first_chunk_alone(next_audio_s: float, first_late_s: float, margin_s: float)
     frame has played, with the margin to spare. Otherwise the first frame is decoded with the step's frames and goes
     out with them: a longer first chunk, first audio one step later, and no listener that runs dry after 80 ms
     because the measured lateness (a burst of arrivals, a busy event loop) exceeds one frame of audio."""
-    return next_audio_s <= _newcomer_budget(FRAME_SECONDS, first_late_s, margin_s)
+    return next_audio_s <= newcomer_budget(FRAME_SECONDS, first_late_s, margin_s)
 
 
 def newcomers_that_fit(waiting: int, min_headroom_s: float | None, margin_s: float,
