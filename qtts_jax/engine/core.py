@@ -350,8 +350,8 @@ class Engine:
         playing = [s for s in live if s.codes]
         ahead = self._codec_shape if self._audio is not None else None  # the codec call the device runs first
         alone = bool(new) and self._first_alone(len(playing) + len(new), ahead)
-        # newcomers whose one-frame first chunk waits for this step's frames
-        held = [] if alone else [s for s in new if s.next_chunk_frames() == 1]
+        # newcomers whose one-frame first chunk waits for this step's frames (a set: the codec call asks each stream)
+        held = set() if alone else {s for s in new if s.next_chunk_frames() == 1}
         first = self._dispatch_first(new, alone) if new else None
         # the previous codec call's audio, then the newcomers' first chunks, go out from the sender thread as the
         # device finishes them (in the order it runs them), while this thread dispatches the step (whose call
@@ -635,7 +635,8 @@ class Engine:
         return ((cost_in_calls(self.prefill_costs, prefilled) if prefilled and self.prefill_costs else 0.0)
                 + (cost_in_calls(self.first_costs, first) if first and self.first_costs else 0.0))
 
-    def _decode_audio(self, now: float, coming: dict[Stream, int], step: int | None, held=()) -> None:
+    def _decode_audio(self, now: float, coming: dict[Stream, int], step: int | None,
+                      held: set[Stream] = frozenset()) -> None:
         """Hand every stream's due frames (`scheduler.chunks_due`: below its lead, all it has; past it, its
         schedule's next size) to ONE codec call, each row with its own frame count. `coming` are the streams
         whose frames are being made by the step queued ahead of this call, and how many: they count as made (a
