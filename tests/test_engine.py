@@ -449,6 +449,37 @@ def test_audio_goes_out_while_the_step_is_being_dispatched(engine, clock, cheap,
     assert sum(c.frames for c in playing.chunks) == len(old.codes)
 
 
+def test_the_playing_streams_audio_goes_out_while_newcomers_are_admitted(engine, clock, cheap, monkeypatch):
+    """In a burst the engine thread spends tens of ms admitting and prefilling newcomers (host work, contended by
+    the event loop taking the burst's requests): the previous codec call's audio must not wait for that. Here the
+    newcomer's prefill call waits until the playing stream's next chunk has gone out (or 5 s)."""
+    clock(1e-4)
+    playing = Collector()
+    old = engine.submit(engine.prepare(Request("Already playing.", speaker="ryan", max_frames=40, **GREEDY)), playing)
+    for _ in range(3):
+        engine.run_once()
+    engine.submit(engine.prepare(Request("Newcomer.", speaker="aiden", max_frames=20, **GREEDY)), Collector())
+    chunks_before = len(playing.chunks)
+    seen_during_prefill = []
+    prefill = engine.runner.prefill
+
+    def slow_prefill(*args):
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and len(playing.chunks) == chunks_before:
+            time.sleep(0.001)
+        seen_during_prefill.append(len(playing.chunks) - chunks_before)
+        return prefill(*args)
+
+    monkeypatch.setattr(engine.runner, "prefill", slow_prefill)
+    engine.run_once()
+    assert seen_during_prefill == [1]
+    monkeypatch.setattr(engine.runner, "prefill", prefill)
+    while engine.run_once():
+        pass
+    assert playing.final.error is None
+    assert sum(c.frames for c in playing.chunks) == len(old.codes)
+
+
 def test_a_failed_step_ends_each_stream_after_the_audio_the_sender_still_had(engine, cheap, monkeypatch):
     """A device failure ends every stream with an error chunk, and that chunk is the last: audio the sender
     thread was still handing out (here slowed to 0.2 s) goes out before it, never after."""

@@ -21,12 +21,13 @@ One iteration of the loop (`run_once`); its decisions are `scheduler`'s pure fun
    when it really goes out: behind the previous iteration's codec call on the device, later than the
    newcomers' own programs alone would put it; measured), short enough that a request arriving meanwhile does
    not wait long unless only a longer step keeps up;
-4. before the step is dispatched (its call holds the host while the device runs its loop trips) the host hands
-   out the previous codec call's audio, the newcomers' programs running meanwhile; the newcomers' first chunks
-   go out from a thread of their own as soon as their program is done, not after the step's dispatch returns
-   (measured on the 1.7B shape: that dispatch holds the engine thread 30-40 ms at 40 requests/s, which every
-   first audio waited for); how long into an iteration the hand-out comes is measured and counted in every
-   deadline above;
+4. the previous codec call's audio is handed out from a thread of its own from the iteration's start, while the
+   engine thread admits and prefills the newcomers (in a burst tens of ms of host work, which that audio once
+   waited for: its streams' listeners ran dry) and dispatches the step (its call holds the host while the device
+   runs its loop trips); the newcomers' first chunks go out from that thread too, as soon as their program is
+   done, not after the step's dispatch returns (measured on the 1.7B shape: that dispatch holds the engine thread
+   30-40 ms at 40 requests/s, which every first audio waited for); how long into an iteration the hand-out
+   comes is measured and counted in every deadline above;
 5. each stream's new frames become audio in ONE codec call for all rows with a chunk due, each row with its
    own frame count: until a stream has built its lead (`lead_s` of audio in hand) every frame goes out in the
    iteration that made it; past it, chunks follow its schedule (1, 2, 4, 8 ... frames). The call is queued
@@ -334,6 +335,11 @@ class Engine:
         parts = _PartTimer()
         self._reap_cancelled()
         self._margin_s = self.jitter.margin()
+        # the previous codec call's audio goes out from the sender thread as soon as the device has it, while this
+        # thread admits and prefills the newcomers (in a burst that takes tens of ms of host time)
+        ahead = self._codec_shape if self._audio is not None else None  # the codec call the device runs first
+        handing = self._sender.submit(self._send_audio, *self._audio) if self._audio is not None else None
+        self._audio = None
         joined, prefill_done = self._admit()
         self._feed_text()
         parts.mark("admit")
@@ -342,22 +348,18 @@ class Engine:
             if s.waiting_text:
                 s.hold_playback(t0)
         live = [s for s in live if not s.waiting_text]
-        if not live and self._audio is None and not any(s is not None and s.pending for s in self.slots):
+        if not live and handing is None and not any(s is not None and s.pending for s in self.slots):
             with self._lock:  # streams may have left (cancelled): admission must not see them for ever
                 self._stats = self._snapshot()
             return False
         new = [s for s in live if not s.codes]  # at most max(first_sizes): see _admit
         playing = [s for s in live if s.codes]
-        ahead = self._codec_shape if self._audio is not None else None  # the codec call the device runs first
         alone = bool(new) and self._first_alone(len(playing) + len(new), ahead)
         # newcomers whose one-frame first chunk waits for this step's frames (a set: the codec call asks each stream)
         held = set() if alone else {s for s in new if s.next_chunk_frames() == 1}
         first = self._dispatch_first(new, alone) if new else None
-        # the previous codec call's audio, then the newcomers' first chunks, go out from the sender thread as the
-        # device finishes them (in the order it runs them), while this thread dispatches the step (whose call
-        # holds it for its loop trips)
-        handing = self._sender.submit(self._send_audio, *self._audio) if self._audio is not None else None
-        self._audio = None
+        # the newcomers' first chunks go out from the sender thread after that audio, as the device finishes them
+        # (in the order it runs them), while this thread dispatches the step (whose call holds it for its loop trips)
         stamping = self._sender.submit(self._stamp_prefilled, joined, prefill_done) if prefill_done is not None else None
         sending = self._sender.submit(self._send_first, new, *first) if first is not None else None
         parts.mark("dispatch")
