@@ -251,7 +251,7 @@ def run(settings: Settings, engine: Engine | None = None) -> int:
         runner = Runner(app, header_timeout_s=settings.header_timeout_s, idle_timeout_s=settings.idle_timeout_s,
                         max_connections=settings.max_connections, handler_cancellation=True, shutdown_timeout=5.0)
         await runner.setup()
-        site = web.TCPSite(runner, settings.host, settings.port)
+        site = runner.site(settings.host, settings.port)
         await site.start()
         log.info("listening on http://%s:%d (model %s)", settings.host, settings.port, settings.model)
         stop = asyncio.Event()

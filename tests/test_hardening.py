@@ -15,6 +15,7 @@ import io
 import json
 import logging
 import pathlib
+import socket
 import string
 import threading
 import urllib.parse
@@ -74,7 +75,7 @@ class Served:
         self.runner = Runner(self.app, header_timeout_s=s.header_timeout_s, idle_timeout_s=s.idle_timeout_s,
                              max_connections=s.max_connections, handler_cancellation=True, shutdown_timeout=5.0)
         self.loop.run_until_complete(self.runner.setup())
-        site = aiohttp.web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = self.runner.site("127.0.0.1", 0)
         self.loop.run_until_complete(site.start())
         self.port = self.runner.addresses[0][1]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -480,6 +481,32 @@ def test_connections_over_the_cap_get_503_and_the_server_recovers(served):
     assert head.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in head, refused[:300]
     assert json.loads(body)["error"]["code"] == "too_many_connections"
     served.healthy()
+
+
+def test_a_burst_of_as_many_connections_as_the_cap_is_queued_while_the_event_loop_is_busy():
+    """The kernel completes a burst's connections into the listening socket's backlog while the event loop is
+    busy elsewhere; past the backlog it drops them and their clients retry a second later. Here the event loop
+    accepts nothing while 300 clients connect (a cap of 300): each must connect at once."""
+    async def burst():
+        runner = Runner(aiohttp.web.Application(), header_timeout_s=5.0, idle_timeout_s=5.0, max_connections=300)
+        await runner.setup()
+        site = runner.site("127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        clients = []
+        try:
+            for _ in range(300):  # no await: the event loop cannot accept meanwhile
+                client = socket.socket()
+                clients.append(client)
+                client.settimeout(0.2)
+                client.connect(("127.0.0.1", port))  # raises once the backlog is full (the SYN is dropped)
+        finally:
+            for client in clients:
+                client.close()
+            await runner.cleanup()
+        return len(clients)
+
+    assert asyncio.run(burst()) == 300
 
 
 def test_connection_limits_are_settings_env_and_flags(monkeypatch):
