@@ -22,7 +22,7 @@ class Settings:
     max_step_ms: float = 60.0  # the longest step; a request arriving during it waits for it (EngineConfig.max_step_s)
     newcomer_guard: bool = True  # start only the newcomers the playing streams' headroom pays for (EngineConfig)
     margin_quantile: float = 0.99  # share of the measured lateness the playback margin covers (EngineConfig)
-    hold_first: bool = True  # a newcomer's first frame waits for its step's when it could play out first (EngineConfig)
+    hold_first: bool = False  # a newcomer's first frame waits for its step's when it could play out first (EngineConfig)
     dtype: str = "float32"
     codec_dtype: str = "float32"  # the streaming codec's arithmetic (EngineConfig.codec_dtype)
     ttfa_target_ms: float = 300.0

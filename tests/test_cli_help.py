@@ -64,11 +64,11 @@ def test_hold_first_flag_is_on_or_off_and_reaches_the_engine(capsys, monkeypatch
 
     parser = _serve_parser()
     monkeypatch.delenv("QTTS_HOLD_FIRST", raising=False)
-    assert settings_from_args(parser.parse_args(["--hold-first", "off"])).engine_config().hold_first is False
-    assert settings_from_args(parser.parse_args([])).engine_config().hold_first is True
-    monkeypatch.setenv("QTTS_HOLD_FIRST", "off")
-    assert settings_from_args(parser.parse_args([])).engine_config().hold_first is False
     assert settings_from_args(parser.parse_args(["--hold-first", "on"])).engine_config().hold_first is True
+    assert settings_from_args(parser.parse_args([])).engine_config().hold_first is False
+    monkeypatch.setenv("QTTS_HOLD_FIRST", "on")
+    assert settings_from_args(parser.parse_args([])).engine_config().hold_first is True
+    assert settings_from_args(parser.parse_args(["--hold-first", "off"])).engine_config().hold_first is False
     with pytest.raises(SystemExit):
         parser.parse_args(["--hold-first", "sometimes"])
     assert "--hold-first" in capsys.readouterr().err

@@ -83,11 +83,12 @@ def cheap(engine, monkeypatch):
 
 
 @pytest.fixture
-def burst_lateness(engine, clock, lead, cheap):
-    """A fast engine (every cost 1 ms, no lead to build) that has measured 200 ms of lateness at its listeners, as
-    in a burst: more than a one-frame first chunk's 80 ms of audio."""
+def burst_lateness(engine, clock, lead, cheap, monkeypatch):
+    """A fast engine (every cost 1 ms, no lead to build), `hold_first` on, that has measured 200 ms of lateness at
+    its listeners, as in a burst: more than a one-frame first chunk's 80 ms of audio."""
     clock(1e-4)
     lead(0.0)
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, hold_first=True))
     for _ in range(10):
         engine.observe_delivery_lag(0.2)
 

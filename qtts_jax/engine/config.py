@@ -74,11 +74,14 @@ class EngineConfig:
     # Start only the newcomers whose prefill and first frame the playing streams' headroom pays for
     # (`scheduler.newcomers_that_fit`); off, every waiting request with a free slot starts at once.
     guard_newcomers: bool = True
-    # A newcomer's one-frame first chunk goes out alone only while its next audio can follow before that frame has
-    # played, the measured margin spared (`scheduler.first_chunk_alone`); otherwise, with this on, its first frame
-    # waits for its first step's frames and goes out with them: first audio one step later, and no listener run
-    # dry 80 ms into its stream because a burst made the event loop late. Off: the first frame always goes alone.
-    hold_first: bool = True
+    # With this on, a newcomer's one-frame first chunk goes out alone only while its next audio can follow before
+    # that frame has played, the measured margin spared (`scheduler.first_chunk_alone`); otherwise its first frame
+    # waits for its first step's frames and goes out with them: first audio one step later, never a listener run
+    # dry 80 ms into its stream by lateness the engine measured. Off (the default): the first frame always goes
+    # alone. Since the previous iteration's audio no longer waits for the newcomers' admission, a closed burst of
+    # 256 has no such stall either way, and holding cost 30-60 ms of TTFA p95 (bench/results/
+    # host-serving-handout-cpu.json, capacity-0.6b-256-h100-run15.json).
+    hold_first: bool = False
     # The streaming codec's arithmetic: "float32" (the reference's), or "bfloat16", which puts its convolutions on
     # tensor cores in the channels-last layout cuDNN runs natively; in fp32 XLA hands cuDNN channels-first tensors
     # and cuDNN converts them back, a fifth of a codec call's time on the H200 (bench/results/kernels-*.json).

@@ -12,9 +12,9 @@ One iteration of the loop (`run_once`); its decisions are `scheduler`'s pure fun
    burst of N arrivals costs about one prefill; as many as the playing streams' headroom pays for (their
    prefill and first frame run before the playing streams' next frame), the rest waiting an iteration;
 2. the newcomers step their first frame and decode it in one small program of their own, queued first, so
-   their first audio does not wait for the playing streams' step; unless their next audio could not follow that
-   one frame before it has played, the measured margin spared (`scheduler.first_chunk_alone`, `hold_first`):
-   then the first frame goes out with the step's frames, a longer first chunk one step later;
+   their first audio does not wait for the playing streams' step (with `hold_first` on, unless their next audio
+   could not follow that one frame before it has played, the measured margin spared: `scheduler.first_chunk_alone`;
+   then the first frame goes out with the step's frames, a longer first chunk one step later);
 3. the playing rows, and the newcomers right after their first frame, step `n` frames in one `lax.scan`: the
    most frames whose measured cost leaves every stream's playback headroom (audio handed out minus audio a
    zero-buffer listener has played) above the margin, a newcomer's one frame of audio included (counted from
