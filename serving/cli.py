@@ -34,6 +34,10 @@ def add_server_flags(s: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                                  "chunks grow to the schedule's sizes (QTTS_LEAD_MS; default 1000)")
     s.add_argument("--max-step-ms", type=float, help="the longest engine step, which a newly arrived request waits "
                                                      "for, unless only a longer one keeps up (QTTS_MAX_STEP_MS; default 60)")
+    s.add_argument("--cap-iteration", type=_on_off, metavar="{on,off}",
+                   help="on: --max-step-ms bounds the whole engine iteration, the newcomers' prefill and first frame "
+                        "ahead of the step included, except while requests wait for a free slot; off: the step alone "
+                        "(QTTS_CAP_ITERATION; default off)")
     s.add_argument("--newcomer-guard", type=_on_off, metavar="{on,off}",
                    help="on: an engine iteration starts only the waiting requests whose prefill and first frame "
                         "every playing stream's audio in hand outlasts, the others wait an iteration; off: all that "
@@ -99,8 +103,8 @@ def settings_from_args(args):
     """Settings: the flags of `add_server_flags`, over QTTS_* environment variables, over the defaults."""
     from serving.settings import Settings
 
-    keys = ("model", "host", "port", "slots", "context", "frames_per_step", "lead_ms", "max_step_ms", "dtype",
-            "codec_dtype", "ttfa_target_ms", "newcomer_guard", "margin_quantile", "hold_first",
+    keys = ("model", "host", "port", "slots", "context", "frames_per_step", "lead_ms", "max_step_ms", "cap_iteration",
+            "dtype", "codec_dtype", "ttfa_target_ms", "newcomer_guard", "margin_quantile", "hold_first",
             "starvation_ms", "max_queue", "max_input_chars", "drain_timeout_s", "voices_dir", "compile_cache")
     keys += ("header_timeout_s", "idle_timeout_s", "max_connections", "voice_aliases")
     return Settings.from_env(**{k: getattr(args, k) for k in keys})

@@ -59,6 +59,18 @@ def test_margin_quantile_flag_is_a_share_and_reaches_the_engine(capsys):
         assert "--margin-quantile: expected a number in (0, 1]" in capsys.readouterr().err
 
 
+def test_cap_iteration_flag_reaches_the_engine(monkeypatch):
+    from serving.cli import settings_from_args
+
+    parser = _serve_parser()
+    monkeypatch.delenv("QTTS_CAP_ITERATION", raising=False)
+    assert settings_from_args(parser.parse_args([])).engine_config().cap_iteration is False
+    assert settings_from_args(parser.parse_args(["--cap-iteration", "on"])).engine_config().cap_iteration is True
+    monkeypatch.setenv("QTTS_CAP_ITERATION", "on")
+    assert settings_from_args(parser.parse_args([])).engine_config().cap_iteration is True
+    assert settings_from_args(parser.parse_args(["--cap-iteration", "off"])).engine_config().cap_iteration is False
+
+
 def test_hold_first_flag_is_on_or_off_and_reaches_the_engine(capsys, monkeypatch):
     from serving.cli import settings_from_args
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from serving.bridge import AsyncEngine
-from qtts_jax.engine import Engine, PromptTooLong
+from qtts_jax.engine import Engine, PromptTooLong, core
+from qtts_jax.engine.scheduler import step_frames
 from qtts_jax.engine.stream import FRAME_SECONDS
 from qtts_jax.request import Request, RequestError
 from support import GREEDY, STREAMING, Collector, assert_same_codes, run, run_small
@@ -249,6 +250,36 @@ def test_a_stream_submitted_ahead_takes_the_next_free_slot_before_waiting_reques
     engine.run_once()
     assert ahead.slot is not None and waiting.slot is None
     for s in (*playing, waiting, ahead):
+        s.cancel()
+    while engine.run_once():
+        pass
+
+
+def test_the_iteration_is_capped_only_while_no_request_waits_for_a_free_slot(engine, monkeypatch):
+    """With `cap_iteration`, the longest step counts the newcomers' programs ahead of it, but not while requests
+    wait for a free slot: shorter steps would only keep them waiting longer."""
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, guard_newcomers=False,
+                                                              cap_iteration=True))
+    capped = []
+
+    def recording(*args, **kwargs):
+        capped.append(args[-1])
+        return step_frames(*args, **kwargs)
+
+    monkeypatch.setattr(core, "step_frames", recording)
+    playing = [engine.submit(engine.prepare(Request(f"Holding slot {i}.", speaker="ryan", max_frames=100, **GREEDY)),
+                             Collector()) for i in range(engine.config.slots)]
+    engine.run_once()
+    waiting = [engine.submit(engine.prepare(Request(f"Waiting {i}.", speaker="eric", max_frames=100)), Collector())
+               for i in range(2)]
+    playing[0].cancel()
+    engine.run_once()  # one newcomer takes the freed slot; the other still waits for one
+    assert waiting[0].slot is not None and waiting[1].slot is None
+    playing[1].cancel()
+    engine.run_once()  # the last one joins: nobody waits
+    assert waiting[1].slot is not None
+    assert capped == [True, False, True]
+    for s in (*playing, *waiting):
         s.cancel()
     while engine.run_once():
         pass

@@ -58,6 +58,14 @@ def test_a_long_step_is_avoided_unless_only_it_keeps_up():
     assert step_frames(slow, np.array([2.0]), None, 0.0, 0.01, 0.1).frames == 4
 
 
+def test_capping_the_iteration_counts_the_newcomers_programs_ahead_of_the_step():
+    """A request arriving during an iteration waits for all of it: with `cap_iteration` the newcomers' prefill and
+    first frame (10 ms here) count toward `max_step_s`, and a two-frame step's 55 ms no longer fits 60 ms."""
+    assert step_frames(COSTS, np.array([2.0]), None, 0.010, 0.01, 0.06).frames == 2
+    assert step_frames(COSTS, np.array([2.0]), None, 0.010, 0.01, 0.06, cap_iteration=True).frames == 1
+    assert step_frames(COSTS, np.array([2.0]), None, 0.0, 0.01, 0.06, cap_iteration=True).frames == 2
+
+
 def test_nothing_fits_steps_one_frame():
     assert step_frames(COSTS, np.array([0.01]), None, 0.0, 0.01, 0.2).frames == 1
     assert step_frames(COSTS, np.array([]), None, 0.0, 0.01, 0.2).frames == 4  # no audio out yet: no bound

@@ -62,6 +62,14 @@ class EngineConfig:
     # bench/schedule_sim.py it moved the 0.6B shape's rates with p95 <= 100 ms from 40 rps to 100 at the same
     # throughput, and cost nothing at the costs x1.8 (bench/results/schedule-sim-max-step-cpu.json).
     max_step_s: float = 0.06
+    # With this on, `max_step_s` bounds the whole iteration, the newcomers' prefill and first frame ahead of the
+    # step included (a request arriving meanwhile waits for all of it), except while requests wait for a free slot
+    # (a short step then keeps them waiting longer: each stream holds its slot for more iterations). Off: the step
+    # alone. On the simulated H200 (bench/results/host-serving-cap-iteration-cpu.json) on cut TTFA p95 at 80 rps
+    # from 97 to 78-82 ms and in a closed loop of 256 from 304-371 to 285-312, but raised it at 100 rps from 103 to
+    # 98-117 and at 120 rps from 197-199 to 238-249; run 16 on the H200 stepped 3.8 frames a step at 80 rps (p95
+    # 103 ms) where run 14 had stepped 2. Off until measured on the GPU.
+    cap_iteration: bool = False
     # Playback policy. Every stream builds a lead of `lead_s` of audio from spare compute, each frame going
     # out as soon as it exists until then; beyond it chunks follow `schedule`. The margin kept in hand beyond
     # an iteration's predicted cost is the jitter measured between prediction, engine and listener (see

@@ -488,8 +488,12 @@ class Engine:
         newcomer_audio = FRAME_SECONDS if first is not None and first[1].any() else None
         costs = {n: self.step_costs.get((b, n), 0.0) for n in self._step_sizes}
         delivery = {n: self._delivery_after(b, n) for n in costs}
-        return step_frames(costs, headroom, newcomer_audio, extra_s, self._margin_s, c.max_step_s,
-                           delivery, self._late.get(ahead, 0.0))
+        return step_frames(costs, headroom, newcomer_audio, extra_s, self._margin_s, c.max_step_s, delivery,
+                           self._late.get(ahead, 0.0), c.cap_iteration and not self._waiting_for_slot())
+
+    def _waiting_for_slot(self) -> bool:
+        """Requests are queued and every slot in use holds a stream: a short step only keeps them waiting longer."""
+        return bool(self.queue) and all(s is not None for s in self.slots[: max(self._ladder)])
 
     def _delivery_after(self, b: int, frames: int) -> float:
         """Measured delay from the end of an iteration stepping `frames` frames at rung `b` to its audio going out:

@@ -43,7 +43,7 @@ class StepPlan:
 
 def step_frames(costs: dict[int, float], headroom: np.ndarray, newcomer_audio_s: float | None, extra_s: float,
                 margin_s: float, max_step_s: float, delivery_s: dict[int, float] | None = None,
-                first_late_s: float = 0.0) -> StepPlan:
+                first_late_s: float = 0.0, cap_iteration: bool = False) -> StepPlan:
     """Frames to step, from `costs` (frames -> seconds of a step iteration at this batch, the codec included):
 
     - `headroom` [N]: seconds of audio each playing stream with audio has in hand now;
@@ -55,7 +55,8 @@ def step_frames(costs: dict[int, float], headroom: np.ndarray, newcomer_audio_s:
       this step reaches its streams that much after it (0 where not given);
     - `first_late_s`: how much later than `extra_s` after the iteration's start the newcomers' first audio goes
       out, measured (it waits on the device behind the previous iteration's codec call, which `costs` count):
-      their listener starts that much later, so their next audio may come that much later too.
+      their listener starts that much later, so their next audio may come that much later too;
+    - `cap_iteration`: `max_step_s` bounds the step and the newcomers' programs ahead of it, not the step alone.
     """
     delivery_s = delivery_s or {}
     budget = math.inf
@@ -65,7 +66,8 @@ def step_frames(costs: dict[int, float], headroom: np.ndarray, newcomer_audio_s:
         budget = min(budget, newcomer_budget(newcomer_audio_s, first_late_s, margin_s))
     sizes = sorted(costs)
     fits = [n for n in sizes if costs[n] + delivery_s.get(n, 0.0) <= budget]
-    brief = [n for n in fits if costs[n] <= max_step_s and costs[n] + extra_s <= n * FRAME_SECONDS]
+    ahead = extra_s if cap_iteration else 0.0
+    brief = [n for n in fits if costs[n] + ahead <= max_step_s and costs[n] + extra_s <= n * FRAME_SECONDS]
     n = max(brief or fits, default=sizes[0])
     return StepPlan(n, extra_s + costs[n])
 
