@@ -1,9 +1,10 @@
 """The first-audio floor a burst meets before any engine work: the capacity study's closed-loop client against a
 server that answers each streamed speech request at once (one PCM frame as soon as its handler runs, then one
-every 80 ms, 60 frames), listening as `qtts-jax serve` does (`serving.connections.Runner`, its backlog). What the
-client measures here is what HTTP handling and the client itself cost. The server stamps when each handler starts
-(`time.perf_counter`, one clock for every process of a Linux machine), which splits that time into the part
-before the handler (the client sending, the server accepting and parsing) and the part after it.
+every 80 ms, 60 frames as the study's requests have), listening as `qtts-jax serve` does
+(`serving.connections.Runner`, its backlog). What the client measures here is what HTTP handling and the client
+itself cost. The server stamps when each handler starts (`time.perf_counter`, one clock for every process of a
+Linux machine), which splits that time into the part before the handler (the client sending, the server accepting
+and parsing) and the part after it.
 
     python bench/http_floor.py --loads 256 --out bench/results/http-floor-cpu.json
 """
@@ -24,10 +25,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-FRAME_BYTES, FRAMES = 1920 * 2, 60
+FRAME_BYTES = 1920 * 2
 
 
-def serve(port: int, stamps_path: str) -> None:
+def serve(port: int, stamps_path: str, frames: int) -> None:
     """The child: answer every speech request at once; write the handlers' start times on SIGTERM."""
     from aiohttp import web
 
@@ -43,7 +44,7 @@ def serve(port: int, stamps_path: str) -> None:
         resp.enable_chunked_encoding()
         await resp.prepare(request)
         start = time.perf_counter()
-        for i in range(FRAMES):
+        for i in range(frames):
             await asyncio.sleep(max(0.0, start + 0.08 * i - time.perf_counter()))
             await resp.write(bytes(FRAME_BYTES))
         await resp.write_eof()
@@ -68,12 +69,13 @@ def percentiles(values) -> list[float]:
     return [round(float(v), 1) for v in np.percentile(np.asarray(values) * 1e3, [50, 95, 100])]
 
 
-async def measure(load: int, out_dir: Path) -> dict:
+async def measure(load: int, out_dir: Path, frames: int = 60) -> dict:
+    """Two waves of `load` requests (after 8 to warm up), each answered with `frames` frames of 80 ms."""
     from studies.load import closed_loop
     from studies.server import free_port
 
     port, stamps_path = free_port(), out_dir / f"stamps-{load}.json"
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), str(stamps_path)])
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), str(stamps_path), str(frames)])
     try:
         for _ in range(200):
             try:
@@ -95,6 +97,8 @@ async def measure(load: int, out_dir: Path) -> dict:
     burst = send < send.min() + 0.5
     result = {"load": load, "requests": len(rows), "failed": sum(not r.ok for r in records)}
     for name, m in (("first wave (the burst)", burst), ("the rest", ~burst)):
+        if not m.any():  # short requests: the second wave was sent within the first's 0.5 s
+            continue
         result[name] = {"requests": int(m.sum()), "send_span_ms": round(float(np.ptp(send[m])) * 1e3, 1),
                         "client_ttfa_ms_p50_p95_max": percentiles(ttfa[m]),
                         "send_to_handler_ms_p50_p95_max": percentiles(to_handler[m]),
@@ -104,7 +108,7 @@ async def measure(load: int, out_dir: Path) -> dict:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
-        serve(int(sys.argv[2]), sys.argv[3])
+        serve(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--loads", default="256", help="closed loop: requests in flight, comma-separated")
