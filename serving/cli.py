@@ -34,6 +34,11 @@ def add_server_flags(s: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                                  "chunks grow to the schedule's sizes (QTTS_LEAD_MS; default 1000)")
     s.add_argument("--max-step-ms", type=float, help="the longest engine step, which a newly arrived request waits "
                                                      "for, unless only a longer one keeps up (QTTS_MAX_STEP_MS; default 60)")
+    s.add_argument("--max-prefill", type=int, help="requests one prefill call takes: a burst's newcomers are "
+                                                   "prefilled in calls of this many (each size up to it is a "
+                                                   "program per prompt bucket) (QTTS_MAX_PREFILL; default 32)")
+    s.add_argument("--max-first", type=int, help="newcomers one engine iteration starts at most (a first-frame "
+                                                 "program per ladder rung up to it) (QTTS_MAX_FIRST; default 128)")
     s.add_argument("--cap-iteration", type=_on_off, metavar="{on,off}",
                    help="on: --max-step-ms bounds the whole engine iteration, the newcomers' prefill and first frame "
                         "ahead of the step included, except while requests wait for a free slot; off: the step alone "
@@ -104,7 +109,7 @@ def settings_from_args(args):
     from serving.settings import Settings
 
     keys = ("model", "host", "port", "slots", "context", "frames_per_step", "lead_ms", "max_step_ms", "cap_iteration",
-            "dtype", "codec_dtype", "ttfa_target_ms", "newcomer_guard", "margin_quantile", "hold_first",
+            "max_prefill", "max_first", "dtype", "codec_dtype", "ttfa_target_ms", "newcomer_guard", "margin_quantile", "hold_first",
             "starvation_ms", "max_queue", "max_input_chars", "drain_timeout_s", "voices_dir", "compile_cache")
     keys += ("header_timeout_s", "idle_timeout_s", "max_connections", "voice_aliases")
     return Settings.from_env(**{k: getattr(args, k) for k in keys})

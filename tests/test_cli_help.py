@@ -71,6 +71,21 @@ def test_cap_iteration_flag_reaches_the_engine(monkeypatch):
     assert settings_from_args(parser.parse_args(["--cap-iteration", "off"])).engine_config().cap_iteration is False
 
 
+def test_prefill_and_first_frame_widths_reach_the_engines_programs(monkeypatch):
+    from serving.cli import settings_from_args
+
+    parser = _serve_parser()
+    for name in ("QTTS_MAX_PREFILL", "QTTS_MAX_FIRST"):
+        monkeypatch.delenv(name, raising=False)
+    args = ["--slots", "256", "--context", "512"]
+    config = settings_from_args(parser.parse_args(args)).engine_config()
+    assert (config.prefill_sizes, config.first_sizes) == ((1, 8, 32), (16, 64, 128))
+    config = settings_from_args(parser.parse_args([*args, "--max-prefill", "128", "--max-first", "256"])).engine_config()
+    assert (config.prefill_sizes, config.first_sizes) == ((1, 8, 64, 128), (16, 64, 128, 256))
+    monkeypatch.setenv("QTTS_MAX_PREFILL", "64")
+    assert settings_from_args(parser.parse_args(args)).engine_config().prefill_sizes == (1, 8, 64)
+
+
 def test_hold_first_flag_is_on_or_off_and_reaches_the_engine(capsys, monkeypatch):
     from serving.cli import settings_from_args
 
