@@ -34,10 +34,10 @@ def add_server_flags(s: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                                  "chunks grow to the schedule's sizes (QTTS_LEAD_MS; default 1000)")
     s.add_argument("--max-step-ms", type=float, help="the longest engine step, which a newly arrived request waits "
                                                      "for, unless only a longer one keeps up (QTTS_MAX_STEP_MS; default 60)")
-    s.add_argument("--max-prefill", type=int, help="requests one prefill call takes: a burst's newcomers are "
+    s.add_argument("--max-prefill", type=_count, help="requests one prefill call takes: a burst's newcomers are "
                                                    "prefilled in calls of this many (each size up to it is a "
                                                    "program per prompt bucket) (QTTS_MAX_PREFILL; default 32)")
-    s.add_argument("--max-first", type=int, help="newcomers one engine iteration starts at most (a first-frame "
+    s.add_argument("--max-first", type=_count, help="newcomers one engine iteration starts at most (a first-frame "
                                                  "program per ladder rung up to it) (QTTS_MAX_FIRST; default 128)")
     s.add_argument("--cap-iteration", type=_on_off, metavar="{on,off}",
                    help="on: --max-step-ms bounds the whole engine iteration, the newcomers' prefill and first frame "
@@ -84,6 +84,12 @@ def _on_off(text: str) -> bool:
     if text in ("on", "off"):
         return text == "on"
     raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+
+
+def _count(text: str) -> int:
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected a positive count, got {text!r}")
 
 
 def _fraction(text: str) -> float:

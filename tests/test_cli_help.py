@@ -84,6 +84,12 @@ def test_prefill_and_first_frame_widths_reach_the_engines_programs(monkeypatch):
     assert (config.prefill_sizes, config.first_sizes) == ((1, 8, 64, 128), (16, 64, 128, 256))
     monkeypatch.setenv("QTTS_MAX_PREFILL", "64")
     assert settings_from_args(parser.parse_args(args)).engine_config().prefill_sizes == (1, 8, 64)
+    monkeypatch.setenv("QTTS_MAX_PREFILL", "0")
+    with pytest.raises(ValueError, match="max_prefill"):
+        settings_from_args(parser.parse_args(args)).engine_config()
+    for bad in ("0", "-8", "many"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--max-first", bad])
 
 
 def test_hold_first_flag_is_on_or_off_and_reaches_the_engine(capsys, monkeypatch):

@@ -98,6 +98,9 @@ class EngineConfig:
     def __post_init__(self):
         if not 0.0 < self.margin_quantile <= 1.0:
             raise ValueError(f"margin_quantile {self.margin_quantile} must be in (0, 1]")
+        for name in ("max_prefill", "max_first"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} {getattr(self, name)} must be at least 1")
 
     @property
     def codec_sizes(self) -> tuple[int, ...]:
