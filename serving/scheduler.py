@@ -154,11 +154,14 @@ class Scheduler:
         outlasts = newcomer_budget(FRAME_SECONDS, st.first_late_s, st.headroom_margin_s)
         sizes = [n for n in st.step_sizes if st.step_cost(batch, n) + st.delivery_s <= outlasts] or [1]
         frame_s = min((newcomer + st.step_cost(batch, n)) / n for n in sizes)
-        free_at = [0.0] * (st.slots - len(left)) + [n * frame_s for n in left]
-        heapq.heapify(free_at)
-        for cap in waiting:  # those ahead of it take slots first
-            heapq.heappush(free_at, heapq.heappop(free_at) + cap * frame_s)
-        start = free_at[0]
+        if st.slots - len(left) > len(waiting):  # a slot is still free once those ahead of it have theirs
+            start = 0.0
+        else:  # those ahead of it take slots first (per request of a burst this was most of its admission's time)
+            free_at = [0.0] * (st.slots - len(left)) + [n * frame_s for n in left]
+            heapq.heapify(free_at)
+            for cap in waiting:
+                heapq.heappush(free_at, heapq.heappop(free_at) + cap * frame_s)
+            start = free_at[0]
         service = max(burst, self._service or 0.0)
         return start, st.iteration_s + start + service, frame_s, burst
 

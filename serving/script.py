@@ -104,9 +104,10 @@ def _jobs(engine, req: Request, schedule, text: str) -> list[Job]:
             return False
         except RequestError as exc:  # the request's fault, not the length's
             raise from_request_error(exc) from None
-        speech = min(job.request.max_frames, SPEECH_FRAMES_PER_TOKEN * len(tok.encode(part)))
-        if not whole and speech > c.context - job.bucket:
-            return False
+        if not whole:  # a part's speech must fit the context left after its prompt (the whole input's is capped)
+            speech = min(job.request.max_frames, SPEECH_FRAMES_PER_TOKEN * len(tok.encode(part)))
+            if speech > c.context - job.bucket:
+                return False
         jobs[part] = job
         return True
 

@@ -97,6 +97,18 @@ def test_burst_waiting_is_one_prefill_not_one_each():
     assert ttfa < 0.3
 
 
+def test_a_request_waits_for_a_slot_only_once_those_ahead_of_it_took_every_free_one():
+    """Four free slots: with three requests ahead of it one is left for it; with four ahead of it, it waits for
+    the first of theirs or the playing streams' to end (those ahead have 5 frames, the playing 40)."""
+    st = snapshot(live=[40] * 60, queued=[5] * 3)
+    sched = ready_scheduler(st)
+    assert sched.predict(st, *sched.load(st))[0] == 0.0
+    st = snapshot(live=[40] * 60, queued=[5] * 4)
+    sched = ready_scheduler(st)
+    start, _, frame_s, _ = sched.predict(st, *sched.load(st))
+    assert start == pytest.approx(5 * frame_s) and frame_s > 0
+
+
 def test_full_slots_wait_for_the_first_to_free_and_refuse_past_the_target():
     # full slots: every iteration takes a newcomer (prefill, first frame) before the others' step
     newcomer = prefill_cost(1) + first_cost(1)
