@@ -46,6 +46,7 @@ GC_BUCKET = re.compile(r'qtts_gc_pause_seconds_bucket\{generation="(\d)",le="([^
 GC_FREED = re.compile(r'qtts_gc_collected_objects_total\{generation="(\d)"\} (\S+)')
 LATE_NAMES = {"qtts_engine_late_chunks": "engine", "qtts_late_chunks_total": "server"}
 LATE = re.compile(rf"^({'|'.join(LATE_NAMES)}) (\S+)$", re.M)
+INTAKE = re.compile(r"^qtts_request_intake_seconds_(sum|count) (\S+)$", re.M)
 PROFILE_LINE = re.compile(r"iterations: \d+ in [\d.]+ s; mean per iteration \(ms, or count\): (\{.*\})")
 COLUMNS = ("success_rate", "rejected_429", "ttfa_p50_ms", "ttfa_p95_ms", "starvation_p95_ms", "underruns_mean",
            "underrun_requests", "underrun_share", "first_underrun_at", "throughput_rps", "audio_s_per_s")
@@ -122,26 +123,38 @@ def late_chunks(metrics: str) -> dict[str, float]:
     return {LATE_NAMES[name]: float(value) for name, value in LATE.findall(metrics)}
 
 
+def intake(metrics: str) -> dict[str, float]:
+    """The server's intake so far (its handlers' start to their submit), from its /metrics text: seconds ("sum")
+    and requests ("count")."""
+    return {kind: float(value) for kind, value in INTAKE.findall(metrics)}
+
+
+def intake_since(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """A condition's intake: its requests' seconds in all and the mean per request (ms), between two `intake`."""
+    seconds, count = (now.get(k, 0.0) - before.get(k, 0.0) for k in ("sum", "count"))
+    return {"seconds": round(seconds, 4), "mean_ms": round(1e3 * seconds / count, 4) if count else None}
+
+
 def metrics_text(url: str) -> str:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         return r.read().decode()
 
 
-def server_marks(url: str, log_path: Path) -> tuple[int, dict, dict]:
-    """Where the server's log, its collector's counts and its late chunks stand before a condition (`server_side`
-    reads after)."""
+def server_marks(url: str, log_path: Path) -> tuple[int, dict, dict, dict]:
+    """Where the server's log, its collector's counts, its late chunks and its intake stand before a condition
+    (`server_side` reads after)."""
     text = metrics_text(url)
-    return log_path.stat().st_size, gc_passes(text), late_chunks(text)
+    return log_path.stat().st_size, gc_passes(text), late_chunks(text), intake(text)
 
 
-def server_side(url: str, log_path: Path, marks: tuple[int, dict, dict], records_path: Path) -> dict:
+def server_side(url: str, log_path: Path, marks: tuple[int, dict, dict, dict], records_path: Path) -> dict:
     """What the server did during a condition, since `marks`: why requests failed, its collector's passes, the
-    chunks it handed out late and its iteration profile."""
-    offset, passes, late = marks
+    chunks it handed out late, its intake and its iteration profile."""
+    offset, passes, late, taken = marks
     text = metrics_text(url)
     return {"refusals": refusals(records_path), "gc_passes": gc_passes_since(gc_passes(text), passes),
             "late_chunks": {k: int(n - late.get(k, 0)) for k, n in late_chunks(text).items()},
-            "iteration_profile": profile_since(log_path, offset)}
+            "intake": intake_since(intake(text), taken), "iteration_profile": profile_since(log_path, offset)}
 
 
 def profile_since(log_path: Path, offset: int) -> list[str]:

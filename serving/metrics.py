@@ -9,6 +9,7 @@ from serving.collector import PauseCollector
 _LAT = (0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 _HEAD = (-1.0, -0.5, -0.2, -0.1, -0.05, 0.0, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _STEP = (0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64)
+_INTAKE = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 _E2E = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
 _CHARS = (10, 25, 50, 100, 200, 400, 800, 1600, 3200, 6400)
 _AUDIO = (0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
@@ -32,6 +33,10 @@ class Metrics:
             {"model": model, **(info or {})})
         self.requests = Counter("qtts_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"],
                                 registry=r)
+        # the event loop takes a burst's requests one after another: each waits for the intake of those before it
+        self.intake = Histogram("qtts_request_intake_seconds", "An HTTP speech request's handler starting (a "
+                                "WebSocket utterance's admission) to its first part submitted to the engine",
+                                buckets=_INTAKE, registry=r)
         self.ttfa = Histogram("qtts_ttfa_seconds", "Submit to first audio chunk handed to the client", buckets=_LAT,
                               registry=r)
         self.ttfa_part = Histogram("qtts_ttfa_part_seconds", "TTFA parts: queue, prefill, first_frame, codec",

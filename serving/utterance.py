@@ -32,6 +32,7 @@ class Utterance:
         self.predicted_ttfa = sched.admit()  # raises 429/503
         self._jobs = iter(script.jobs)
         self.streams = [app[BRIDGE].submit(next(self._jobs))]
+        app[METRICS].intake.observe(time.perf_counter() - self.started)
         if live is not None:  # a live utterance's script is its one job: the text still to come joins its stream
             live.attach(self.streams[0])
         # its parts still to come count as load from now on, so the next admission sees them (serving/scheduler.py)

@@ -64,6 +64,16 @@ def test_the_bench_counts_the_long_collector_passes_and_what_they_freed(monkeypa
         "2": {"passes": 2, "over_20ms": 2, "over_50ms": 1, "collected": 90_700}}
 
 
+def test_the_bench_reads_the_servers_intake_per_condition():
+    text = ("# HELP qtts_request_intake_seconds An HTTP speech request's handler starting ...\n"
+            'qtts_request_intake_seconds_bucket{le="0.001"} 3.0\nqtts_request_intake_seconds_count 4.0\n'
+            "qtts_request_intake_seconds_sum 0.0016\nqtts_request_intake_seconds_created 1.7e+09\n")
+    assert bench.intake(text) == {"count": 4.0, "sum": 0.0016}
+    assert bench.intake_since({"count": 14.0, "sum": 0.0066}, bench.intake(text)) == {"seconds": 0.005,
+                                                                                       "mean_ms": 0.5}
+    assert bench.intake_since(bench.intake(text), bench.intake(text)) == {"seconds": 0.0, "mean_ms": None}
+
+
 def test_the_bench_reads_late_chunks_by_where_they_were_late():
     text = ("# HELP qtts_late_chunks_total Chunks handed out after their playback deadline\n"
             "qtts_late_chunks_total 7.0\nqtts_late_chunks_created 1.7e+09\nqtts_engine_late_chunks 2.0\n")

@@ -259,6 +259,9 @@ async def test_metrics_present(client):
         assert name in text, name
     count = float(text.split("qtts_step_seconds_count ")[1].split("\n")[0])
     assert count > 0
+    # the one request the engine took was taken in: its intake is timed (the refused one never reached it)
+    assert float(text.split("qtts_request_intake_seconds_count ")[1].split("\n")[0]) == 1.0
+    assert float(text.split("qtts_request_intake_seconds_sum ")[1].split("\n")[0]) > 0
     before = _gc_passes(text, 2)
     gc.collect()  # a full pass in the server's process, timed like any other
     assert _gc_passes(await (await client.get("/metrics")).text(), 2) >= before + 1
