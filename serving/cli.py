@@ -35,10 +35,10 @@ def add_server_flags(s: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--max-step-ms", type=float, help="the longest engine step, which a newly arrived request waits "
                                                      "for, unless only a longer one keeps up (QTTS_MAX_STEP_MS; default 60)")
     s.add_argument("--max-prefill", type=_count, help="requests one prefill call takes: a burst's newcomers are "
-                                                   "prefilled in calls of this many (each size up to it is a "
-                                                   "program per prompt bucket) (QTTS_MAX_PREFILL; default 32)")
-    s.add_argument("--max-first", type=_count, help="newcomers one engine iteration starts at most (a first-frame "
-                                                 "program per ladder rung up to it) (QTTS_MAX_FIRST; default 128)")
+                                                   "prefilled in calls of this many, each size up to it a program "
+                                                   "per prompt bucket (QTTS_MAX_PREFILL; default 32)")
+    s.add_argument("--max-first", type=_count, help="newcomers one engine iteration starts at most, a first-frame "
+                                                 "program per ladder rung up to it (QTTS_MAX_FIRST; default 128)")
     s.add_argument("--cap-iteration", type=_on_off, metavar="{on,off}",
                    help="on: --max-step-ms bounds the whole engine iteration, the newcomers' prefill and first frame "
                         "ahead of the step included, except while requests wait for a free slot; off: the step alone "
@@ -86,10 +86,10 @@ def _on_off(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
 
 
-def _count(text: str) -> int:
+def _count(text: str, expected: str = "a positive count") -> int:
     if text.isdigit() and int(text) > 0:
         return int(text)
-    raise argparse.ArgumentTypeError(f"expected a positive count, got {text!r}")
+    raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
 
 
 def _fraction(text: str) -> float:
@@ -103,11 +103,7 @@ def _fraction(text: str) -> float:
 
 
 def _slots(text: str) -> int | str:
-    if text == "auto":
-        return text
-    if text.isdigit() and int(text) > 0:
-        return int(text)
-    raise argparse.ArgumentTypeError(f"expected a positive count or auto, got {text!r}")
+    return text if text == "auto" else _count(text, "a positive count or auto")
 
 
 def settings_from_args(args):
@@ -115,9 +111,9 @@ def settings_from_args(args):
     from serving.settings import Settings
 
     keys = ("model", "host", "port", "slots", "context", "frames_per_step", "lead_ms", "max_step_ms", "cap_iteration",
-            "max_prefill", "max_first", "dtype", "codec_dtype", "ttfa_target_ms", "newcomer_guard", "margin_quantile", "hold_first",
-            "starvation_ms", "max_queue", "max_input_chars", "drain_timeout_s", "voices_dir", "compile_cache")
-    keys += ("header_timeout_s", "idle_timeout_s", "max_connections", "voice_aliases")
+            "max_prefill", "max_first", "dtype", "codec_dtype", "ttfa_target_ms", "newcomer_guard", "margin_quantile",
+            "hold_first", "starvation_ms", "max_queue", "max_input_chars", "drain_timeout_s", "voices_dir")
+    keys += ("compile_cache", "header_timeout_s", "idle_timeout_s", "max_connections", "voice_aliases")
     return Settings.from_env(**{k: getattr(args, k) for k in keys})
 
 

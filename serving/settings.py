@@ -25,7 +25,7 @@ class Settings:
     max_first: int = 128  # newcomers one iteration starts at most (EngineConfig.max_first)
     newcomer_guard: bool = True  # start only the newcomers the playing streams' headroom pays for (EngineConfig)
     margin_quantile: float = 0.99  # share of the measured lateness the playback margin covers (EngineConfig)
-    hold_first: bool = False  # a newcomer's first frame waits for its step's when it could play out first (EngineConfig)
+    hold_first: bool = False  # a newcomer's first frame waits for its step's if it could play out first (EngineConfig)
     dtype: str = "float32"
     codec_dtype: str = "float32"  # the streaming codec's arithmetic (EngineConfig.codec_dtype)
     ttfa_target_ms: float = 300.0
@@ -82,8 +82,8 @@ class Settings:
         buckets = tuple(b for b in EngineConfig.prompt_buckets if b < self.context // 2) or (min(32, self.context // 2),)
         return EngineConfig(slots=self.slots, context=self.context, frames_per_step=self.frames_per_step,
                             prompt_buckets=buckets, max_trailing=min(256, self.context // 2),
-                            lead_s=self.lead_ms / 1000, max_step_s=self.max_step_ms / 1000, cap_iteration=self.cap_iteration,
-                            max_prefill=self.max_prefill, max_first=self.max_first,
+                            lead_s=self.lead_ms / 1000, max_step_s=self.max_step_ms / 1000,
+                            cap_iteration=self.cap_iteration, max_prefill=self.max_prefill, max_first=self.max_first,
                             guard_newcomers=self.newcomer_guard, codec_dtype=self.codec_dtype,
                             margin_quantile=self.margin_quantile, hold_first=self.hold_first)
 

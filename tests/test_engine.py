@@ -135,8 +135,8 @@ def test_when_measured_lateness_outlasts_a_frame_the_first_chunk_carries_the_ste
 def test_a_held_first_chunk_is_no_longer_than_the_codecs_largest_and_no_frame_is_lost(engine, model, burst_lateness,
                                                                                        monkeypatch):
     """Held for a three-frame step, a first chunk would hold four frames; with two-frame codec calls the largest
-    (a schedule of 1 and 2 frames), it holds two and the rest follow: every frame decoded once, the same audio as `Model.generate`'s (a chunk
-    wider than the call dropped a frame's audio)."""
+    (a schedule of 1 and 2 frames), it holds two and the rest follow: every frame decoded once, the same audio as
+    `Model.generate`'s (a chunk wider than the call dropped a frame's audio)."""
     monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, schedule=(1, 2)))
     monkeypatch.setattr(engine, "_codec_sizes", (1, 2))  # the schedule's, compiled already
     req = Request("Held, then capped.", speaker="aiden", max_frames=12, **GREEDY)

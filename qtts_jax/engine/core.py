@@ -492,8 +492,8 @@ class Engine:
                            self._late.get(ahead, 0.0), c.cap_iteration and not self._waiting_for_slot())
 
     def _waiting_for_slot(self) -> bool:
-        """Requests are queued and every slot in use holds a stream: a short step only keeps them waiting longer."""
-        return bool(self.queue) and all(s is not None for s in self.slots[: max(self._ladder)])
+        """Requests are queued and `_admit` has no slot to give them: a short step only keeps them waiting longer."""
+        return bool(self.queue) and self.active >= max(self._ladder)
 
     def _delivery_after(self, b: int, frames: int) -> float:
         """Measured delay from the end of an iteration stepping `frames` frames at rung `b` to its audio going out:

@@ -10,12 +10,13 @@ the first byte. A stream's *headroom* is the audio it has handed out minus what 
   schedule (fewer, larger codec calls).
 - **Step size.** The most frames whose predicted iteration, and the wait until its audio is handed out, leave
   every stream's headroom above the margin, where newcomers, joining the step right after their one-frame first
-  chunk, must get their next audio before that frame has played; and no longer than `max_step_s` (a request arriving meanwhile waits for it) unless only a
-  longer step keeps up with playback.
+  chunk, must get their next audio before that frame has played; and no longer than `max_step_s` (a request
+  arriving meanwhile waits for it; with `cap_iteration`, for the newcomers' programs ahead of the step too) unless
+  only a longer step keeps up with playback.
 - **Newcomers.** An iteration starts only as many waiting requests as the playing streams' headroom pays for:
   their prefill and first frame run before the playing streams' next frame, so a burst of arrivals waits an
-  iteration or two rather than making a playing stream run dry. Their first frame goes out alone only while their
-  next audio can follow it within its 80 ms, the margin spared; else it goes out with the step's frames.
+  iteration or two rather than making a playing stream run dry. With `hold_first`, their first frame goes out
+  alone only while their next audio can follow it within its 80 ms, the margin spared; else with the step's frames.
 - **Margin.** The late side of what was measured: iterations that ran longer than predicted, audio handed out
   later than usual after them, and chunks their listeners' coroutines took later than the engine handed them out.
   Not a constant guessed here.
