@@ -109,7 +109,7 @@ class Scheduler:
         """A stream's first chunk left: its admission-to-first-chunk time corrects the predicted one (not while the
         engine compiles its larger rungs in the background: XLA then slows everything, and a burst judged by that
         later would be refused whole)."""
-        if self.engine.stats().compiling:
+        if self.engine.compiling:
             return
         t = timings
         if t.admitted is not None and t.first_chunk is not None:

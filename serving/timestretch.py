@@ -10,6 +10,8 @@ stream, and the stream's total length must come out exact (`finish`)."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 MIN_SPEED, MAX_SPEED = 0.25, 4.0
@@ -26,10 +28,7 @@ class TimeStretch:
         self.n = 2 * round(0.015 * sample_rate)  # frame: 30 ms
         self.hs = self.n // 2  # synthesis hop: 50% overlap, where periodic Hann windows sum to 1
         self.tol = round(0.010 * sample_rate)  # how far a frame may move to line up with the last one
-        i = np.arange(self.n)
-        self.window = (0.5 - 0.5 * np.cos(2 * np.pi * i / self.n)).astype(np.float32)
-        self._first_window = self.window.copy()
-        self._first_window[: self.hs] = 1.0  # the first frame starts at full level instead of fading in
+        self.window, self._first_window = _windows(self.n)
         self._buf = np.zeros(0, np.float32)  # input from absolute sample `_base` on
         self._base = 0
         self._total_in = 0
@@ -94,3 +93,16 @@ class TimeStretch:
         size = 1 << int(np.ceil(np.log2(len(region) + self.n)))
         corr = np.fft.irfft(np.fft.rfft(region, size) * np.conj(np.fft.rfft(template, size)), size)
         return lo + int(np.argmax(corr[: hi - lo + 1]))
+
+
+@functools.lru_cache(maxsize=4)
+def _windows(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The periodic Hann window of an n-sample frame, and the first frame's (full level where the others fade
+    in), read-only: every request builds a stretch, most at speed 1.0, and in a burst the event loop built these
+    for each of them."""
+    window = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(n) / n)).astype(np.float32)
+    first = window.copy()
+    first[: n // 2] = 1.0
+    for w in (window, first):
+        w.flags.writeable = False
+    return window, first

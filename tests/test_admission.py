@@ -51,6 +51,10 @@ class Snapshots:
     def stats(self):
         return self.st
 
+    @property
+    def compiling(self):
+        return self.st.compiling
+
 
 def ready_scheduler(st, **config) -> Scheduler:
     sched = Scheduler(Snapshots(st), AdmissionConfig(**config))

@@ -320,6 +320,13 @@ class Engine:
         handed it out: that lag is jitter the margin must cover (safe from any thread)."""
         self.jitter.add(seconds)
 
+    @property
+    def compiling(self) -> int:
+        """Programs the background warm-up has still to compile and time: what `stats().compiling` says, without
+        the snapshot's walk over every slot (the server asks at each stream's first chunk; safe from any
+        thread)."""
+        return self._compiling
+
     def stats(self) -> EngineStats:
         """The latest published snapshot, with the queue, the streams in slots and the rungs in use as they are
         now: requests submitted since the last iteration count at once, so a burst is judged request by request,
