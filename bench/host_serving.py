@@ -7,10 +7,10 @@ long as the H200's did: sim_device.py): what this shows comes from the loop's de
 and from the host's own work (the event loop, the engine's threads, the GIL between them).
 
 Each variant is one server process started with its own settings (`name=flags`, flags of this script's `--serve`
-mode, e.g. `--switch-ms 0.5` or `--setting max_step_ms=60`), all variants in one run, one after another. Writes
+mode, e.g. `--xla-host` or `--setting switch_interval_ms=5`), all variants in one run, one after another. Writes
 JSON: per variant and rate the study's columns, the refusals and the engine's iteration profile.
 
-    python bench/host_serving.py --rates 40,60 --variants "default=;switch-0.5ms=--switch-ms 0.5" \
+    python bench/host_serving.py --rates 40,60 --variants "default=;switch-5ms=--setting switch_interval_ms=5" \
         --out bench/results/host-serving-cpu.json
 """
 
@@ -36,7 +36,6 @@ def serve(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--slots", type=int, default=256)
-    p.add_argument("--switch-ms", type=float, default=5.0, help="Python's thread switch interval (its default: 5)")
     p.add_argument("--xla-host", action="store_true",
                    help="each device call holds the engine's thread for XLA's host work in it, as on the H200")
     p.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
@@ -49,7 +48,6 @@ def serve(argv: list[str]) -> int:
     from serving.app import run
     from serving.settings import Settings
 
-    sys.setswitchinterval(args.switch_ms / 1e3)
     fields = {f.name for f in dataclasses.fields(Settings)}
     for item in args.setting:  # read as `qtts-jax serve` reads QTTS_<FIELD>, with its conversions
         name, _, value = item.partition("=")

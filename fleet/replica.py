@@ -31,14 +31,14 @@ class Replica:
 
     async def __init__(self, settings: Settings):
         from qtts_jax.engine import compile_cache
-        from serving.app import create_app, freeze_when_warm
+        from serving.app import create_app, serve_alone
         from serving.keys import WARMUP_ERROR, WARMUP_TASK
 
         self.id = _replica_id()
         # a shared compilation cache turns a new replica's minutes of XLA into seconds
         compile_cache.enable(settings.compile_cache)
         self.app = create_app(settings)
-        freeze_when_warm(self.app)  # a replica is a serving process of its own, as `qtts-jax serve` is
+        serve_alone(self.app)  # a replica is a serving process of its own, as `qtts-jax serve` is
         self.dir = tempfile.mkdtemp(prefix="qtts-replica-")
         self.sock = os.path.join(self.dir, "server.sock")
         self.runner = web.AppRunner(self.app, handler_cancellation=True)

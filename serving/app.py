@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import sys
 import time
 import weakref
 from pathlib import Path
@@ -219,10 +220,20 @@ async def drain(app: web.Application, timeout_s: float | None = None) -> bool:
     return not sched.streams
 
 
-def freeze_when_warm(app: web.Application) -> None:
-    """For a process that serves `app` alone (`run`, a fleet replica; not the tests, which host app after app):
-    startup's objects leave the garbage collector's passes once the warm-up lets it serve, and again once the
-    engine's background warm-up has compiled the larger rungs (`Engine.on_compiled`). Call before the app starts."""
+def serve_alone(app: web.Application) -> None:
+    """For a process that serves `app` alone (`run`, a fleet replica; not the tests, which host app after app).
+    Call before the app starts.
+
+    - The garbage collector: startup's objects leave its passes once the warm-up lets it serve, and again once
+      the engine's background warm-up has compiled the larger rungs (`Engine.on_compiled`).
+    - The GIL: Python's switch interval becomes `Settings.switch_interval_ms`. The engine thread lets go of the
+      GIL inside every device call and takes it back several times per call; while the event loop holds it,
+      taking a burst, each taking-back waited out the interval (5 ms by default). On an H100 a 16-row step
+      whose host part takes 3.9 ms took 50 ms beside a busy thread (bench/results/gil-h100.json)."""
+    interval_ms = app[SETTINGS].switch_interval_ms
+    if not 0 < interval_ms < float("inf"):
+        raise ValueError(f"switch_interval_ms {interval_ms} must be a positive number")
+    sys.setswitchinterval(interval_ms / 1e3)
     app[ENGINE].on_compiled = freeze_startup
 
     async def on_startup(app: web.Application) -> None:  # after `_engine_ctx` has started the warm-up
@@ -244,10 +255,10 @@ def run(settings: Settings, engine: Engine | None = None) -> int:
     async def main() -> int:
         try:
             app = create_app(settings, engine=engine)
-        except (sizing.SlotsDoNotFit, ValueError) as exc:  # ValueError: the voice aliases name no voice
+            serve_alone(app)
+        except (sizing.SlotsDoNotFit, ValueError) as exc:  # ValueError: the voice aliases name no voice, a setting
             log.error("not starting: %s", exc)
             return 2
-        freeze_when_warm(app)
         runner = Runner(app, header_timeout_s=settings.header_timeout_s, idle_timeout_s=settings.idle_timeout_s,
                         max_connections=settings.max_connections, handler_cancellation=True, shutdown_timeout=5.0)
         await runner.setup()

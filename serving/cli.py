@@ -69,6 +69,10 @@ def add_server_flags(s: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                                           "and the connection closes (slowloris; default 10)")
     s.add_argument("--idle-timeout-s", type=float, help="close a connection idle this long (default 75)")
     s.add_argument("--max-connections", type=int, help="open connections; more get 503 (default 512)")
+    s.add_argument("--switch-interval-ms", type=_positive,
+                   help="Python's thread switch interval: how long the engine thread, back from a device call, may "
+                        "wait for the interpreter while the event loop takes requests (QTTS_SWITCH_INTERVAL_MS; "
+                        "default 0.5, Python's own 5)")
     s.add_argument("--voices-dir", help="Base models: where registered voices are kept (QTTS_VOICES_DIR; "
                                         "default ./voices)")
     s.add_argument("--voice-aliases", metavar="NAME=VOICE,...|FILE|none",
@@ -102,6 +106,16 @@ def _fraction(text: str) -> float:
     raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
 
 
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is not None and 0.0 < value < float("inf"):
+        return value
+    raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+
+
 def _slots(text: str) -> int | str:
     return text if text == "auto" else _count(text, "a positive count or auto")
 
@@ -113,7 +127,8 @@ def settings_from_args(args):
     keys = ("model", "host", "port", "slots", "context", "frames_per_step", "lead_ms", "max_step_ms", "cap_iteration",
             "max_prefill", "max_first", "dtype", "codec_dtype", "ttfa_target_ms", "newcomer_guard", "margin_quantile",
             "hold_first", "starvation_ms", "max_queue", "max_input_chars", "drain_timeout_s", "voices_dir")
-    keys += ("compile_cache", "header_timeout_s", "idle_timeout_s", "max_connections", "voice_aliases")
+    keys += ("compile_cache", "header_timeout_s", "idle_timeout_s", "max_connections", "voice_aliases",
+             "switch_interval_ms")
     return Settings.from_env(**{k: getattr(args, k) for k in keys})
 
 

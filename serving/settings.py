@@ -41,6 +41,9 @@ class Settings:
     header_timeout_s: float = 10.0  # from a request's first byte to its last header line, else 408 and closed
     idle_timeout_s: float = 75.0  # a connection with no request in progress is closed after this
     max_connections: int = 512  # open HTTP and WebSocket connections; one more gets 503 and is closed
+    # Python's thread switch interval in a serving process (`serve_alone`): how long the engine thread may wait
+    # for the GIL while the event loop runs Python (the interpreter's default is 5)
+    switch_interval_ms: float = 0.5
     warmup: bool = True
     voices_dir: str = "voices"  # Base models: registered voices, one file each, reloaded at start-up
     max_voices: int = 1000

@@ -93,6 +93,20 @@ def test_prefill_and_first_frame_widths_reach_the_engines_programs(monkeypatch):
             parser.parse_args(["--max-first", bad])
 
 
+def test_switch_interval_flag_takes_a_positive_number_of_milliseconds(monkeypatch):
+    from serving.cli import settings_from_args
+
+    parser = _serve_parser()
+    monkeypatch.delenv("QTTS_SWITCH_INTERVAL_MS", raising=False)
+    assert settings_from_args(parser.parse_args([])).switch_interval_ms == 0.5
+    assert settings_from_args(parser.parse_args(["--switch-interval-ms", "2.5"])).switch_interval_ms == 2.5
+    monkeypatch.setenv("QTTS_SWITCH_INTERVAL_MS", "5")
+    assert settings_from_args(parser.parse_args([])).switch_interval_ms == 5.0
+    for bad in ("0", "-1", "soon", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--switch-interval-ms", bad])
+
+
 def test_hold_first_flag_is_on_or_off_and_reaches_the_engine(capsys, monkeypatch):
     from serving.cli import settings_from_args
 

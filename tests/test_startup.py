@@ -20,7 +20,7 @@ import pytest
 from qtts_jax.engine import compile_cache, sizing
 from qtts_jax.codec import streaming as codec_streaming
 from qtts_jax.engine import EngineConfig, init_state
-from serving.app import ENGINE, SETTINGS, Settings, create_app, run
+from serving.app import ENGINE, SETTINGS, Settings, create_app, run, serve_alone
 
 CONFIG = EngineConfig(slots=1, context=128, prompt_buckets=(32, 64), max_trailing=64)
 
@@ -136,6 +136,29 @@ def test_run_refuses_slots_that_do_not_fit_before_listening(caplog):
     assert run(settings) == 2
     assert re.search(r"not starting: 1000000000 slots do not fit: \d+ slots fit .* MiB per slot", caplog.text)
     assert "listening" not in caplog.text
+
+
+def test_a_serving_process_takes_the_switch_interval_of_its_settings():
+    """The engine thread, back from a device call, waits at most this long for the GIL the event loop holds."""
+    from aiohttp import web
+
+    app = web.Application()
+    app[SETTINGS], app[ENGINE] = Settings(switch_interval_ms=1.25), type("Engine", (), {})()
+    before = sys.getswitchinterval()
+    try:
+        serve_alone(app)
+        assert sys.getswitchinterval() == pytest.approx(0.00125)
+    finally:
+        sys.setswitchinterval(before)
+
+
+def test_run_refuses_a_switch_interval_that_is_not_positive_before_listening(caplog):
+    caplog.set_level(logging.INFO)
+    before = sys.getswitchinterval()
+    settings = Settings(slots=1, port=free_port(), warmup=False, compile_cache="off", switch_interval_ms=0.0)
+    assert run(settings) == 2
+    assert "not starting: switch_interval_ms 0.0 must be a positive number" in caplog.text
+    assert "listening" not in caplog.text and sys.getswitchinterval() == before
 
 
 def test_run_exits_1_with_the_reason_when_warm_up_fails(caplog):
