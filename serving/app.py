@@ -229,7 +229,8 @@ def serve_alone(app: web.Application) -> None:
     - The GIL: Python's switch interval becomes `Settings.switch_interval_ms`. The engine thread lets go of the
       GIL inside every device call and takes it back several times per call; while the event loop holds it,
       taking a burst, each taking-back waited out the interval (5 ms by default). On an H100 a 16-row step
-      whose host part takes 3.9 ms took 50 ms beside a busy thread (bench/results/gil-h100.json)."""
+      whose call returns in 2.2 ms alone took 43 ms beside a spinning thread at 5 ms, 5.5 ms at 0.5 ms
+      (bench/results/gil-handoff-h100.json). The server's Poisson rates did not move with it (run 17)."""
     interval_ms = app[SETTINGS].switch_interval_ms
     if not 0 < interval_ms < float("inf"):
         raise ValueError(f"switch_interval_ms {interval_ms} must be a positive number")
