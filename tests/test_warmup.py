@@ -40,6 +40,7 @@ def test_background_warmup_serves_its_smallest_rung_at_once_then_grows_to_every_
     st = engine.stats()
     # to come: a prefill of 2 and rung 1's 2-frame step; rung 2's two steps, codec and first frame
     assert (st.slots, st.ladder, st.step_sizes, st.compiling) == (1, (1,), (1,), 6)
+    assert engine.compiling == 6  # what admission's observer reads, without the snapshot
     reqs = [Request("One at a time.", speaker="ryan", seed=3, max_frames=4),
             Request("Then me.", speaker="eric", seed=4, max_frames=3)]
     alone = run(engine, [(0, r) for r in reqs])
@@ -50,6 +51,7 @@ def test_background_warmup_serves_its_smallest_rung_at_once_then_grows_to_every_
         time.sleep(0.05)
     st = engine.stats()
     assert (st.slots, st.ladder, st.step_sizes, st.compiling) == (2, (1, 2), (1, 2), 0)
+    assert engine.compiling == 0
     assert {(2, 1), (2, 2)} <= set(st.step_costs) and 2 in st.first_costs and 2 in st.prefill_costs
     # what the loop measured while XLA compiled is dropped: the idle timings again, iteration time measured anew
     assert st.step_costs == engine._idle_step_costs and st.iteration_s == 0.0
