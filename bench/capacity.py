@@ -37,6 +37,7 @@ from studies.fleet import fleet_size  # noqa: E402
 from studies.load import wait_ready  # noqa: E402
 from studies.server import local_server  # noqa: E402
 from studies.slo import SLO, Contract, safe_capacity, zero_underrun_capacity  # noqa: E402
+from studies.stats import percentile  # noqa: E402
 from studies.sweep import run_sync, sweep  # noqa: E402
 
 READY_LINE = re.compile(r"ready after ([\d.]+) s \(slots=(\d+); (.*)\)")
@@ -80,6 +81,45 @@ def refusals(records_path: Path) -> dict[str, int]:
     """Why requests failed, counted by message (`count_errors`), so a run says which admission rule (or error) cost
     its success rate."""
     return count_errors(json.loads(line).get("error") for line in records_path.read_text().splitlines())
+
+
+BURST_S = 0.5  # a closed loop's first wave: the requests sent this soon after its first one
+
+
+def closed_waves(rows: list, measures: dict) -> dict[str, dict]:
+    """A closed loop's measured requests (`rows`, each with its `send_s`) split into its first wave, sent together at
+    the start (a burst of new connections), and the rest, sent as earlier ones ended: per part the requests, the
+    span of their sends and, for each of `measures` (name -> a row's value in ms, None where it has none),
+    p50 / p95 / max."""
+    if not rows:
+        return {}
+    start = min(r["send_s"] for r in rows)
+    out = {}
+    for part, first in (("first wave", True), ("the rest", False)):
+        chosen = [r for r in rows if (r["send_s"] - start < BURST_S) == first]
+        if not chosen:  # short requests: the second wave was sent within the first's BURST_S
+            continue
+        sends = [r["send_s"] for r in chosen]
+        out[part] = {"requests": len(chosen), "send_span_ms": round(1e3 * (max(sends) - min(sends)), 1)}
+        for name, value in measures.items():
+            values = [v for r in chosen if (v := value(r)) is not None]
+            out[part][name] = ([round(percentile(values, q), 1) for q in (50, 95)] + [round(max(values), 1)]
+                               if values else None)
+    return out
+
+
+# what a capacity run's closed loop reports per wave (`closed_waves`), from its records: the client's TTFA, the
+# server's own (X-TTFA-Ms, from its handler's start) and, of that, the wait for admission (Server-Timing's queue)
+WAVE_MEASURES = {"client_ttfa_ms": lambda r: 1e3 * (r["first_byte_s"] - r["send_s"]),
+                 "server_ttfa_ms": lambda r: r.get("server_ttfa_ms"),
+                 "server_queue_ms": lambda r: r.get("server_queue_ms")}
+
+
+def waves(records_path: Path) -> dict[str, dict]:
+    """`closed_waves` of a condition's records.jsonl: its measured requests that got audio."""
+    rows = [r for line in records_path.read_text().splitlines()
+            if not (r := json.loads(line)).get("warmup") and r.get("first_byte_s") is not None]
+    return closed_waves(rows, WAVE_MEASURES)
 
 
 def count_errors(errors) -> dict[str, int]:
@@ -196,6 +236,8 @@ def measure(args, out: Path, name: str, serialised: bool, modes: dict[str, list[
                                 options=options, warmup=args.warmup, slo=slo, contract=contract)
                 (c,) = summary["conditions"]
                 c.update(server_side(url, log_path, marks, condition_dir / "records.jsonl"))
+                if mode == "closed":
+                    c["waves"] = waves(condition_dir / "records.jsonl")
                 conditions.append(c)
                 save({**result, mode: {"conditions": conditions, "partial": True}})
                 print(name, json.dumps({"condition": c["condition"], **{k: c[k] for k in COLUMNS},

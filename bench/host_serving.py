@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.capacity import COLUMNS, requests_for, server_marks, server_side  # noqa: E402
+from bench.capacity import COLUMNS, requests_for, server_marks, server_side, waves  # noqa: E402
 
 
 def serve(argv: list[str]) -> int:
@@ -90,6 +90,8 @@ def sweep_variant(args, name: str, flags: str, out: Path) -> dict:
             row = {"mode": mode, "load" if closed else "rate": load, **{k: c[k] for k in COLUMNS},
                    "zero_underrun": c["contract_verdict"]["overall"],
                    **server_side(url, log_path, marks, cdir / "records.jsonl")}
+            if closed:
+                row["waves"] = waves(cdir / "records.jsonl")
             conditions.append(row)
             print(name, json.dumps({k: v for k, v in row.items() if k != "iteration_profile"}, default=float),
                   flush=True)

@@ -21,9 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.capacity import closed_waves  # noqa: E402
 
 FRAME_BYTES = 1920 * 2
 
@@ -65,10 +65,6 @@ def serve(port: int, stamps_path: str, frames: int) -> None:
     asyncio.run(main())
 
 
-def percentiles(values) -> list[float]:
-    return [round(float(v), 1) for v in np.percentile(np.asarray(values) * 1e3, [50, 95, 100])]
-
-
 async def measure(load: int, out_dir: Path, frames: int = 60) -> dict:
     """Two waves of `load` requests (after 8 to warm up), each answered with `frames` frames of 80 ms."""
     from studies.load import closed_loop
@@ -90,19 +86,12 @@ async def measure(load: int, out_dir: Path, frames: int = 60) -> dict:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
     stamps = json.loads(stamps_path.read_text())
-    rows = [r for r in records if not r.warmup and r.ok and r.request_id in stamps]
-    send = np.array([r.send_s for r in rows])
-    to_handler = np.array([stamps[r.request_id] - t0 - r.send_s for r in rows])
-    ttfa = np.array([r.ttfa_s for r in rows])
-    burst = send < send.min() + 0.5
+    rows = [{"send_s": r.send_s, "ttfa_s": r.ttfa_s, "to_handler_s": stamps[r.request_id] - t0 - r.send_s}
+            for r in records if not r.warmup and r.ok and r.request_id in stamps]
     result = {"load": load, "requests": len(rows), "failed": sum(not r.ok for r in records)}
-    for name, m in (("first wave (the burst)", burst), ("the rest", ~burst)):
-        if not m.any():  # short requests: the second wave was sent within the first's 0.5 s
-            continue
-        result[name] = {"requests": int(m.sum()), "send_span_ms": round(float(np.ptp(send[m])) * 1e3, 1),
-                        "client_ttfa_ms_p50_p95_max": percentiles(ttfa[m]),
-                        "send_to_handler_ms_p50_p95_max": percentiles(to_handler[m]),
-                        "handler_to_first_byte_ms_p50_p95_max": percentiles(ttfa[m] - to_handler[m])}
+    result.update(closed_waves(rows, {"client_ttfa_ms": lambda r: 1e3 * r["ttfa_s"],
+                                      "send_to_handler_ms": lambda r: 1e3 * r["to_handler_s"],
+                                      "handler_to_first_byte_ms": lambda r: 1e3 * (r["ttfa_s"] - r["to_handler_s"])}))
     return result
 
 

@@ -87,6 +87,7 @@ async def speak_http(session: aiohttp.ClientSession, url: str, record: RequestRe
             record.retry_after = resp.headers.get("Retry-After")
             if resp.headers.get("X-TTFA-Ms"):
                 record.server_ttfa_ms = float(resp.headers["X-TTFA-Ms"])
+            record.server_queue_ms = server_timing(resp.headers.get("Server-Timing", "")).get("queue")
             rate = resp.headers.get("X-Sample-Rate", "")
             record.sample_rate = int(rate) if rate.isdigit() else None
             width = 4 if resp.headers.get("X-Sample-Format") == "f32le" else 2
@@ -108,6 +109,22 @@ async def speak_http(session: aiohttp.ClientSession, url: str, record: RequestRe
     if audio is not None:
         audio[record.request_id] = bytes(data)
     return record
+
+
+def server_timing(header: str) -> dict[str, float]:
+    """The durations (ms) of a Server-Timing header, by name: `queue;dur=12.5, ttfa;dur=40` -> {"queue": 12.5, ...};
+    entries without a readable duration are left out."""
+    out = {}
+    for entry in header.split(","):
+        name, *params = (part.strip() for part in entry.split(";"))
+        for param in params:
+            key, _, value = param.partition("=")
+            if key == "dur" and name:
+                try:
+                    out[name] = float(value)
+                except ValueError:
+                    pass
+    return out
 
 
 def ws_url(url: str) -> str:
@@ -170,8 +187,10 @@ async def speak_ws(session: aiohttp.ClientSession, url: str, record: RequestReco
                             record.status, record.error = 503, "WS utterance cancelled by the server"
                         else:
                             record.status = 200
-                        ttfa = (event.get("timings") or {}).get("first_chunk_ms")
+                        timings = event.get("timings") or {}
+                        ttfa, queue = timings.get("first_chunk_ms"), timings.get("queue_ms")
                         record.server_ttfa_ms = None if ttfa is None else float(ttfa)
+                        record.server_queue_ms = None if queue is None else float(queue)
                         break
                 if record.status is None:
                     record.error = f"socket closed before utterance.done (close code {ws.close_code})"

@@ -28,6 +28,7 @@ class RequestRecord:
     invalid: str | None = None  # why the stream failed validation (None: valid)
     sample_rate: int | None = None
     server_ttfa_ms: float | None = None
+    server_queue_ms: float | None = None  # of that, waiting for admission to a slot (the engine's queue)
     retry_after: str | None = None
     warmup: bool = False
     protocol: str = "http"  # http (streamed POST) | ws (WebSocket utterance)

@@ -78,3 +78,24 @@ def test_the_bench_reads_late_chunks_by_where_they_were_late():
     text = ("# HELP qtts_late_chunks_total Chunks handed out after their playback deadline\n"
             "qtts_late_chunks_total 7.0\nqtts_late_chunks_created 1.7e+09\nqtts_engine_late_chunks 2.0\n")
     assert bench.late_chunks(text) == {"server": 7.0, "engine": 2.0}
+
+
+def test_a_closed_loop_splits_into_its_first_wave_and_the_rest(tmp_path):
+    """The requests sent within half a second of the first are the burst; each part's percentiles are its own, and
+    a measure a record lacks (an older server sends no queue) is left out rather than counted as zero."""
+    import json
+
+    rows = [{"send_s": 10.0 + 0.001 * i, "first_byte_s": 10.2 + 0.001 * i + 0.01 * i, "server_ttfa_ms": 50.0 + i,
+             "server_queue_ms": 5.0 * i} for i in range(20)]
+    rows += [{"send_s": 12.0 + 0.1 * i, "first_byte_s": 12.05 + 0.1 * i, "server_ttfa_ms": 20.0,
+              "server_queue_ms": None} for i in range(10)]
+    rows += [{"send_s": 9.0, "first_byte_s": 9.1, "warmup": True}, {"send_s": 10.0, "first_byte_s": None}]
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    waves = bench.waves(path)
+    first, rest = waves["first wave"], waves["the rest"]
+    assert (first["requests"], rest["requests"]) == (20, 10)
+    assert (first["send_span_ms"], rest["send_span_ms"]) == (19.0, 900.0)
+    assert first["client_ttfa_ms"][2] == 390.0 and first["server_ttfa_ms"] == [59.5, 68.0, 69.0]
+    assert first["server_queue_ms"] == [47.5, 90.2, 95.0] and rest["server_queue_ms"] is None
+    assert rest["client_ttfa_ms"] == [50.0, 50.0, 50.0]

@@ -16,7 +16,7 @@ import pytest
 from studies.cli import main as study_main
 from studies.corpora import load_corpus
 from studies.fleet import fleet_size
-from studies.load import arrival_times
+from studies.load import arrival_times, server_timing
 from studies.playback import simulate
 from studies.records import RequestRecord, read_jsonl, write_jsonl
 from studies.slo import SLO, Contract, safe_capacity, zero_underrun_capacity
@@ -516,3 +516,9 @@ def test_a_condition_is_measured_with_the_clients_garbage_collector_off_and_it_i
     for mode in ("closed", "open-poisson"):
         asyncio.run(load.run_condition("http://unused", mode, 2, 4, ["Hi."]))
     assert seen == [False, False] and gc.isenabled()
+
+
+def test_server_timing_reads_each_named_duration_and_skips_what_it_cannot_read():
+    header = "queue;dur=12.5, prefill;desc=\"x\";dur=30, ttfa;dur=soon, ;dur=4, first_frame"
+    assert server_timing(header) == {"queue": 12.5, "prefill": 30.0}
+    assert server_timing("") == {}
