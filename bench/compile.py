@@ -48,6 +48,14 @@ def engine_for(args, model=None, **overrides):
                   dataclasses.replace(Settings(slots=args.slots, context=args.context).engine_config(), **overrides))
 
 
+def engine_args(p: argparse.ArgumentParser) -> None:
+    """The arguments `engine_for` reads: the model, its dtype, the slots and their context."""
+    p.add_argument("--model", default="0.6b")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--slots", type=int, default=256)
+    p.add_argument("--context", type=int, default=512)
+
+
 def child(args) -> dict:
     """This process's variant: compile each program alone, then time them all under the shared lock."""
     import jax
@@ -87,10 +95,7 @@ def child(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="0.6b")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--slots", type=int, default=256)
-    p.add_argument("--context", type=int, default=512)
+    engine_args(p)
     p.add_argument("--programs", default="step:256:1,step:256:4,codec:256:8,first:256:1,insert:128:32",
                    help="kind:rung:size of step|first|codec|insert, comma-separated")
     p.add_argument("--variants", default="default=", help='"name=XLA flags;name=flags" (an empty value: none)')

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.compile import engine_for  # noqa: E402
+from bench.compile import engine_args, engine_for  # noqa: E402
 
 
 def spin(seconds: float) -> dict:
@@ -73,10 +73,7 @@ def measure(engine, key: tuple, intervals: list[float], seconds: float) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="0.6b")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--slots", type=int, default=256)
-    p.add_argument("--context", type=int, default=512)
+    engine_args(p)
     p.add_argument("--programs", default="step:16:1,step:256:4")
     p.add_argument("--intervals-ms", default="5,1,0.5,0.2", help="switch intervals to try (Python's default: 5)")
     p.add_argument("--seconds", type=float, default=2.0, help="per program and interval")
