@@ -96,24 +96,22 @@ def _count(text: str, expected: str = "a positive count") -> int:
     raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
 
 
-def _fraction(text: str) -> float:
+def _number(text: str, ok, expected: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = None
-    if value is not None and 0.0 < value <= 1.0:
+    if value is not None and ok(value):
         return value
-    raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+
+
+def _fraction(text: str) -> float:
+    return _number(text, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
 
 
 def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is not None and 0.0 < value < float("inf"):
-        return value
-    raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return _number(text, lambda v: 0.0 < v < float("inf"), "a positive number")
 
 
 def _slots(text: str) -> int | str:
