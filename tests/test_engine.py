@@ -715,3 +715,25 @@ def test_no_module_is_merged_or_nnx_jitted_on_the_per_frame_path(engine, monkeyp
         monkeypatch.setattr(nnx, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     got = run(engine, [(0, Request("Then served.", speaker="aiden", max_frames=6, **GREEDY))])
     assert len(got[0][0].codes) > 1 and calls == []
+
+
+def test_newcomers_are_prefilled_in_the_calls_their_measured_costs_make_cheapest(engine, clock, monkeypatch):
+    """Three newcomers of one prompt bucket go in one padded call of 4 where a call costs about the same whatever
+    its rows (launch-bound), and in three calls of 1 where a call costs by its rows; the codes are the same."""
+    clock(1e-4)
+    reqs = [Request(t, speaker="ryan", max_frames=6, seed=i, **GREEDY) for i, t in enumerate(TEXTS[::2])]
+    prefill, calls = engine.runner.prefill, []
+
+    def counting(bucket, rows, r):
+        calls.append((len(rows), r))
+        return prefill(bucket, rows, r)
+
+    monkeypatch.setattr(engine.runner, "prefill", counting)
+    outcomes = {}
+    for name, costs in (("launch-bound", {1: 0.010, 4: 0.011}), ("by rows", {1: 0.010, 4: 0.040})):
+        monkeypatch.setattr(engine, "prefill_costs", costs)
+        calls.clear()
+        outcomes[name] = (run(engine, [(0, r) for r in reqs]), list(calls))
+    assert outcomes["launch-bound"][1] == [(3, 4)]
+    assert outcomes["by rows"][1] == [(1, 1)] * 3
+    assert_same_codes(outcomes["by rows"][0], outcomes["launch-bound"][0])

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from qtts_jax.engine import Jitter, chunks_due, first_chunk_alone, step_frames
+from qtts_jax.engine.scheduler import prefill_calls
 from qtts_jax.engine.stream import FRAME_SECONDS
 
 COSTS = {1: 0.030, 2: 0.055, 4: 0.100}  # seconds of a step iteration (codec included) by frames
@@ -177,3 +178,13 @@ def test_a_longer_step_is_delivered_later_by_its_wider_codec_call():
     delivery = {1: 0.010, 2: 0.015, 4: 0.030}
     assert step_frames(COSTS, np.array([2.0]), FRAME_SECONDS, 0.015, 0.01, 0.2, flat(0.010), 0.040).frames == 4
     assert step_frames(COSTS, np.array([2.0]), FRAME_SECONDS, 0.015, 0.01, 0.2, delivery, 0.040).frames == 2
+
+
+def test_prefill_calls_are_the_cheapest_mix_of_the_measured_sizes():
+    launch_bound = ((1, 0.005), (8, 0.006), (64, 0.020), (128, 0.035))
+    assert prefill_calls(launch_bound, 10) == (8, 8)  # 12 ms, where one padded call of 64 took 20
+    assert prefill_calls(launch_bound, 300) == (128, 128, 64)  # full calls of the largest, then the rest's best
+    by_rows = ((1, 0.001), (8, 0.008), (64, 0.064), (128, 0.128))
+    assert prefill_calls(by_rows, 10) == (8, 1, 1)
+    assert prefill_calls(by_rows, 16) == (8, 8)  # as cheap as 8 and eight 1s: the fewer calls
+    assert prefill_calls(((32, 0.01),), 0) == (32,)  # at least one request is prefilled

@@ -68,8 +68,9 @@ from qtts_jax.codec.config import SAMPLES_PER_FRAME
 from qtts_jax.engine.config import EngineConfig, rung
 from qtts_jax.engine.job import Job
 from qtts_jax.engine.runner import Calibration, FirstOutcome, Key, Runner, stages
-from qtts_jax.engine.scheduler import Jitter, StepPlan, chunks_due, first_chunk_alone, newcomers_that_fit, step_frames
-from qtts_jax.engine.stats import EngineStats, cost_in_calls
+from qtts_jax.engine.scheduler import (Jitter, StepPlan, chunks_due, first_chunk_alone, newcomers_that_fit,
+                                       prefill_calls, step_frames)
+from qtts_jax.engine.stats import EngineStats, cost_in_calls, prefill_cost
 from qtts_jax.engine.stream import FRAME_SECONDS, Chunk, Stream
 from qtts_jax.model import Model
 from qtts_jax.prompt import build_prompt
@@ -618,12 +619,22 @@ class Engine:
                 stream.fresh_codec = False
         done = None
         for bucket, streams in groups.items():
-            most = max(self._prefill_sizes)
-            for at in range(0, len(streams), most):
-                part = streams[at : at + most]
+            at = 0
+            for size in self._prefill_split(len(streams)):
+                part = streams[at : at + size]
+                at += size
                 r = rung(self._prefill_sizes, len(part))
                 done = self.runner.prefill(bucket, [(s.slot, s.job) for s in part], r)
         return joined, done
+
+    def _prefill_split(self, n: int) -> tuple[int, ...]:
+        """The prefill calls `n` newcomers of one prompt bucket go in: `scheduler.prefill_calls` over the compiled
+        sizes' measured costs; until each is timed, calls of the largest size and one that holds the rest."""
+        sizes = self._prefill_sizes
+        if all(r in self.prefill_costs for r in sizes):
+            return prefill_calls(tuple((r, self.prefill_costs[r]) for r in sizes), n)
+        full, rest = divmod(n, sizes[-1])
+        return (sizes[-1],) * full + ((rung(sizes, rest),) if rest else ())
 
     def _newcomer_limit(self, waiting: int) -> int:
         """`scheduler.newcomers_that_fit` from the measured costs: m newcomers' prefill and first frame, then a
@@ -643,9 +654,9 @@ class Engine:
         return newcomers_that_fit(waiting, min(heads, default=None), self._margin_s, iteration_s)
 
     def _newcomers_s(self, prefilled: int, first: int) -> float:
-        """Measured seconds of prefilling `prefilled` requests (in calls of at most `max_prefill`) and of
+        """Measured seconds of prefilling `prefilled` requests (in their cheapest calls) and of
         the first-frame program for `first` newcomers, which run ahead of the step; 0 before anything is timed."""
-        return ((cost_in_calls(self.prefill_costs, prefilled) if prefilled and self.prefill_costs else 0.0)
+        return ((prefill_cost(self.prefill_costs, prefilled) if prefilled and self.prefill_costs else 0.0)
                 + (cost_in_calls(self.first_costs, first) if first and self.first_costs else 0.0))
 
     def _decode_audio(self, now: float, coming: dict[Stream, int], step: int | None,

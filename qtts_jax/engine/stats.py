@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from qtts_jax.engine.config import rung
+from qtts_jax.engine.scheduler import prefill_calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +45,13 @@ class EngineStats:
         return cost_in_calls(self.first_costs, newcomers)
 
     def prefill_cost(self, requests: int) -> float:
-        """Prefilling `requests` together (largest prompt bucket)."""
-        return cost_in_calls(self.prefill_costs, requests)
+        """Prefilling `requests` together (largest prompt bucket), in the calls the engine makes of them."""
+        return prefill_cost(self.prefill_costs, requests)
+
+
+def prefill_cost(costs: dict, n: int) -> float:
+    """Cost of prefilling `n` requests in the cheapest calls of the sizes `costs` holds (size -> seconds)."""
+    return sum(costs[s] for s in prefill_calls(tuple(sorted(costs.items())), n))
 
 
 def cost_in_calls(costs: dict, n: int) -> float:
