@@ -48,14 +48,19 @@ class EngineConfig:
     # a call's cost grows slowly with its rows (below 16 it is launch overhead), so rungs are far apart.
     batch_sizes: tuple[int, ...] | None = None
     min_batch: int = 16
-    max_prefill: int = 32  # requests per prefill call; a prefill ladder of powers of 8 up to this
+    # Requests per prefill call; a prefill ladder of powers of 8 up to this, the calls of a burst chosen by their
+    # measured costs (`scheduler.prefill_calls`). With 128 and `max_first` 256, the CPU sim of the H200 served a
+    # closed burst of 256 at TTFA p95 251-271 ms against 326-369 with 32 and 128, its first wave's wait for
+    # admission halved, and Poisson 80-120 rps as before (bench/results/host-serving-burst-width-split-cpu.json).
+    max_prefill: int = 128
     # Newcomers whose first frame one iteration runs: its programs exist for the rungs up to this only (each
     # holds a step and a codec; the large rungs cost a cold start half a minute each and serve only bursts,
     # whose later arrivals then start one iteration later). Poisson arrivals up to capacity never bring more than
     # 64 at once, but a closed loop as wide as the slots does: on bench/schedule_sim.py, 256 clients on 256 slots
     # had p95 first audio 297 ms with 64 (the burst started over four iterations, each paid for by the streams
-    # already playing) and 179 ms with 128, for one program more (bench/results/schedule-sim-closed-cpu.json).
-    max_first: int = 128
+    # already playing) and 179 ms with 128, for one program more (bench/results/schedule-sim-closed-cpu.json);
+    # 256 starts such a burst in one iteration (with `max_prefill` above).
+    max_first: int = 256
     # The longest a step may run: a request arriving during it waits that long before its own prefill, and then
     # for its own path (the codec call queued behind the step, its prefill, its first frame and audio: 35-45 ms
     # on the H200). 60 ms keeps first audio within the field's 100 ms at the 95th percentile; on
