@@ -76,22 +76,29 @@ def step_frames(costs: dict[int, float], headroom: np.ndarray, newcomer_audio_s:
     return StepPlan(n, extra_s + costs[n])
 
 
-@functools.lru_cache(maxsize=1024)
 def prefill_calls(costs: tuple[tuple[int, float], ...], n: int) -> tuple[int, ...]:
     """The call sizes, largest first, that prefill `n` requests for the least summed cost, from `costs`: (size,
     seconds) of each compiled call size, measured. Calls of the largest size while at least that many remain, then
     the cheapest mix for the rest (fewer calls where two mixes cost the same), each call padded to its size. A call
     of few rows is launch-bound and a padded one computes its empty rows: with sizes 1, 8, 64 and 128, ten
-    requests went into one call of 64, which under steady arrivals made every prefill cost a wide call's time.
-    Cached: admission asks once per request, with the costs of the engine's latest snapshot."""
+    requests went into one call of 64, which under steady arrivals made every prefill cost a wide call's time."""
+    top = max(size for size, _ in costs)
+    full, rest = divmod(max(n, 1), top)
+    return (top,) * full + _cheapest_mixes(costs)[rest]
+
+
+@functools.lru_cache(maxsize=16)
+def _cheapest_mixes(costs: tuple[tuple[int, float], ...]) -> tuple[tuple[int, ...], ...]:
+    """For every count below the largest size, its cheapest mix of sizes, largest first: one table per set of
+    measured costs, which change only as the warm-up times its programs, so admission, asking once per request of a
+    burst, reads it rather than solving it again."""
     table = dict(costs)
     sizes = sorted(table)
-    full, rest = divmod(max(n, 1), sizes[-1])
     best: list[tuple[float, tuple[int, ...]]] = [(0.0, ())]
-    for m in range(1, rest + 1):
+    for m in range(1, sizes[-1]):
         best.append(min(((table[s] + best[max(m - s, 0)][0], (s,) + best[max(m - s, 0)][1]) for s in sizes),
                         key=lambda option: (option[0], len(option[1]))))
-    return (sizes[-1],) * full + tuple(sorted(best[rest][1], reverse=True))
+    return tuple(tuple(sorted(mix, reverse=True)) for _, mix in best)
 
 
 def newcomer_budget(newcomer_audio_s: float, first_late_s: float, margin_s: float) -> float:
