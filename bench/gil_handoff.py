@@ -22,6 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import jax  # noqa: E402
+
 from bench.compile import engine_args, engine_for  # noqa: E402
 
 
@@ -36,11 +38,10 @@ def spin(seconds: float) -> dict:
 
 
 def host_ms(call) -> float:
+    """One call's host time (its return, before the device is waited on), then waited on."""
     t0 = time.perf_counter()
     out = call()
     elapsed = time.perf_counter() - t0
-    import jax
-
     jax.block_until_ready(out)
     return elapsed * 1e3
 
@@ -79,8 +80,6 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=2.0, help="per program and interval")
     p.add_argument("--out")
     args = p.parse_args()
-    import jax
-
     engine = engine_for(args)
     intervals = [float(v) for v in args.intervals_ms.split(",")]
     result = {"model": args.model, "slots": args.slots, "device": str(jax.devices()[0].device_kind),

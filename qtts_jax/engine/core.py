@@ -70,7 +70,7 @@ from qtts_jax.engine.job import Job
 from qtts_jax.engine.runner import Calibration, FirstOutcome, Key, Runner, stages
 from qtts_jax.engine.scheduler import (Jitter, StepPlan, chunks_due, first_chunk_alone, newcomers_that_fit,
                                        prefill_calls, step_frames)
-from qtts_jax.engine.stats import EngineStats, cost_in_calls, prefill_cost
+from qtts_jax.engine.stats import EngineStats, cost_in_calls, largest_first, prefill_cost
 from qtts_jax.engine.stream import FRAME_SECONDS, Chunk, Stream
 from qtts_jax.model import Model
 from qtts_jax.prompt import build_prompt
@@ -633,8 +633,7 @@ class Engine:
         sizes = self._prefill_sizes
         if all(r in self.prefill_costs for r in sizes):
             return prefill_calls(tuple((r, self.prefill_costs[r]) for r in sizes), n)
-        full, rest = divmod(n, sizes[-1])
-        return (sizes[-1],) * full + ((rung(sizes, rest),) if rest else ())
+        return largest_first(sizes, n)
 
     def _newcomer_limit(self, waiting: int) -> int:
         """`scheduler.newcomers_that_fit` from the measured costs: m newcomers' prefill and first frame, then a

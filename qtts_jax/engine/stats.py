@@ -54,9 +54,13 @@ def prefill_cost(costs: dict, n: int) -> float:
     return sum(costs[s] for s in prefill_calls(tuple(sorted(costs.items())), n))
 
 
-def cost_in_calls(costs: dict, n: int) -> float:
-    """Cost of `n` rows through calls of the sizes `costs` holds (size -> seconds): full calls of the largest
-    size, then one of the smallest size that holds the rest."""
-    sizes = tuple(sorted(costs))
+def largest_first(sizes: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """Calls of `n` rows (at least one) of the ascending `sizes`: full calls of the largest size, then one of the
+    smallest size that holds the rest."""
     full, rest = divmod(max(n, 1), sizes[-1])
-    return full * costs[sizes[-1]] + (costs[rung(sizes, rest)] if rest else 0.0)
+    return (sizes[-1],) * full + ((rung(sizes, rest),) if rest else ())
+
+
+def cost_in_calls(costs: dict, n: int) -> float:
+    """Cost of `n` rows through `largest_first` calls of the sizes `costs` holds (size -> seconds)."""
+    return sum(costs[s] for s in largest_first(tuple(sorted(costs)), n))
