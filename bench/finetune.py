@@ -83,8 +83,34 @@ def ours(args) -> dict:
     jax.block_until_ready(parts)
     elapsed = time.perf_counter() - t0
     stats = jax.devices()[0].memory_stats() or {}
-    return {**row, "steps_per_s": args.steps / elapsed, "loss": float(parts["loss"]),
-            "peak_bytes": stats.get("peak_bytes_in_use")}
+    row = {**row, "steps_per_s": args.steps / elapsed, "loss": float(parts["loss"]),
+           "peak_bytes": stats.get("peak_bytes_in_use")}
+    if args.profile:
+        row["profile"] = profile(lambda s: compiled(s, frozen, batch), state, args.profile)
+    return row
+
+
+def profile(step, state, calls: int, top: int = 40) -> dict:
+    """Where `calls` more steps spend their device time: the kernels and the HLO ops they come from, as
+    `bench/kernels.py` reduces an engine program's trace (busy ms and kernels per step, the `top` by time)."""
+    import glob
+    import gzip
+    import tempfile
+
+    import jax
+
+    from bench.kernels import device_events, summarise
+
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp, create_perfetto_trace=True)
+        for _ in range(calls):
+            state, parts = step(state)
+        jax.block_until_ready(parts)
+        jax.profiler.stop_trace()
+        with gzip.open(glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)[0]) as f:
+            trace = json.load(f)
+    events, _ = device_events(trace)
+    return {kind: summarise(e, calls, top) for kind, e in events.items() if kind != "other"}
 
 
 def official(args) -> dict:
@@ -187,6 +213,8 @@ def main() -> None:
                    help="ours: compile the step and report XLA's memory plan, without running it (any machine)")
     p.add_argument("--steps", type=int, default=8, help="timed steps, after one compiling and --warmup more")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--profile", type=int, default=0,
+                   help="ours: profile this many more steps; the JSON gets their kernels and HLO ops by device time")
     p.add_argument("--tiny", action="store_true", help="tiny-random-base at CPU sizes: " + json.dumps(TINY))
     p.add_argument("--sides", default="ours,official")
     p.add_argument("--side", help=argparse.SUPPRESS)  # a subprocess's one side
@@ -208,7 +236,7 @@ def main() -> None:
         for side in args.sides.split(","):
             cmd = [sys.executable, __file__, "--side", side, "--model", name] + [
                 f"--{k}={getattr(args, k.replace('-', '_'))}"
-                for k in ("batch", "frames", "text", "accumulate", "compute-dtype", "steps", "warmup")] + (
+                for k in ("batch", "frames", "text", "accumulate", "compute-dtype", "steps", "warmup", "profile")] + (
                 [f"--micro-batch={args.micro_batch}"] if args.micro_batch else []) + (
                 [f"--predictor-chunk={args.predictor_chunk}"] if args.predictor_chunk else []) + (
                 ["--compile-only"] if args.compile_only else [])
