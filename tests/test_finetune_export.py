@@ -73,4 +73,4 @@ def test_export_from_a_preset_loads_back_with_the_same_codec(tiny_base_model, tm
     loaded = load_model(out)
     assert loaded.cfg.model_type == "custom_voice" and set(loaded.cfg.speakers) == {"nova"}
     jax.tree.map(np.testing.assert_array_equal, loaded.codec_params, m.codec_params)
-    np.testing.assert_array_equal(loaded.params["stack"]["layers"]["wq"], m.params["stack"]["layers"]["wq"])
+    np.testing.assert_array_equal(loaded.params["stack"]["layers"]["wqkv"], m.params["stack"]["layers"]["wqkv"])

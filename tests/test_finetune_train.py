@@ -164,7 +164,7 @@ def test_lora_starts_from_the_base_model_and_changes_only_the_projections(tiny_b
     assert trained.keys() == base.keys()
     for path, value in trained.items():
         moved = not np.array_equal(np.asarray(value), np.asarray(base[path]))
-        projection = re.fullmatch(r"(predictor/)?stack/layers/(wq|wk|wv|wo|gate|up|down)", path) is not None
+        projection = re.fullmatch(r"(predictor/)?stack/layers/(wqkv|wo|gate_up|down)", path) is not None
         assert moved == projection, path  # the projections of both stacks moved, nothing else
 
 

@@ -16,7 +16,7 @@ from qtts_jax.config import load_config
 from qtts_jax.io.text import TextTokenizer
 from qtts_jax.io.checkpoint import hf_shapes
 from qtts_jax.nn import state_shapes
-from qtts_jax.talker.weights import NAME_TABLE, load_talker
+from qtts_jax.talker.weights import load_talker, name_table
 
 
 @pytest.fixture()
@@ -32,7 +32,13 @@ def test_params_are_the_reference_tensors(reference_checkpoint):
     cfg, _ = load_config(directory)
     talker = load_talker(directory, cfg, np.float32)
     sd = {k: v.numpy() for k, v in ref.state_dict().items()}
-    np.testing.assert_array_equal(talker.stack.layers.wq[1], sd["talker.model.layers.1.self_attn.q_proj.weight"].T)
+    q, kv, f = (cfg.talker.num_heads * cfg.talker.head_dim, cfg.talker.num_kv_heads * cfg.talker.head_dim,
+                cfg.talker.intermediate_size)
+    layer = "talker.model.layers.1"
+    np.testing.assert_array_equal(talker.stack.layers.wqkv[1], np.concatenate(
+        [sd[f"{layer}.self_attn.{x}_proj.weight"].T for x in "qkv"], axis=1))
+    assert talker.stack.layers.wqkv.shape[-1] == q + 2 * kv
+    np.testing.assert_array_equal(talker.stack.layers.gate_up[1][:, f:], sd[f"{layer}.mlp.up_proj.weight"].T)
     np.testing.assert_array_equal(talker.predictor.embedding[14],
                                   sd["talker.code_predictor.model.codec_embedding.14.weight"])
     np.testing.assert_array_equal(talker.predictor.heads[3], sd["talker.code_predictor.lm_head.3.weight"].T)
@@ -50,8 +56,9 @@ def test_talker_state_is_exactly_the_checkpoint(reference_checkpoint, shape):
     tensors = {k: v.shape for k, v in read_safetensors(directory).items() if k.startswith("talker.")}
     talker = load_talker(directory, cfg, np.float32)
     shapes = state_shapes(talker)
-    assert len(shapes) == len(NAME_TABLE) - (cfg.talker.hidden_size == cfg.predictor.hidden_size) * 2
-    used = hf_shapes(NAME_TABLE, shapes)
+    table = name_table(cfg.talker, cfg.predictor)
+    assert len(shapes) == len({e.ours for e in table}) - (cfg.talker.hidden_size == cfg.predictor.hidden_size) * 2
+    used = hf_shapes(table, shapes)
     assert {k: tensors.get(k) for k in used} == used
     extra = [re.fullmatch(r"talker\.code_predictor\.(lm_head|model\.codec_embedding)\.(\d+)\.weight", k)
              for k in set(tensors) - set(used)]
@@ -100,6 +107,21 @@ def test_misshaped_tensor_names_both_shapes(checkpoint_copy):
     _rewrite(checkpoint_copy, shrink)
     cfg, _ = load_config(checkpoint_copy)
     with pytest.raises(CheckpointError, match=r"talker\.codec_head\.weight.*\(100, 64\).*\(3072, 64\)"):
+        load_talker(checkpoint_copy, cfg, np.float32)
+
+
+def test_misshaped_part_of_a_fused_projection_is_named(checkpoint_copy):
+    """q, k and v fill one matrix of ours: a k_proj of the wrong size is reported by its own name and shape, not
+    absorbed into the others' columns."""
+    name = "talker.code_predictor.model.layers.0.self_attn.k_proj.weight"
+
+    def widen(t):
+        t[name] = np.concatenate([t[name], t[name][:8]])
+
+    _rewrite(checkpoint_copy, widen)
+    cfg, _ = load_config(checkpoint_copy)
+    kv, h = cfg.predictor.num_kv_heads * cfg.predictor.head_dim, cfg.predictor.hidden_size
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)}.*\({kv + 8}, {h}\).*\({kv}, {h}\)"):
         load_talker(checkpoint_copy, cfg, np.float32)
 
 

@@ -51,7 +51,7 @@ def test_trainable_state_and_pure_forwards(tiny_model):
     assert rel(forced, cp_logits) < FP32_BOUND
     assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
     for layers in (grads["stack"]["layers"], grads["predictor"]["stack"]["layers"]):
-        assert np.all(np.abs(np.asarray(layers["wq"])).reshape(layers["wq"].shape[0], -1).max(axis=1) > 0)
+        assert np.all(np.abs(np.asarray(layers["wqkv"])).reshape(layers["wqkv"].shape[0], -1).max(axis=1) > 0)
 
 
 def test_every_part_of_a_base_model_is_an_nnx_module_of_params(tiny_base_model):

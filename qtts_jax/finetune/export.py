@@ -2,7 +2,7 @@
 
 config.json: ``tts_model_type = "custom_voice"``, ``talker_config.spk_id = {name: 3000}``,
 ``spk_is_dialect = {name: false}``. model.safetensors: the trained `Talker` module's state (code predictor
-included) written through the same name table that loads it (`weights.NAME_TABLE`, inverted by
+included) written through the same name table that loads it (`weights.name_table`, inverted by
 `checkpoint.table_tensors`, so every name round-trips), in the source's dtypes; the speaker's x-vector written
 into row 3000 of the talker's codec embedding (the row ``spk_id`` names, so choosing the speaker feeds exactly
 the embedding the training fed in the speaker slot); ``speaker_encoder.*`` dropped. Everything else (speech
@@ -27,7 +27,7 @@ from qtts_jax.codec.decoder import CodecDecoder
 from qtts_jax.codec.weights import codec_decoder_tensors
 from qtts_jax.model import PRESETS
 from qtts_jax.talker import Talker
-from qtts_jax.talker.weights import NAME_TABLE
+from qtts_jax.talker.weights import name_table
 
 SPEAKER_ROW = 3000  # the official recipe's codec id for the fine-tuned speaker
 CODEC_EMBEDDING = "talker.model.codec_embedding.weight"
@@ -57,7 +57,7 @@ def export(talker: Talker, source: str | Path, speaker: str, xvector: np.ndarray
         (tmp / "speech_tokenizer" / "config.json").write_text(json.dumps(codec_dict, indent=2))
         write_safetensors_file(tmp / "speech_tokenizer" / "model.safetensors", codec_decoder_tensors(*codec))
         tensors = {}
-    trained = table_tensors(nn.flat_params(talker), NAME_TABLE)
+    trained = table_tensors(nn.flat_params(talker), name_table(talker.stack.cfg, talker.predictor.stack.cfg))
     trained[CODEC_EMBEDDING][SPEAKER_ROW] = np.asarray(xvector, np.float32)
     for name, value in trained.items():
         dtype = tensors[name].dtype if name in tensors else np.float32

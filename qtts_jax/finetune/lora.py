@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 # the two `DecoderStack`s, by their path in `Talker`'s state (adapters and checkpoints key them by name)
 STACKS = {"talker": ("stack",), "predictor": ("predictor", "stack")}
-TARGETS = ("wq", "wk", "wv", "wo", "gate", "up", "down")  # `DecoderLayer`'s projections
+TARGETS = ("wqkv", "wo", "gate_up", "down")  # `DecoderLayer`'s projections (q, k, v fused; gate, up fused)
 
 
 def init(state: dict, rank: int, seed: int = 0) -> dict:

@@ -52,11 +52,31 @@ CONV_TRANSPOSE = Layout("conv_transpose", lambda a: np.transpose(a, (2, 0, 1)), 
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """One row of a name table: HF tensor template -> our leaf path ("a/b/c")."""
+    """One row of a name table: HF tensor template -> our leaf path ("a/b/c"). With ``cols`` (start, stop), the
+    tensor fills only those columns of our leaf's last axis: several Hugging Face tensors fused side by side into
+    one of ours (the q, k and v projections as one matrix product), each still loaded and exported by its name."""
 
     hf: str
     ours: str
     layout: Layout = AS_IS
+    cols: tuple[int, int] | None = None
+
+    def share(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The part of a leaf of ``shape`` (one layer's, for a stacked leaf) that this row's tensor fills."""
+        return tuple(shape) if self.cols is None else (*shape[:-1], self.cols[1] - self.cols[0])
+
+
+def _rows(table: list[Entry]) -> dict[str, list[Entry]]:
+    """Our leaf path -> the rows that fill it, in column order; rows sharing a leaf must tile its columns."""
+    rows: dict[str, list[Entry]] = {}
+    for e in table:
+        rows.setdefault(e.ours, []).append(e)
+    for path, group in rows.items():
+        if len(group) > 1:
+            group.sort(key=lambda e: e.cols[0])
+            if group[0].cols[0] != 0 or any(a.cols[1] != b.cols[0] for a, b in zip(group, group[1:])):
+                raise ValueError(f"name table: the rows of {path} do not tile its columns")
+    return rows
 
 
 def read_safetensors(directory: Path, stem: str = "model") -> dict[str, np.ndarray]:
@@ -125,15 +145,19 @@ def load_table(
     A leaf whose table template contains ``{i}`` is stacked over its leading axis. Raises
     `CheckpointError` naming the HF tensor on a missing tensor or shape mismatch; logs unused tensors.
     """
-    by_path = {e.ours: e for e in table}
+    rows = _rows(table)
     flat: dict[str, np.ndarray] = {}
     for path, shape in shapes.items():
-        entry = by_path[path]
-        if "{i}" in entry.hf:
-            parts = [_take(tensors, entry.hf.format(i=i), entry.layout, shape[1:], what) for i in range(shape[0])]
-            flat[path] = np.stack(parts).astype(dtype)
+        group = rows[path]
+
+        def leaf(shape, i=None):
+            parts = [_take(tensors, e.hf.format(i=i), e.layout, e.share(shape), what) for e in group]
+            return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+
+        if "{i}" in group[0].hf:
+            flat[path] = np.stack([leaf(shape[1:], i) for i in range(shape[0])]).astype(dtype)
         else:
-            flat[path] = _take(tensors, entry.hf, entry.layout, shape, what).astype(dtype)
+            flat[path] = leaf(shape).astype(dtype)
     unused = sorted(set(tensors) - set(hf_shapes(table, shapes)))
     if unused:
         log.debug("%s: %d checkpoint tensors unused: %s", what, len(unused), ", ".join(unused))
@@ -142,15 +166,15 @@ def load_table(
 
 def hf_shapes(table: list[Entry], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """The checkpoint tensors (HF name -> HF shape) that fill the leaves in ``shapes`` through ``table``."""
-    by_path = {e.ours: e for e in table}
+    rows = _rows(table)
     out = {}
     for path, shape in shapes.items():
-        entry = by_path[path]
-        if "{i}" in entry.hf:
-            out.update({entry.hf.format(i=i): tuple(entry.layout.inverse_shape(tuple(shape[1:])))
-                        for i in range(shape[0])})
-        else:
-            out[entry.hf] = tuple(entry.layout.inverse_shape(tuple(shape)))
+        for e in rows[path]:
+            if "{i}" in e.hf:
+                out.update({e.hf.format(i=i): tuple(e.layout.inverse_shape(e.share(shape[1:])))
+                            for i in range(shape[0])})
+            else:
+                out[e.hf] = tuple(e.layout.inverse_shape(e.share(shape)))
     return out
 
 
@@ -188,16 +212,16 @@ def _take(tensors, name: str, layout: Layout, shape: tuple[int, ...], what: str)
 def table_tensors(flat: Mapping[str, np.ndarray], table: list[Entry]) -> dict[str, np.ndarray]:
     """The inverse of `load_table`: every leaf of ``flat`` ("a/b/c" path -> array, as `nn.flat_params` gives a
     module's) under its Hugging Face name through ``table``, fp32, stacked leaves split per index."""
-    by_path = {e.ours: e for e in table}
+    rows = _rows(table)
     out = {}
     for path, value in flat.items():
-        entry = by_path[path]
         value = np.array(value, np.float32)  # a writable copy
-        if "{i}" in entry.hf:
-            out.update({entry.hf.format(i=i): np.ascontiguousarray(entry.layout.inverse(v))
-                        for i, v in enumerate(value)})
-        else:
-            out[entry.hf] = np.ascontiguousarray(entry.layout.inverse(value))
+        for e in rows[path]:
+            part = value if e.cols is None else value[..., e.cols[0]:e.cols[1]]
+            if "{i}" in e.hf:
+                out.update({e.hf.format(i=i): np.ascontiguousarray(e.layout.inverse(v)) for i, v in enumerate(part)})
+            else:
+                out[e.hf] = np.ascontiguousarray(e.layout.inverse(part))
     return out
 
 

@@ -8,7 +8,7 @@ from qtts_jax.talker.code_predictor import CodePredictor
 from qtts_jax.talker.sampling import SamplingParams
 from qtts_jax.talker.talker import Talker
 from qtts_jax.talker.transformer import DecoderStack, KVCache
-from qtts_jax.talker.weights import NAME_TABLE, load_talker, random_talker
+from qtts_jax.talker.weights import load_talker, name_table, random_talker
 
-__all__ = ["NAME_TABLE", "CodePredictor", "DecoderStack", "KVCache", "SamplingParams", "Talker", "load_talker",
+__all__ = ["CodePredictor", "DecoderStack", "KVCache", "SamplingParams", "Talker", "load_talker", "name_table",
            "random_talker"]
