@@ -58,8 +58,12 @@ def ours(args) -> dict:
                                     donate_params=True, predictor_chunk=args.predictor_chunk)
     params = nnx.to_pure_dict(params)
     t0 = time.perf_counter()
-    # compiled ahead of time: XLA's plan of the step's device memory comes with it, also where it would not fit
-    compiled = step.lower(*jax.eval_shape(init, params), batch).compile()
+    # compiled ahead of time: XLA's plan of the step's device memory comes with it, also where it would not fit;
+    # two programs, the one that updates the weights (planned here) and, accumulating, the one that only adds
+    shapes = jax.eval_shape(init, params)
+    emits = (True,) if args.accumulate == 1 else (True, False)
+    programs = {emit: step.lower(*shapes, batch, emit=emit).compile() for emit in emits}
+    compiled = programs[True]
     compile_s = time.perf_counter() - t0
     plan = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
@@ -72,27 +76,32 @@ def ours(args) -> dict:
            "device": str(jax.devices()[0])}
     if args.compile_only:
         return row
+
+    def run(state, i):  # the i-th step of a run: it updates the weights every --accumulate, as the official loop
+        return programs[train.emits(i, args.accumulate)](state, frozen, batch)
+
     state, frozen = init(params)
     batch = jax.device_put(batch)
-    for _ in range(1 + args.warmup):
-        state, parts = compiled(state, frozen, batch)
+    for i in range(1 + args.warmup):
+        state, parts = run(state, i)
     jax.block_until_ready(parts)
     t0 = time.perf_counter()
-    for _ in range(args.steps):
-        state, parts = compiled(state, frozen, batch)
+    for i in range(args.steps):
+        state, parts = run(state, i)
     jax.block_until_ready(parts)
     elapsed = time.perf_counter() - t0
     stats = jax.devices()[0].memory_stats() or {}
     row = {**row, "steps_per_s": args.steps / elapsed, "loss": float(parts["loss"]),
            "peak_bytes": stats.get("peak_bytes_in_use")}
     if args.profile:
-        row["profile"] = profile(lambda s: compiled(s, frozen, batch), state, args.profile)
+        row["profile"] = profile(run, state, args.profile)
     return row
 
 
-def profile(step, state, calls: int, top: int = 40) -> dict:
-    """Where `calls` more steps spend their device time: the kernels and the HLO ops they come from, as
-    `bench/kernels.py` reduces an engine program's trace (busy ms and kernels per step, the `top` by time)."""
+def profile(run, state, calls: int, top: int = 40) -> dict:
+    """Where `calls` more steps (`run(state, i)`, the i-th of a run) spend their device time: the kernels and the
+    HLO ops they come from, as `bench/kernels.py` reduces an engine program's trace (busy ms and kernels per step,
+    the `top` by time)."""
     import glob
     import gzip
     import tempfile
@@ -103,8 +112,8 @@ def profile(step, state, calls: int, top: int = 40) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp, create_perfetto_trace=True)
-        for _ in range(calls):
-            state, parts = step(state)
+        for i in range(calls):
+            state, parts = run(state, i)
         jax.block_until_ready(parts)
         jax.profiler.stop_trace()
         with gzip.open(glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)[0]) as f:

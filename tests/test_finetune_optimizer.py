@@ -46,16 +46,17 @@ def test_accumulation_is_one_step_on_the_mean_gradient():
     rng = np.random.default_rng(1)
     params = tree(rng)
     micro = [tree(rng, 3.0) for _ in range(4)]
-    tx = optimizer.make(lr=1e-2, accumulate=4)
-    state = tx.init(params)
+    tx = optimizer.make(lr=1e-2)
+    state = optimizer.init(tx, params, accumulate=4)
+    chain = state["chain"]
     p = params
     for i, g in enumerate(micro):
-        updates, state = tx.update(g, state, p)
-        p = optax.apply_updates(p, updates)
-        if i < 3:
-            jax.tree.map(np.testing.assert_array_equal, p, params)  # nothing moves until the k-th micro-batch
-    single = optimizer.make(lr=1e-2)
+        p, state = jax.jit(optimizer.step, static_argnums=(0, 4, 5))(tx, g, state, p, 4, i == 3)
+        if i < 3:  # nothing moves until the k-th batch; the chain's state waits with the weights
+            jax.tree.map(np.testing.assert_array_equal, p, params)
+            jax.tree.map(np.testing.assert_array_equal, state["chain"], chain)
     mean = jax.tree.map(lambda *g: sum(g) / len(g), *micro)
-    updates, _ = single.update(mean, single.init(params), params)
+    updates, _ = tx.update(mean, tx.init(params), params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), p,
                  optax.apply_updates(params, updates))
+    jax.tree.map(lambda a: np.testing.assert_array_equal(a, np.zeros_like(a)), state["acc"])  # a new sum begins

@@ -19,7 +19,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from qtts_jax import nn
@@ -80,6 +79,11 @@ def batch_indices(n_examples: int, batch: int, seed: int, step: int) -> np.ndarr
     return order[i * batch:(i + 1) * batch]
 
 
+def emits(step: int, accumulate: int) -> bool:
+    """Whether (0-based) ``step`` is the one of its ``accumulate`` that updates the weights (the last)."""
+    return (step + 1) % accumulate == 0
+
+
 class ResumeError(ValueError):
     """A checkpoint made by a run whose settings or data differ: resuming it would not continue that run."""
 
@@ -133,7 +137,7 @@ def train(talker: Talker, cfg: ModelConfig, tok: TextTokenizer, examples: list[E
         for step in range(done, total):
             idx = batch_indices(len(examples), settings.batch, settings.seed, step)
             batch = layout.collate(cfg, tok, [examples[i] for i in idx], settings.batch)
-            state, parts = step_fn(state, frozen, batch.arrays())
+            state, parts = step_fn(state, frozen, batch.arrays(), emit=emits(step, settings.accumulate))
             record = {"step": step + 1, **{k: float(v) for k, v in parts.items()}}
             curve.append(record)
             ckpt.save(step + 1, state, {"curve": curve, "run": identity}, last=step + 1 == total)
@@ -151,18 +155,19 @@ def _programs(graph: nnx.GraphDef, cfg: ModelConfig, lr: float, accumulate: int,
     process compile them once. init(params) -> (state, frozen): the trained part and its optimiser state (the steps
     donate it), and what stays fixed (LoRA: the base weights; else nothing), copied to fp32 in one program (an eager
     op per leaf would compile one per shape); ``params`` is the talker's Param state as a plain dict (`init` of
-    optax and the checkpoints take it as it is; ``donate_params``: init consumes it). step(state, frozen, batch),
-    its batch run as ``micro`` equal micro-batches, one after the other, the code predictor over ``predictor_chunk``
-    frames at a time (`forward.losses`); result(frozen, trained) -> the full Param state."""
-    tx = optimizer.make(lr, accumulate)
+    optax and the checkpoints take it as it is; ``donate_params``: init consumes it). step(state, frozen, batch,
+    emit), its batch run as ``micro`` equal micro-batches, one after the other, the code predictor over
+    ``predictor_chunk`` frames at a time (`forward.losses`), the weights moved only where ``emit`` (static: two
+    programs, `optimizer.step`; always, without accumulation); result(frozen, trained) -> the full Param state."""
+    tx = optimizer.make(lr)
     combine = lora.merge if lora_rank else (lambda frozen, trained: trained)
 
     def init(params):
         params = jax.tree.map(lambda a: a.astype(jnp.float32), params)
         trained, frozen = (lora.init(params, lora_rank), params) if lora_rank else (params, None)
-        return {"params": trained, "opt": tx.init(trained)}, frozen
+        return {"params": trained, "opt": optimizer.init(tx, trained, accumulate)}, frozen
 
-    def step(state, frozen, batch):
+    def step(state, frozen, batch, emit):
         counts = forward.target_counts(cfg, batch)
 
         def loss(trained, part):
@@ -180,11 +185,11 @@ def _programs(graph: nnx.GraphDef, cfg: ModelConfig, lr: float, accumulate: int,
             zero = jax.eval_shape(grad, state["params"], jax.tree.map(lambda a: a[0], parts_of))
             ((total, parts), grads), _ = jax.lax.scan(add, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), zero),
                                                       parts_of)
-        updates, opt = tx.update(grads, state["opt"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": total, **parts}
+        params, opt = optimizer.step(tx, grads, state["opt"], state["params"], accumulate, emit)
+        return {"params": params, "opt": opt}, {"loss": total, **parts}
 
     init = jax.jit(init, donate_argnums=(0,) if donate_params else ())
-    return init, jax.jit(step, donate_argnums=0), jax.jit(combine)
+    return init, jax.jit(step, donate_argnums=0, static_argnames="emit"), jax.jit(combine)
 
 
 def write_curve(curve: list[dict], directory: Path) -> list[Path]:
