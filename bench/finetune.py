@@ -15,6 +15,7 @@ which). Each side runs in its own subprocess, so neither's allocator or peak cou
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -60,10 +61,10 @@ def ours(args) -> dict:
     t0 = time.perf_counter()
     # compiled ahead of time: XLA's plan of the step's device memory comes with it, also where it would not fit;
     # two programs, the one that updates the weights (planned here) and, accumulating, the one that only adds
-    shapes = jax.eval_shape(init, params)
-    emits = (True,) if args.accumulate == 1 else (True, False)
-    programs = {emit: step.lower(*shapes, batch, emit=emit).compile() for emit in emits}
-    compiled = programs[True]
+    state, frozen = jax.eval_shape(init, params)
+    programs = dataclasses.replace(step, update=step.update.lower(state, frozen, batch).compile(), add=step.add and (
+        step.add.lower(state["params"], state["opt"]["acc"], frozen, batch).compile()))
+    compiled = programs.update
     compile_s = time.perf_counter() - t0
     plan = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
@@ -78,7 +79,7 @@ def ours(args) -> dict:
         return row
 
     def run(state, i):  # the i-th step of a run: it updates the weights every --accumulate, as the official loop
-        return programs[train.emits(i, args.accumulate)](state, frozen, batch)
+        return programs(state, frozen, batch, train.emits(i, args.accumulate))
 
     state, frozen = init(params)
     batch = jax.device_put(batch)

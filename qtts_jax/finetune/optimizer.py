@@ -4,7 +4,7 @@
 The official recipe's settings (torch AdamW's betas and eps; accelerate's clipping of the accumulated gradient).
 Its state follows the parameters' dtype, which the trainer keeps in fp32 whatever the compute dtype.
 
-Which call updates is the caller's to say (`step`'s ``emit``: the trainer knows it from the step's index), so a
+Which step updates is the caller's to say (the trainer knows it from the step's index): the others call `add`, so a
 program that only accumulates reads and writes the gradient sum and nothing else. `optax.MultiSteps` decides inside
 the program instead: every call runs the clipping and AdamW over every weight and its moments and keeps one result
 in k, several times the gradient sum's memory traffic, three calls in four for nothing.
@@ -35,15 +35,16 @@ def init(tx: optax.GradientTransformation, params, accumulate: int = 1) -> dict:
     return state
 
 
-def step(tx: optax.GradientTransformation, grads, state: dict, params, accumulate: int = 1, emit: bool = True):
-    """(params, state) after one batch's ``grads``. Accumulating, the gradients add up; a call with ``emit`` (the
-    ``accumulate``-th since the last) runs ``tx`` on their mean, moves the weights and starts a new sum, and the
-    other calls leave the weights and the chain's state as they are."""
+def add(total, grads):
+    """The gradient sum with one more batch's gradients: all that a step which does not update computes."""
+    return jax.tree.map(jnp.add, total, grads)
+
+
+def update(tx: optax.GradientTransformation, grads, state: dict, params, accumulate: int = 1):
+    """(params, state) after the update that ends an accumulation: ``tx`` on the mean of the sum and this batch's
+    ``grads`` (on ``grads`` alone without accumulation), the weights moved, and a new sum begun."""
     if accumulate > 1:
-        total = jax.tree.map(jnp.add, state["acc"], grads)
-        if not emit:
-            return params, {**state, "acc": total}
-        grads = jax.tree.map(lambda a: a / accumulate, total)
+        grads = jax.tree.map(lambda a: a / accumulate, add(state["acc"], grads))
     updates, chain = tx.update(grads, state["chain"], params)
     new = {"chain": chain}
     if accumulate > 1:

@@ -157,8 +157,8 @@ def _programs(graph: nnx.GraphDef, cfg: ModelConfig, lr: float, accumulate: int,
     op per leaf would compile one per shape); ``params`` is the talker's Param state as a plain dict (`init` of
     optax and the checkpoints take it as it is; ``donate_params``: init consumes it). step(state, frozen, batch,
     emit), its batch run as ``micro`` equal micro-batches, one after the other, the code predictor over
-    ``predictor_chunk`` frames at a time (`forward.losses`), the weights moved only where ``emit`` (static: two
-    programs, `optimizer.step`; always, without accumulation); result(frozen, trained) -> the full Param state."""
+    ``predictor_chunk`` frames at a time (`forward.losses`), the weights moved only where ``emit`` (a `Step`: two
+    programs; always, without accumulation); result(frozen, trained) -> the full Param state."""
     tx = optimizer.make(lr)
     combine = lora.merge if lora_rank else (lambda frozen, trained: trained)
 
@@ -167,7 +167,7 @@ def _programs(graph: nnx.GraphDef, cfg: ModelConfig, lr: float, accumulate: int,
         trained, frozen = (lora.init(params, lora_rank), params) if lora_rank else (params, None)
         return {"params": trained, "opt": optimizer.init(tx, trained, accumulate)}, frozen
 
-    def step(state, frozen, batch, emit):
+    def gradients(trained, frozen, batch):
         counts = forward.target_counts(cfg, batch)
 
         def loss(trained, part):
@@ -176,20 +176,49 @@ def _programs(graph: nnx.GraphDef, cfg: ModelConfig, lr: float, accumulate: int,
 
         grad = jax.value_and_grad(loss, has_aux=True)
         if micro == 1:
-            (total, parts), grads = grad(state["params"], batch)
+            (total, parts), grads = grad(trained, batch)
         else:  # each micro-batch's loss is its share of the batch's (the batch's target counts divide it)
             def add(acc, part):
-                return jax.tree.map(jnp.add, acc, grad(state["params"], part)), None
+                return jax.tree.map(jnp.add, acc, grad(trained, part)), None
 
             parts_of = jax.tree.map(lambda a: a.reshape(micro, a.shape[0] // micro, *a.shape[1:]), batch)
-            zero = jax.eval_shape(grad, state["params"], jax.tree.map(lambda a: a[0], parts_of))
+            zero = jax.eval_shape(grad, trained, jax.tree.map(lambda a: a[0], parts_of))
             ((total, parts), grads), _ = jax.lax.scan(add, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), zero),
                                                       parts_of)
-        params, opt = optimizer.step(tx, grads, state["opt"], state["params"], accumulate, emit)
-        return {"params": params, "opt": opt}, {"loss": total, **parts}
+        return grads, {"loss": total, **parts}
+
+    def update(state, frozen, batch):
+        grads, parts = gradients(state["params"], frozen, batch)
+        params, opt = optimizer.update(tx, grads, state["opt"], state["params"], accumulate)
+        return {"params": params, "opt": opt}, parts
+
+    def add(trained, total, frozen, batch):
+        grads, parts = gradients(trained, frozen, batch)
+        return optimizer.add(total, grads), parts
 
     init = jax.jit(init, donate_argnums=(0,) if donate_params else ())
-    return init, jax.jit(step, donate_argnums=0, static_argnames="emit"), jax.jit(combine)
+    step = Step(jax.jit(update, donate_argnums=0), jax.jit(add, donate_argnums=1) if accumulate > 1 else None)
+    return init, step, jax.jit(combine)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One training step, as two programs: ``update`` (state, frozen, batch) -> (state, losses), which moves the
+    weights (on the mean of the gradients summed so far, accumulating), and ``add`` (trained, sum, frozen, batch)
+    -> (sum, losses), which only adds this batch's gradients to the sum (None without accumulation). ``add`` takes
+    the weights without donating them and leaves the optimiser's state out, so nothing but the sum is read or
+    written beside the forward and backward pass: a program that returned the weights and moments unchanged would
+    copy them (on the CPU that tripled an accumulating step's optimiser time)."""
+
+    update: Callable
+    add: Callable | None
+
+    def __call__(self, state: dict, frozen, batch, emit: bool) -> tuple[dict, dict]:
+        """The step whose place in its accumulation ``emit`` tells (`emits`)."""
+        if emit or self.add is None:
+            return self.update(state, frozen, batch)
+        total, parts = self.add(state["params"], state["opt"]["acc"], frozen, batch)
+        return {"params": state["params"], "opt": {**state["opt"], "acc": total}}, parts
 
 
 def write_curve(curve: list[dict], directory: Path) -> list[Path]:
