@@ -65,3 +65,23 @@ def test_every_part_of_a_base_model_is_an_nnx_module_of_params(tiny_base_model):
         assert isinstance(part, nnx.Module), name
         _, params, rest = nnx.split(part, nnx.Param, ...)
         assert jax.tree.leaves(params) and not jax.tree.leaves(rest), name
+
+
+def test_a_decoder_layer_runs_four_weight_products(tiny_model):
+    """q, k, v in one product and gate, up in another: a layer multiplies by its weights four times (qkv, o, gate_up,
+    down), where the checkpoint's layout would take seven, each a kernel launch at a decode step's few rows."""
+    from qtts_jax.talker.transformer import rope_tables
+
+    stack = tiny_model.talker.predictor.stack
+    cfg = stack.cfg
+    graph, state = nnx.split(stack.layers)
+    one = jax.tree.map(lambda a: a[0], state)  # the first layer's weights
+    h = jnp.ones((3, cfg.hidden_size))
+    cos, sin = rope_tables(jnp.arange(3), cfg.head_dim, cfg.rope_theta, h.dtype)
+
+    def run(one, h):
+        return nnx.merge(graph, one)(cfg, h, cos, sin, (), 0, lambda q, k, v, cache, i: (q.reshape(3, -1), cache))[0]
+
+    jaxpr = jax.make_jaxpr(run)(one, h)
+    products = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(products) == 4
