@@ -178,12 +178,12 @@ def _programs(graph: nnx.GraphDef, cfg: ModelConfig, lr: float, accumulate: int,
         if micro == 1:
             (total, parts), grads = grad(trained, batch)
         else:  # each micro-batch's loss is its share of the batch's (the batch's target counts divide it)
-            def add(acc, part):
+            def plus(acc, part):
                 return jax.tree.map(jnp.add, acc, grad(trained, part)), None
 
             parts_of = jax.tree.map(lambda a: a.reshape(micro, a.shape[0] // micro, *a.shape[1:]), batch)
             zero = jax.eval_shape(grad, trained, jax.tree.map(lambda a: a[0], parts_of))
-            ((total, parts), grads), _ = jax.lax.scan(add, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), zero),
+            ((total, parts), grads), _ = jax.lax.scan(plus, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), zero),
                                                       parts_of)
         return grads, {"loss": total, **parts}
 
@@ -208,7 +208,7 @@ class Step:
     -> (sum, losses), which only adds this batch's gradients to the sum (None without accumulation). ``add`` takes
     the weights without donating them and leaves the optimiser's state out, so nothing but the sum is read or
     written beside the forward and backward pass: a program that returned the weights and moments unchanged would
-    copy them (on the CPU that tripled an accumulating step's optimiser time)."""
+    copy them."""
 
     update: Callable
     add: Callable | None
