@@ -203,9 +203,31 @@ def official(args) -> dict:
         loss = step(i)
     sync()
     elapsed = time.perf_counter() - t0
-    return {"steps_per_s": args.steps / elapsed, "loss": float(loss) * args.accumulate, "attention": attn,
-            "peak_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
-            "sequence_positions": t, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+    row = {"steps_per_s": args.steps / elapsed, "loss": float(loss) * args.accumulate, "attention": attn,
+           "peak_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
+           "sequence_positions": t, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+    if args.profile:
+        row["profile"] = torch_profile(step, sync, args.profile, device)
+    return row
+
+
+def torch_profile(step, sync, calls: int, device: str, top: int = 40) -> dict:
+    """The official step's side of `profile`: where `calls` more steps (`step(i)`, the i-th) spend their time, by
+    torch's profiler: per op (its kernels' device time on a GPU, its own CPU time elsewhere), ms per step, the `top`."""
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for i in range(calls):
+            step(i)
+        sync()
+    events = prof.key_averages()
+    names = ("device_time_total", "cuda_time_total") if device == "cuda" else ()  # torch's name, newer or older
+    key = next((k for k in names if hasattr(events[0], k)), "self_cpu_time_total")
+    ops = sorted(events, key=lambda e: -getattr(e, key))[:top]
+    return {"time": key, "top": [{"op": e.key[:160], "ms_per_step": round(getattr(e, key) / 1e3 / calls, 3),
+                                  "calls_per_step": round(e.count / calls, 1)} for e in ops]}
 
 
 def main() -> None:
@@ -224,7 +246,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8, help="timed steps, after one compiling and --warmup more")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--profile", type=int, default=0,
-                   help="ours: profile this many more steps; the JSON gets their kernels and HLO ops by device time")
+                   help="profile this many more steps: ours, their kernels and HLO ops by device time; the "
+                        "official step, its ops by torch's profiler")
     p.add_argument("--tiny", action="store_true", help="tiny-random-base at CPU sizes: " + json.dumps(TINY))
     p.add_argument("--sides", default="ours,official")
     p.add_argument("--side", help=argparse.SUPPRESS)  # a subprocess's one side
