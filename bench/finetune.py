@@ -103,23 +103,17 @@ def profile(run, state, calls: int, top: int = 40) -> dict:
     """Where `calls` more steps (`run(state, i)`, the i-th of a run) spend their device time: the kernels and the
     HLO ops they come from, as `bench/kernels.py` reduces an engine program's trace (busy ms and kernels per step,
     the `top` by time)."""
-    import glob
-    import gzip
-    import tempfile
-
     import jax
 
-    from bench.kernels import device_events, summarise
+    from bench.kernels import device_events, summarise, traced
 
-    with tempfile.TemporaryDirectory() as tmp:
-        jax.profiler.start_trace(tmp, create_perfetto_trace=True)
+    def steps():
+        s = state
         for i in range(calls):
-            state, parts = run(state, i)
+            s, parts = run(s, i)
         jax.block_until_ready(parts)
-        jax.profiler.stop_trace()
-        with gzip.open(glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)[0]) as f:
-            trace = json.load(f)
-    events, _ = device_events(trace)
+
+    events, _ = device_events(traced(steps))
     return {kind: summarise(e, calls, top) for kind, e in events.items() if kind != "other"}
 
 

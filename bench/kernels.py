@@ -51,6 +51,18 @@ def device_events(trace: dict) -> tuple[dict[str, list[dict]], dict]:
     return events, {k: round(v, 4) for k, v in lines.most_common(40)}
 
 
+def traced(work) -> dict:
+    """The JAX profiler's trace (its Chrome-trace JSON) of `work()`, which must wait for its own device work."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp, create_perfetto_trace=True)
+        work()
+        jax.profiler.stop_trace()
+        with gzip.open(glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)[0]) as f:
+            return json.load(f)
+
+
 def busy_us(events: list[dict]) -> float:
     """Microseconds during which at least one of `events` ran (overlapping kernels counted once)."""
     total, end = 0.0, -1.0
@@ -135,17 +147,14 @@ def main() -> None:
         for _ in range(2):  # the first call of an executable pays its one-off set-up
             jax.block_until_ready(engine.runner.idle_call(key))
         walls = []
-        with tempfile.TemporaryDirectory() as tmp:
-            jax.profiler.start_trace(tmp, create_perfetto_trace=True)
+
+        def calls():
             for _ in range(args.calls):
                 t0 = time.perf_counter()
                 jax.block_until_ready(engine.runner.idle_call(key))
                 walls.append(time.perf_counter() - t0)
-            jax.profiler.stop_trace()
-            traces = glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)
-            with gzip.open(traces[0]) as f:
-                trace = json.load(f)
-        events, lines = device_events(trace)
+
+        events, lines = device_events(traced(calls))
         name = ":".join(map(str, (variant, *key)))
         if args.hlo:
             Path(args.out).with_suffix(f".{name.replace(':', '-')}.hlo.txt").write_text(exe.as_text())
