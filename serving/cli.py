@@ -35,10 +35,10 @@ def add_server_flags(s: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--max-step-ms", type=float, help="the longest engine step, which a newly arrived request waits "
                                                      "for, unless only a longer one keeps up (QTTS_MAX_STEP_MS; default 60)")
     s.add_argument("--max-prefill", type=_count, help="requests one prefill call takes: newcomers are prefilled in "
-                                                   "the calls of sizes 1, 8, 64, ... up to this that cost least, each "
-                                                   "size a program per prompt bucket (QTTS_MAX_PREFILL; default 128)")
+                                                   "the cheapest mix of calls of 1, 8, 64, ... and this many, each "
+                                                   "size a program per prompt bucket (QTTS_MAX_PREFILL; default 32)")
     s.add_argument("--max-first", type=_count, help="newcomers one engine iteration starts at most, a first-frame "
-                                                 "program per ladder rung up to it (QTTS_MAX_FIRST; default 256)")
+                                                 "program per ladder rung up to it (QTTS_MAX_FIRST; default 128)")
     s.add_argument("--cap-iteration", type=_on_off, metavar="{on,off}",
                    help="on: --max-step-ms bounds the whole engine iteration, the newcomers' prefill and first frame "
                         "ahead of the step included, except while requests wait for a free slot; off: the step alone "

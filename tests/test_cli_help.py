@@ -79,10 +79,10 @@ def test_prefill_and_first_frame_widths_reach_the_engines_programs(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     args = ["--slots", "256", "--context", "512"]
     config = settings_from_args(parser.parse_args(args)).engine_config()
-    assert (config.prefill_sizes, config.first_sizes) == ((1, 8, 64, 128), (16, 64, 128, 256))
-    narrow = parser.parse_args([*args, "--max-prefill", "32", "--max-first", "128"])
-    config = settings_from_args(narrow).engine_config()
     assert (config.prefill_sizes, config.first_sizes) == ((1, 8, 32), (16, 64, 128))
+    wide = parser.parse_args([*args, "--max-prefill", "128", "--max-first", "256"])
+    config = settings_from_args(wide).engine_config()
+    assert (config.prefill_sizes, config.first_sizes) == ((1, 8, 64, 128), (16, 64, 128, 256))
     monkeypatch.setenv("QTTS_MAX_PREFILL", "64")
     assert settings_from_args(parser.parse_args(args)).engine_config().prefill_sizes == (1, 8, 64)
     monkeypatch.setenv("QTTS_MAX_PREFILL", "0")

@@ -48,19 +48,16 @@ class EngineConfig:
     # a call's cost grows slowly with its rows (below 16 it is launch overhead), so rungs are far apart.
     batch_sizes: tuple[int, ...] | None = None
     min_batch: int = 16
-    # Requests per prefill call; a prefill ladder of powers of 8 up to this, the calls of a burst chosen by their
-    # measured costs (`scheduler.prefill_calls`). With 128 and `max_first` 256, the CPU sim of the H200 served a
-    # closed burst of 256 at TTFA p95 251-271 ms against 326-369 with 32 and 128, its first wave's wait for
-    # admission halved, and Poisson 80-120 rps as before (bench/results/host-serving-burst-width-split-cpu.json).
-    max_prefill: int = 128
+    # Requests per prefill call; a prefill ladder of powers of 8 up to this. 128 (with `max_first` 256) served a closed
+    # burst of 256 better on the CPU sim but worse on the H200: p95 557 ms against 480 (run 18, docs/benchmarks.md).
+    max_prefill: int = 32
     # Newcomers whose first frame one iteration runs: its programs exist for the rungs up to this only (each
     # holds a step and a codec; the large rungs cost a cold start half a minute each and serve only bursts,
     # whose later arrivals then start one iteration later). Poisson arrivals up to capacity never bring more than
     # 64 at once, but a closed loop as wide as the slots does: on bench/schedule_sim.py, 256 clients on 256 slots
     # had p95 first audio 297 ms with 64 (the burst started over four iterations, each paid for by the streams
-    # already playing) and 179 ms with 128, for one program more (bench/results/schedule-sim-closed-cpu.json);
-    # 256 starts such a burst in one iteration (with `max_prefill` above).
-    max_first: int = 256
+    # already playing) and 179 ms with 128, for one program more (bench/results/schedule-sim-closed-cpu.json).
+    max_first: int = 128
     # The longest a step may run: a request arriving during it waits that long before its own prefill, and then
     # for its own path (the codec call queued behind the step, its prefill, its first frame and audio: 35-45 ms
     # on the H200). 60 ms keeps first audio within the field's 100 ms at the 95th percentile; on
