@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qtts_jax import nn
 from qtts_jax.talker import Talker
 from qtts_jax.config import ModelConfig
 from qtts_jax.request import Request
@@ -160,10 +161,12 @@ def text_entry_frames(prompt: Prompt, n_text: int) -> np.ndarray:
 
 
 def embed_prompt(talker: Talker, text, codec, frames, speaker_row, speaker) -> jax.Array:
-    """x [T, H] for one (padded) prompt: sum of the parts present at each position; pads give zeros."""
-    x = jnp.where((text >= 0)[:, None], talker.embed_text(jnp.maximum(text, 0)), 0)
-    x = x + jnp.where((codec >= 0)[:, None], talker.codec_embedding[...][jnp.maximum(codec, 0)], 0)
-    has_frame = frames[:, 0] >= 0
-    x = x + jnp.where(has_frame[:, None], talker.embed_codes(jnp.maximum(frames, 0)), 0)
-    at_speaker = (jnp.arange(text.shape[0]) == speaker_row)[:, None]
-    return jnp.where(at_speaker, x + speaker.astype(x.dtype), x)
+    """x [..., T, H] for one (padded) prompt or a batch of them (text [..., T], speaker_row [...], speaker [..., H]):
+    sum of the parts present at each position; pads give zeros. A batch goes in whole, not under `jax.vmap`, so
+    that training sums each table row's gradient once (`nn.rows`)."""
+    x = jnp.where((text >= 0)[..., None], talker.embed_text(jnp.maximum(text, 0)), 0)
+    x = x + jnp.where((codec >= 0)[..., None], nn.rows(talker.codec_embedding[...], jnp.maximum(codec, 0)), 0)
+    has_frame = frames[..., 0] >= 0
+    x = x + jnp.where(has_frame[..., None], talker.embed_codes(jnp.maximum(frames, 0)), 0)
+    at_speaker = (jnp.arange(text.shape[-1]) == jnp.asarray(speaker_row)[..., None])[..., None]
+    return jnp.where(at_speaker, x + jnp.asarray(speaker)[..., None, :].astype(x.dtype), x)

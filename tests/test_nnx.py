@@ -85,3 +85,44 @@ def test_a_decoder_layer_runs_four_weight_products(tiny_model):
     jaxpr = jax.make_jaxpr(run)(one, h)
     products = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
     assert len(products) == 4
+
+
+def test_rows_gradient_equals_a_gathers_and_writes_each_row_once():
+    """`nn.rows` is `table[ids]` with the gradient summed per id before the table is written: the same values and
+    gradients as a gather's (ids repeated hundreds of times and some absent); for a bf16 table, the fp32 sum
+    rounded once to bf16 (a gather's own gradient adds in bf16, 0.25 off here); and the only scatter of its
+    backward is told its indices are unique, so XLA needs no atomics to add a repeated id's rows."""
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.choice([0, 3, 3, 3, 3, 7, 49], size=(6, 40)))
+    table = jax.random.normal(jax.random.PRNGKey(0), (50, 8))
+    w = jax.random.normal(jax.random.PRNGKey(1), (6, 40, 8))
+    np.testing.assert_array_equal(nn.rows(table, ids), table[ids])
+    exact = jax.grad(lambda t: jnp.sum(t[ids] * w))(table)
+    ours = jax.grad(lambda t: jnp.sum(nn.rows(t, ids) * w))(table)
+    np.testing.assert_allclose(ours, exact, rtol=1e-5, atol=1e-5)  # sums of up to 140 terms in another order
+    assert not np.asarray(ours)[[1, 2, 48]].any()  # ids no position reads get no gradient
+    half, w_half = table.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    exact = jax.grad(lambda t: jnp.sum(t[ids] * w_half.astype(jnp.float32)))(half.astype(jnp.float32))
+    ours = jax.grad(lambda t: jnp.sum((nn.rows(t, ids) * w_half).astype(jnp.float32)))(half)
+    assert ours.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(ours, np.float32), exact, rtol=2 ** -8, atol=1e-6)
+    hlo = jax.jit(jax.grad(lambda t: jnp.sum(nn.rows(t, ids)))).lower(table).as_text()
+    scatters = [line for line in hlo.splitlines() if "stablehlo.scatter" in line]
+    assert scatters and all("unique_indices = true" in line for line in scatters)
+
+
+def test_a_batch_of_prompts_embeds_as_each_prompt_alone(tiny_model):
+    """`embed_prompt` takes a batch whole (training's embedding gradients need it outside `jax.vmap`) and gives
+    each row what that prompt alone gives."""
+    from qtts_jax.prompt import embed_prompt
+
+    talker, h = tiny_model.talker, tiny_model.cfg.talker.hidden_size
+    rng = np.random.default_rng(0)
+    text = jnp.asarray(rng.integers(-1, 100, (3, 9)))
+    codec = jnp.asarray(rng.integers(-1, 50, (3, 9)))
+    frames = jnp.asarray(np.where(rng.random((3, 9, 1)) < 0.5, -1, rng.integers(0, 50, (3, 9, 16))))
+    speaker_row, speaker = jnp.asarray([2, 0, 8]), jnp.asarray(rng.standard_normal((3, h)), jnp.float32)
+    batch = embed_prompt(talker, text, codec, frames, speaker_row, speaker)
+    for b in range(3):
+        alone = embed_prompt(talker, text[b], codec[b], frames[b], speaker_row[b], speaker[b])
+        np.testing.assert_array_equal(batch[b], alone)

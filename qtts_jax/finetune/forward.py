@@ -83,7 +83,7 @@ def losses(state: dict, graph: nnx.GraphDef, cfg: ModelConfig, batch: tuple, com
     talker_n, predictor_n = target_counts(cfg, batch) if counts is None else counts
     talker: Talker = nn.merge(graph, jax.tree.map(lambda a: a.astype(compute_dtype), state))
     n = codes.shape[1]
-    x = jax.vmap(lambda *row: embed_prompt(talker, *row))(text, codec, frames, speaker_row, speaker)  # [B, T, H]
+    x = embed_prompt(talker, text, codec, frames, speaker_row, speaker)  # [B, T, H]
     logits, h = jax.vmap(talker.forward, (0, None))(x, jnp.ones(x.shape[1], bool))  # [B, T, V], [B, T, H]
 
     talker_valid, frame_valid = _targets(lengths, n)
@@ -96,7 +96,7 @@ def losses(state: dict, graph: nnx.GraphDef, cfg: ModelConfig, batch: tuple, com
 
     hidden = jnp.take_along_axis(h, at[:, :n, None], axis=1)  # [B, n, H]: frame j's input has not seen frame j
     frame_codes = codes.reshape(-1, cfg.num_code_groups)  # [B*n, 16]
-    code0 = talker.codec_embedding[...][frame_codes[:, 0]]
+    code0 = nn.rows(talker.codec_embedding[...], frame_codes[:, 0])
     predictor = _predictor_nll_sum(talker, hidden.reshape(-1, h.shape[-1]), code0, frame_codes,
                                    frame_valid.reshape(-1), predictor_chunk) / jnp.maximum(predictor_n, 1)
     return talker_loss + SUB_TALKER_WEIGHT * predictor, {"talker": talker_loss, "predictor": predictor}

@@ -17,7 +17,7 @@ from flax import nnx
 from qtts_jax.talker import sampling, transformer
 from qtts_jax.talker.code_predictor import CodePredictor
 from qtts_jax.config import ModelConfig
-from qtts_jax.nn import dense, embedding, zeros
+from qtts_jax.nn import dense, embedding, rows, zeros
 from qtts_jax.talker.transformer import DecoderStack, KVCache
 
 
@@ -46,13 +46,14 @@ class Talker(nnx.Module):
 
     def embed_text(self, ids: jax.Array) -> jax.Array:
         """P(id): text embedding, then the projection into the talker's width."""
-        return self.text_proj(self.text_embedding[...][ids])
+        return self.text_proj(rows(self.text_embedding[...], ids))
 
     def embed_codes(self, codes: jax.Array) -> jax.Array:
         """S(frame): the sum of a frame's 16 codebook embeddings (codes [..., 16]) in the talker's width."""
-        first = self.codec_embedding[...][codes[..., 0]]
-        groups = jnp.arange(codes.shape[-1] - 1)
-        rest = self.predictor.embedding[...][groups, codes[..., 1:]]
+        first = rows(self.codec_embedding[...], codes[..., 0])
+        tables = self.predictor.embedding[...]  # [groups - 1, V, H]: codebook g's id c is row g * V + c of them all
+        at = jnp.arange(codes.shape[-1] - 1) * tables.shape[1] + codes[..., 1:]
+        rest = rows(tables.reshape(-1, tables.shape[-1]), at)
         return first + rest.sum(axis=-2)
 
     def predict(self, hidden: jax.Array, code0: jax.Array, key: jax.Array, p, choose=sampling.choose):
