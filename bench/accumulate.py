@@ -54,7 +54,7 @@ def main() -> None:
 
     fresh = lambda: jax.tree.map(jnp.copy, params)  # noqa: E731
     add = jax.jit(optimizer.add, donate_argnums=0)
-    update = jax.jit(lambda p, s: optimizer.update(tx, grads, s, p, k), donate_argnums=(0, 1))
+    update = jax.jit(lambda p, s: optimizer.update(tx, optimizer.add(s["acc"], grads), s, p, k), donate_argnums=(0, 1))
     ms = {
         "multisteps_per_step": timed(jax.jit(multisteps, donate_argnums=(0, 1)), fresh(), multi.init(params)),
         "add": timed(lambda p, s: (p, add(s, grads)), fresh(), jax.tree.map(jnp.zeros_like, params)),

@@ -51,7 +51,8 @@ def test_accumulation_is_one_step_on_the_mean_gradient():
     state = optimizer.init(tx, params, accumulate=4)
     for g in micro[:3]:
         state = {**state, "acc": jax.jit(optimizer.add)(state["acc"], g)}
-    p, state = jax.jit(optimizer.update, static_argnums=(0, 4))(tx, micro[3], state, params, 4)
+    total = jax.jit(optimizer.add)(state["acc"], micro[3])
+    p, state = jax.jit(optimizer.update, static_argnums=(0, 4))(tx, total, state, params, 4)
     mean = jax.tree.map(lambda *g: sum(g) / len(g), *micro)
     updates, _ = tx.update(mean, tx.init(params), params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), p,

@@ -40,11 +40,11 @@ def add(total, grads):
     return jax.tree.map(jnp.add, total, grads)
 
 
-def update(tx: optax.GradientTransformation, grads, state: dict, params, accumulate: int = 1):
-    """(params, state) after the update that ends an accumulation: ``tx`` on the mean of the sum and this batch's
-    ``grads`` (on ``grads`` alone without accumulation), the weights moved, and a new sum begun."""
-    if accumulate > 1:
-        grads = jax.tree.map(lambda a: a / accumulate, add(state["acc"], grads))
+def update(tx: optax.GradientTransformation, total, state: dict, params, accumulate: int = 1):
+    """(params, state) after the update that ends an accumulation: ``tx`` on the mean of ``total``, the sum of the
+    accumulation's gradients with this batch's (`add` to ``state["acc"]``; without accumulation, this batch's
+    gradients), the weights moved, and a new sum begun."""
+    grads = jax.tree.map(lambda a: a / accumulate, total) if accumulate > 1 else total
     updates, chain = tx.update(grads, state["chain"], params)
     new = {"chain": chain}
     if accumulate > 1:

@@ -167,7 +167,9 @@ def _programs(graph: nnx.GraphDef, cfg: ModelConfig, lr: float, accumulate: int,
         trained, frozen = (lora.init(params, lora_rank), params) if lora_rank else (params, None)
         return {"params": trained, "opt": optimizer.init(tx, trained, accumulate)}, frozen
 
-    def gradients(trained, frozen, batch):
+    def gradients(trained, frozen, batch, total=None):
+        """(``total`` plus this batch's gradients, or them alone; the losses). Micro-batches add theirs straight into
+        ``total``: a separate sum begun at zero would be one more fp32 copy of the weights (7.7 GB at 1.7B)."""
         counts = forward.target_counts(cfg, batch)
 
         def loss(trained, part):
@@ -176,25 +178,27 @@ def _programs(graph: nnx.GraphDef, cfg: ModelConfig, lr: float, accumulate: int,
 
         grad = jax.value_and_grad(loss, has_aux=True)
         if micro == 1:
-            (total, parts), grads = grad(trained, batch)
-        else:  # each micro-batch's loss is its share of the batch's (the batch's target counts divide it)
-            def plus(acc, part):
-                return jax.tree.map(jnp.add, acc, grad(trained, part)), None
+            (total_loss, parts), grads = grad(trained, batch)
+            return (grads if total is None else optimizer.add(total, grads)), {"loss": total_loss, **parts}
 
-            parts_of = jax.tree.map(lambda a: a.reshape(micro, a.shape[0] // micro, *a.shape[1:]), batch)
-            zero = jax.eval_shape(grad, trained, jax.tree.map(lambda a: a[0], parts_of))
-            ((total, parts), grads), _ = jax.lax.scan(plus, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), zero),
-                                                      parts_of)
-        return grads, {"loss": total, **parts}
+        # each micro-batch's loss is its share of the batch's (the batch's target counts divide it)
+        def plus(acc, part):
+            return jax.tree.map(jnp.add, acc, grad(trained, part)), None
+
+        parts_of = jax.tree.map(lambda a: a.reshape(micro, a.shape[0] // micro, *a.shape[1:]), batch)
+        losses, grads = jax.eval_shape(grad, trained, jax.tree.map(lambda a: a[0], parts_of))
+        zeros = functools.partial(jax.tree.map, lambda a: jnp.zeros(a.shape, a.dtype))
+        start = (zeros(losses), zeros(grads) if total is None else total)
+        ((total_loss, parts), grads), _ = jax.lax.scan(plus, start, parts_of)
+        return grads, {"loss": total_loss, **parts}
 
     def update(state, frozen, batch):
-        grads, parts = gradients(state["params"], frozen, batch)
-        params, opt = optimizer.update(tx, grads, state["opt"], state["params"], accumulate)
+        total, parts = gradients(state["params"], frozen, batch, state["opt"].get("acc"))
+        params, opt = optimizer.update(tx, total, state["opt"], state["params"], accumulate)
         return {"params": params, "opt": opt}, parts
 
     def add(trained, total, frozen, batch):
-        grads, parts = gradients(trained, frozen, batch)
-        return optimizer.add(total, grads), parts
+        return gradients(trained, frozen, batch, total)
 
     init = jax.jit(init, donate_argnums=(0,) if donate_params else ())
     step = Step(jax.jit(update, donate_argnums=0), jax.jit(add, donate_argnums=1) if accumulate > 1 else None)
