@@ -1,7 +1,7 @@
 """What every model part shares as a Flax NNX module: the initialisers of its `nnx.Param`s (random-weight presets
 and benchmarks draw from these, the output is noise; a checkpoint replaces every one, `checkpoint.load_module`),
-the split/merge through which the jitted programs take a module's weights as a plain pytree, and the arithmetic
-the talker's and the codec's transformers both use (RMSNorm, rotate-half RoPE), and the table lookup whose gradient
+the split/merge through which the jitted programs take a module's weights as a plain pytree, the arithmetic the
+talker's and the codec's transformers both use (RMSNorm, rotate-half RoPE), and the table lookup whose gradient
 training can afford (`rows`)."""
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def rows(table: jax.Array, ids: jax.Array) -> jax.Array:
 
 
 def _row_sums(g: jax.Array, ids: jax.Array, vocab: int, dtype) -> jax.Array:
-    """[vocab, D] in ``dtype``: the sum of g's rows [..., D] per id, added in fp32: the ids sorted, a segmented scan adds each id's
-    rows in order, and only each id's last sum is written, so the write has no two updates to one row."""
+    """[vocab, D] in ``dtype``: the sum of g's rows [..., D] per id, added in fp32. The ids are sorted, a segmented
+    scan adds each id's rows in order, and only each id's last sum is written: no two updates reach one row."""
     d = g.shape[-1]
     ids, g = ids.reshape(-1), g.reshape(-1, d).astype(jnp.float32)
     if ids.shape[0] == 0:
