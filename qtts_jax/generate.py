@@ -117,7 +117,7 @@ class Generator:
     def _prefill_batch(params, text, codec, frames, speaker_row, speaker, valid, trailing_ids, *, graph, cfg,
                        capacity):
         talker = nn.merge(graph, params)
-        x = jax.vmap(partial(embed_prompt, talker))(text, codec, frames, speaker_row, speaker)
+        x = embed_prompt(talker, text, codec, frames, speaker_row, speaker)
         logits, hidden, cache = jax.vmap(lambda x, v: talker.prefill(x, v, capacity))(x, valid)
         cache = rows_layout(cache)
         key_valid = jnp.zeros((x.shape[0], capacity), bool).at[:, : x.shape[1]].set(valid)

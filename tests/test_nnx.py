@@ -106,6 +106,8 @@ def test_rows_gradient_equals_a_gathers_and_writes_each_row_once():
     ours = jax.grad(lambda t: jnp.sum((nn.rows(t, ids) * w_half).astype(jnp.float32)))(half)
     assert ours.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(ours, np.float32), exact, rtol=2 ** -8, atol=1e-6)
+    none = jax.grad(lambda t: jnp.sum(nn.rows(t, jnp.zeros((0,), jnp.int32))))(table)  # no position at all
+    np.testing.assert_array_equal(none, np.zeros_like(table))
     hlo = jax.jit(jax.grad(lambda t: jnp.sum(nn.rows(t, ids)))).lower(table).as_text()
     scatters = [line for line in hlo.splitlines() if "stablehlo.scatter" in line]
     assert scatters and all("unique_indices = true" in line for line in scatters)

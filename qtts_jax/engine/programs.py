@@ -93,7 +93,7 @@ def insert(params, state: EngineState, slots, text, codec, frames, speaker_row, 
     array to wait on (the state is donated to the next step)."""
     bucket = text.shape[1]
     talker = nn.merge(graph, params)
-    x = jax.vmap(partial(embed_prompt, talker))(text, codec, frames, speaker_row, speaker)
+    x = embed_prompt(talker, text, codec, frames, speaker_row, speaker)
     logits, hidden, cache = jax.vmap(lambda x, v: talker.prefill(x, v, bucket))(x, valid)
     cache = rows_layout(cache)
     big = KVCache(state.cache.k.at[:, slots, :, :bucket].set(cache.k, mode="drop"),

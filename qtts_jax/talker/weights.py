@@ -27,7 +27,7 @@ from qtts_jax.talker.talker import Talker
 
 def _layer_rows(c: DecoderConfig) -> list[tuple[str, str, Layout, tuple[int, int] | None]]:
     """One decoder layer's rows: q, k and v fill the columns of one matrix (`wqkv`), gate and up of another
-    (`gate_up`), so a layer runs two matrix products where the checkpoint has five (`DecoderLayer`)."""
+    (`gate_up`), as `DecoderLayer` computes them."""
     q, kv, f = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
     return [
         ("self_attn.q_proj.weight", "wqkv", LINEAR, (0, q)),
@@ -73,8 +73,9 @@ def name_table(talker: DecoderConfig, predictor: DecoderConfig) -> list[Entry]:
 def load_talker(directory: Path, cfg: ModelConfig, dtype) -> Talker:
     """`Talker` with the weights of `model.safetensors` (or its shards) of a checkpoint directory."""
     tensors = read_safetensors(Path(directory), "model")
+    table = name_table(cfg.talker, cfg.predictor)
     return load_module(lambda: Talker(cfg, dtype=dtype, rngs=nnx.Rngs(0)),
-                       lambda shapes: load_table(tensors, name_table(cfg.talker, cfg.predictor), shapes, np.float32, "model.safetensors"))
+                       lambda shapes: load_table(tensors, table, shapes, np.float32, "model.safetensors"))
 
 
 def random_talker(cfg: ModelConfig, seed: int, dtype=jnp.float32) -> Talker:
