@@ -129,11 +129,12 @@ def stacked(n: int, make: Callable[..., nnx.Module], rngs: nnx.Rngs | None = Non
     return nnx.split_rngs(splits=n)(nnx.vmap(make, in_axes=0, out_axes=0))(rngs)
 
 
-def scan(layers: nnx.Module, body: Callable, carry, *xs):
+def scan(layers: nnx.Module, body: Callable, carry, *xs, unroll: int | bool = 1):
     """`jax.lax.scan` over a `stacked` module: ``body(layer, carry, *x) -> (carry, y)``, each step's layer
-    merged back from its slice of the stacked state (at trace time: the scan's arrays are the state's)."""
+    merged back from its slice of the stacked state (at trace time: the scan's arrays are the state's). `unroll` as
+    `jax.lax.scan`'s (True: straight-line code, no loop)."""
     graph, state = nnx.split(layers)
-    return jax.lax.scan(lambda c, a: body(nnx.merge(graph, a[0]), c, *a[1:]), carry, (state, *xs))
+    return jax.lax.scan(lambda c, a: body(nnx.merge(graph, a[0]), c, *a[1:]), carry, (state, *xs), unroll=unroll)
 
 
 def state_shapes(module: nnx.Module) -> dict[str, tuple[int, ...]]:

@@ -87,6 +87,22 @@ def test_a_decoder_layer_runs_four_weight_products(tiny_model):
     assert len(products) == 4
 
 
+def test_the_code_predictors_layers_are_straight_line_code(tiny_model):
+    """The code predictor's stack, run 15 times a frame, compiles without a loop over its layers, since on a GPU each
+    trip of a loop is launched from the host; the talker's stack, run once a frame, stays one loop."""
+    from qtts_jax.talker.transformer import KVCache
+
+    def loops(stack) -> int:
+        x = jnp.ones((2, stack.cfg.hidden_size))
+        cache = KVCache.zeros(stack.cfg, 4, x.dtype)
+        run = jax.jit(lambda x: stack.forward(x, jnp.arange(2), cache, jnp.int32(0), jnp.ones(4, bool)))
+        return run.lower(x).as_text().count("stablehlo.while")
+
+    assert tiny_model.talker.predictor.stack.cfg.num_layers > 1
+    assert loops(tiny_model.talker.predictor.stack) == 0
+    assert loops(tiny_model.talker.stack) == 1
+
+
 def test_rows_gradient_equals_a_gathers_and_writes_each_row_once():
     """`nn.rows` is `table[ids]` with the gradient summed per id before the table is written: the same values and
     gradients as a gather's (ids repeated hundreds of times and some absent); for a bf16 table, the fp32 sum

@@ -119,8 +119,9 @@ class DecoderLayer(nnx.Module):
 class DecoderStack(nnx.Module):
     """`cfg.num_layers` decoder layers, every weight stacked on a leading layer axis, and the final RMSNorm."""
 
-    def __init__(self, cfg: DecoderConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, dtype, rngs: nnx.Rngs, unrolled: bool = False):
         self.cfg = cfg
+        self.unrolled = unrolled  # the layers as straight-line code rather than a loop (see `layers_scan`)
         self.layers = nn.stacked(cfg.num_layers, lambda rngs: DecoderLayer(cfg, dtype=dtype, rngs=rngs), rngs)
         self.norm = ones((cfg.hidden_size,), dtype)
 
@@ -171,13 +172,14 @@ class DecoderStack(nnx.Module):
     def layers_scan(self, x, cos, sin, cache: KVCache, attend) -> tuple[jax.Array, KVCache]:
         """The layer stack in one scan (`nn.scan`); `attend(q, k, v, cache, i)` writes layer i's new keys/values
         and returns the attention output [N, heads*D] (one sequence's own cache, or rows of a shared one) and the
-        cache."""
+        cache. On a GPU every trip of a loop is launched from the host, so a small stack run many times a frame
+        (the code predictor's) is `unrolled`."""
 
         def layer(layer, carry, i):
             h, cache = carry
             return layer(self.cfg, h, cos, sin, cache, i, attend), None
 
-        (h, cache), _ = nn.scan(self.layers, layer, (x, cache), jnp.arange(self.cfg.num_layers))
+        (h, cache), _ = nn.scan(self.layers, layer, (x, cache), jnp.arange(self.cfg.num_layers), unroll=self.unrolled)
         return rms_norm(h, self.norm[...], self.cfg.rms_norm_eps), cache
 
     def forward_rows(
