@@ -55,6 +55,10 @@ def prefill_s(requests: int) -> float:
 # device's work, so a call also returns no sooner than that before the device will have finished it (a 256-row
 # 4-frame step of 51 ms returned after 21 ms, the device idle before it).
 LAUNCH_AHEAD_S = 0.030
+# Inside a call XLA lets go of the GIL and takes it back about 8 times, each time waiting for the thread that holds
+# it (bench/results/gil-handoff-h100.json: beside a thread spinning in Python at the 5 ms switch interval, a call
+# whose host time is 2.2 ms took 43 ms, one of 21 ms took 66). In real time a held call sleeps in that many parts.
+GIL_TAKES = 8
 
 
 def step_host_s(frames: int) -> float:
@@ -135,9 +139,11 @@ class Pending:
         return self.value if dtype is None else self.value.astype(dtype)
 
 
-def _sleep_until(t: float) -> None:
-    if (wait := t - time.perf_counter()) > 0:
-        time.sleep(wait)
+def _sleep_until(t: float, takes: int = 1) -> None:
+    """Sleep until `t` in `takes` parts, each waking to take the GIL back."""
+    for left in range(takes, 0, -1):
+        if (wait := (t - time.perf_counter()) / left) > 0:
+            time.sleep(wait)
 
 
 class RealTimeRunner(NumpyRunner):
@@ -149,15 +155,16 @@ class RealTimeRunner(NumpyRunner):
     (on the H100, the step's host-driven loop trips held the engine thread 10-40 ms for the same shape): the loop
     learns the mean from what it measures; the tail is what its margin must cover.
 
-    `xla_host`: every call also holds its calling thread (the GIL released, as XLA's launches do) for its own host
-    time and until the device is within `LAUNCH_AHEAD_S` of finishing it, as a GPU call does; off, a call returns at
-    once."""
+    `xla_host`: every call also holds its calling thread (the GIL released, as XLA's launches do, and taken back
+    `GIL_TAKES` times in real time) for its own host time and until the device is within `LAUNCH_AHEAD_S` of
+    finishing it, as a GPU call does; off, a call returns at once."""
 
     def __init__(self, config: EngineConfig, seed: int = 0, clock: Clock | None = None, scale: float = 1.0,
                  jitter_s: float = 0.0, xla_host: bool = False):
         super().__init__(config, clock, seed, scale)
         self.now = time.perf_counter if clock is None else clock
         self.wait_until = _sleep_until if clock is None else clock.wait_until
+        self.hold_until = (lambda t: _sleep_until(t, GIL_TAKES)) if clock is None else clock.wait_until
         self.free = 0.0
         self.busy = 0.0
         self.jitter_s = jitter_s
@@ -172,7 +179,7 @@ class RealTimeRunner(NumpyRunner):
         self.free = max(self.free, called) + cost
         self.busy += cost
         if self.xla_host:
-            self.wait_until(max(called + host, self.free - LAUNCH_AHEAD_S))
+            self.hold_until(max(called + host, self.free - LAUNCH_AHEAD_S))
         if isinstance(value, tuple):
             return tuple(Pending(v, self.free, self.wait_until) for v in value)
         return Pending(value, self.free, self.wait_until)

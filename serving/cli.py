@@ -72,7 +72,7 @@ def add_server_flags(s: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--switch-interval-ms", type=_positive,
                    help="Python's thread switch interval: how long the engine thread, back from a device call, may "
                         "wait for the interpreter while the event loop takes requests (QTTS_SWITCH_INTERVAL_MS; "
-                        "default 0.5, Python's own 5)")
+                        "default 0.1, Python's own 5)")
     s.add_argument("--voices-dir", help="Base models: where registered voices are kept (QTTS_VOICES_DIR; "
                                         "default ./voices)")
     s.add_argument("--voice-aliases", metavar="NAME=VOICE,...|FILE|none",

@@ -42,8 +42,8 @@ class Settings:
     idle_timeout_s: float = 75.0  # a connection with no request in progress is closed after this
     max_connections: int = 512  # open HTTP and WebSocket connections; one more gets 503 and is closed
     # Python's thread switch interval in a serving process (`serve_alone`): how long the engine thread may wait
-    # for the GIL while the event loop runs Python (the interpreter's default is 5)
-    switch_interval_ms: float = 0.5
+    # for the GIL while the event loop runs Python (the interpreter's default is 5; serve_alone says why 0.1)
+    switch_interval_ms: float = 0.1
     warmup: bool = True
     voices_dir: str = "voices"  # Base models: registered voices, one file each, reloaded at start-up
     max_voices: int = 1000

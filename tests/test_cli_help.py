@@ -98,7 +98,7 @@ def test_switch_interval_flag_takes_a_positive_number_of_milliseconds(monkeypatc
 
     parser = _serve_parser()
     monkeypatch.delenv("QTTS_SWITCH_INTERVAL_MS", raising=False)
-    assert settings_from_args(parser.parse_args([])).switch_interval_ms == 0.5
+    assert settings_from_args(parser.parse_args([])).switch_interval_ms == 0.1
     assert settings_from_args(parser.parse_args(["--switch-interval-ms", "2.5"])).switch_interval_ms == 2.5
     monkeypatch.setenv("QTTS_SWITCH_INTERVAL_MS", "5")
     assert settings_from_args(parser.parse_args([])).switch_interval_ms == 5.0

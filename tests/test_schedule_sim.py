@@ -88,3 +88,27 @@ def test_with_xla_host_a_call_holds_its_thread_for_its_launches_and_until_the_de
     assert held == pytest.approx(done - sim_device.LAUNCH_AHEAD_S)
     held, done = returned_after(True, 1, busy_before=0.05)  # behind 50 ms of queued work
     assert held == pytest.approx(done - sim_device.LAUNCH_AHEAD_S) and held > sim_device.step_host_s(1)
+
+
+def test_in_real_time_a_held_call_takes_the_gil_back_as_often_as_xla_does(monkeypatch):
+    """In real time a held call sleeps in `GIL_TAKES` parts, each ending in a taking-back of the GIL that waits for
+    the thread holding it, as XLA's calls do; they add up to the hold. A wait for an output is one sleep."""
+    import numpy as np
+    from bench import sim_device
+
+    now, sleeps = [100.0], []
+
+    def sleep(seconds):
+        sleeps.append(seconds)
+        now[0] += seconds
+
+    monkeypatch.setattr(sim_device.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(sim_device.time, "sleep", sleep)
+    config = Settings(slots=256, context=512).engine_config()
+    runner = sim_device.RealTimeRunner(config, 0, xla_host=True)
+    out = runner.step(np.arange(256, dtype=np.int32), np.full(256, 1, np.int32), 1)
+    assert len(sleeps) == sim_device.GIL_TAKES
+    assert sum(sleeps) == pytest.approx(sim_device.step_host_s(1))
+    sleeps.clear()
+    np.asarray(out[0])  # the rest of the device's work: one wait
+    assert len(sleeps) == 1 and now[0] == pytest.approx(runner.free)
