@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -102,8 +103,8 @@ def test_in_real_time_a_held_call_takes_the_gil_back_as_often_as_xla_does(monkey
         sleeps.append(seconds)
         now[0] += seconds
 
-    monkeypatch.setattr(sim_device.time, "perf_counter", lambda: now[0])
-    monkeypatch.setattr(sim_device.time, "sleep", sleep)
+    # the simulator's own clock and sleep only (the `time` module itself stays as other threads see it)
+    monkeypatch.setattr(sim_device, "time", types.SimpleNamespace(perf_counter=lambda: now[0], sleep=sleep))
     config = Settings(slots=256, context=512).engine_config()
     runner = sim_device.RealTimeRunner(config, 0, xla_host=True)
     out = runner.step(np.arange(256, dtype=np.int32), np.full(256, 1, np.int32), 1)
