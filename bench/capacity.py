@@ -109,10 +109,12 @@ def closed_waves(rows: list, measures: dict) -> dict[str, dict]:
 
 
 # what a capacity run's closed loop reports per wave (`closed_waves`), from its records: the client's TTFA, the
-# server's own (X-TTFA-Ms, from its handler's start) and, of that, the wait for admission (Server-Timing's queue)
+# server's own (X-TTFA-Ms, from the engine's submit) and, of that, the wait for admission (Server-Timing's queue),
+# and before the submit the server's handler (Server-Timing's intake: its work and its awaits)
 WAVE_MEASURES = {"client_ttfa_ms": lambda r: 1e3 * (r["first_byte_s"] - r["send_s"]),
                  "server_ttfa_ms": lambda r: r.get("server_ttfa_ms"),
-                 "server_queue_ms": lambda r: r.get("server_queue_ms")}
+                 "server_queue_ms": lambda r: r.get("server_queue_ms"),
+                 "server_intake_ms": lambda r: r.get("server_intake_ms")}
 
 
 def waves(records_path: Path) -> dict[str, dict]:

@@ -123,7 +123,8 @@ class Utterance:
 
     def timings(self) -> dict:
         first, last = self.streams[0].timings, self.stream.timings
-        t = first.as_dict()
+        t = first.as_dict()  # each from the engine's submit; before it, the handler's own work (and its awaits)
+        t["intake_ms"] = round((first.submitted - self.started) * 1000, 3)
         if last.finished is not None:  # the whole response, over every part
             t["total_ms"] = round((last.finished - first.submitted) * 1000, 3)
         t["parts"] = len(self.streams)

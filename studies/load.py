@@ -87,7 +87,8 @@ async def speak_http(session: aiohttp.ClientSession, url: str, record: RequestRe
             record.retry_after = resp.headers.get("Retry-After")
             if resp.headers.get("X-TTFA-Ms"):
                 record.server_ttfa_ms = float(resp.headers["X-TTFA-Ms"])
-            record.server_queue_ms = server_timing(resp.headers.get("Server-Timing", "")).get("queue")
+            timing = server_timing(resp.headers.get("Server-Timing", ""))
+            record.server_queue_ms, record.server_intake_ms = timing.get("queue"), timing.get("intake")
             rate = resp.headers.get("X-Sample-Rate", "")
             record.sample_rate = int(rate) if rate.isdigit() else None
             width = 4 if resp.headers.get("X-Sample-Format") == "f32le" else 2
@@ -191,6 +192,8 @@ async def speak_ws(session: aiohttp.ClientSession, url: str, record: RequestReco
                         ttfa, queue = timings.get("first_chunk_ms"), timings.get("queue_ms")
                         record.server_ttfa_ms = None if ttfa is None else float(ttfa)
                         record.server_queue_ms = None if queue is None else float(queue)
+                        intake = timings.get("intake_ms")
+                        record.server_intake_ms = None if intake is None else float(intake)
                         break
                 if record.status is None:
                     record.error = f"socket closed before utterance.done (close code {ws.close_code})"

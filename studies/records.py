@@ -29,6 +29,7 @@ class RequestRecord:
     sample_rate: int | None = None
     server_ttfa_ms: float | None = None
     server_queue_ms: float | None = None  # of that, waiting for admission to a slot (the engine's queue)
+    server_intake_ms: float | None = None  # before it: the server's handler start to the engine's submit
     retry_after: str | None = None
     warmup: bool = False
     protocol: str = "http"  # http (streamed POST) | ws (WebSocket utterance)

@@ -86,7 +86,7 @@ def test_a_closed_loop_splits_into_its_first_wave_and_the_rest(tmp_path):
     import json
 
     rows = [{"send_s": 10.0 + 0.001 * i, "first_byte_s": 10.2 + 0.001 * i + 0.01 * i, "server_ttfa_ms": 50.0 + i,
-             "server_queue_ms": 5.0 * i} for i in range(20)]
+             "server_queue_ms": 5.0 * i, "server_intake_ms": 0.5 * i} for i in range(20)]
     rows += [{"send_s": 12.0 + 0.1 * i, "first_byte_s": 12.05 + 0.1 * i, "server_ttfa_ms": 20.0,
               "server_queue_ms": None} for i in range(10)]
     rows += [{"send_s": 9.0, "first_byte_s": 9.1, "warmup": True}, {"send_s": 10.0, "first_byte_s": None}]
@@ -98,4 +98,5 @@ def test_a_closed_loop_splits_into_its_first_wave_and_the_rest(tmp_path):
     assert (first["send_span_ms"], rest["send_span_ms"]) == (19.0, 900.0)
     assert first["client_ttfa_ms"][2] == 390.0 and first["server_ttfa_ms"] == [59.5, 68.0, 69.0]
     assert first["server_queue_ms"] == [47.5, 90.2, 95.0] and rest["server_queue_ms"] is None
+    assert first["server_intake_ms"] == [4.8, 9.0, 9.5] and rest["server_intake_ms"] is None
     assert rest["client_ttfa_ms"] == [50.0, 50.0, 50.0]

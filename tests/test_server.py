@@ -126,6 +126,8 @@ async def test_streamed_pcm_and_wav_equal_offline_generate(client, offline):
     assert r.headers["Content-Type"] == "audio/pcm" and r.headers["X-Sample-Rate"] == "24000"
     assert r.headers["Transfer-Encoding"] == "chunked"
     assert len(r.headers["X-Request-Id"]) > 0 and "ttfa;dur=" in r.headers["Server-Timing"]
+    timing = dict(e.strip().split(";dur=") for e in r.headers["Server-Timing"].split(","))
+    assert 0 <= float(timing["intake"]) and 0 <= float(timing["queue"]) <= float(timing["ttfa"])
     sizes, data = [], b""
     async for part in r.content.iter_any():
         sizes.append(len(part))

@@ -45,6 +45,7 @@ def test_closed_sweep_writes_valid_timed_records_and_a_consistent_summary(url, t
         assert sum(n for _, n in r.chunks) == 12 * 1920  # 12 frames of 80 ms at 24 kHz
         assert r.server_ttfa_ms is not None and r.server_ttfa_ms <= 1000 * r.ttfa_s + 5
         assert r.server_queue_ms is not None and 0 <= r.server_queue_ms <= r.server_ttfa_ms
+        assert r.server_intake_ms is not None and 0 <= r.server_intake_ms <= 1000 * r.ttfa_s - r.server_ttfa_ms
     for c in result["conditions"]:
         assert c["requests"] == 4 and c["success_rate"] == 1.0
         assert 0 < c["ttfa_p50_ms"] <= c["ttfa_p95_ms"] and c["throughput_rps"] > 0
@@ -74,6 +75,7 @@ def test_websocket_closed_loop_records_match_the_http_ones(url):
         assert sum(n for _, n in r.chunks) == 12 * 1920 and len(r.chunks) > 1  # streamed, not one blob
         assert r.server_ttfa_ms is not None and r.server_ttfa_ms <= 1000 * r.ttfa_s + 5
         assert r.server_queue_ms is not None and 0 <= r.server_queue_ms <= r.server_ttfa_ms
+        assert r.server_intake_ms is not None and 0 <= r.server_intake_ms <= 1000 * r.ttfa_s - r.server_ttfa_ms
     assert [dataclasses.asdict(r).keys() for r in ws] == [dataclasses.asdict(r).keys() for r in http]
     assert {r.protocol for r in http} == {"http"}
 
