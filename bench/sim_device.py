@@ -15,6 +15,7 @@ device overlap as they do on a GPU while the host's own work takes no time: benc
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -164,7 +165,7 @@ class RealTimeRunner(NumpyRunner):
         super().__init__(config, clock, seed, scale)
         self.now = time.perf_counter if clock is None else clock
         self.wait_until = _sleep_until if clock is None else clock.wait_until
-        self.hold_until = (lambda t: _sleep_until(t, GIL_TAKES)) if clock is None else clock.wait_until
+        self.hold_until = functools.partial(_sleep_until, takes=GIL_TAKES) if clock is None else clock.wait_until
         self.free = 0.0
         self.busy = 0.0
         self.jitter_s = jitter_s

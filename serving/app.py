@@ -233,9 +233,8 @@ def serve_alone(app: web.Application) -> None:
       (bench/results/gil-handoff-h100.json). The server's Poisson rates did not move with it (run 17). In a closed
       burst of 256 on an H100 (run 19, 0.5 ms) the engine's first iteration, one newcomer's, took about 120 ms
       (its first audio 119 ms after submission) while the event loop took the burst, and the newcomers behind it
-      waited up to 158 ms in the queue; over the simulated
-      device with XLA's taking-back (bench/host_serving.py) 0.1 ms cut that burst's p95 TTFA from 312-346 ms to
-      275-287 and moved no Poisson rate."""
+      waited up to 158 ms in the queue; over the simulated device with XLA's taking-back (bench/host_serving.py)
+      0.1 ms cut that burst's p95 TTFA from 312-346 ms to 275-287 and moved no Poisson rate."""
     interval_ms = app[SETTINGS].switch_interval_ms
     if not 0 < interval_ms < float("inf"):
         raise ValueError(f"switch_interval_ms {interval_ms} must be a positive number")

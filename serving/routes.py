@@ -39,8 +39,8 @@ def request_id(request: web.Request) -> str:
 
 
 def _server_timing(t: dict) -> str:
-    names = (("intake", "intake_ms"), ("queue", "queue_ms"), ("prefill", "prefill_ms"), ("first_frame", "first_frame_ms"),
-             ("ttfa", "first_chunk_ms"), ("total", "total_ms"))
+    names = (("intake", "intake_ms"), ("queue", "queue_ms"), ("prefill", "prefill_ms"),
+             ("first_frame", "first_frame_ms"), ("ttfa", "first_chunk_ms"), ("total", "total_ms"))
     return ", ".join(f"{n};dur={t[k]}" for n, k in names if t.get(k) is not None)
 
 

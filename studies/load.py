@@ -189,11 +189,9 @@ async def speak_ws(session: aiohttp.ClientSession, url: str, record: RequestReco
                         else:
                             record.status = 200
                         timings = event.get("timings") or {}
-                        ttfa, queue = timings.get("first_chunk_ms"), timings.get("queue_ms")
-                        record.server_ttfa_ms = None if ttfa is None else float(ttfa)
-                        record.server_queue_ms = None if queue is None else float(queue)
-                        intake = timings.get("intake_ms")
-                        record.server_intake_ms = None if intake is None else float(intake)
+                        record.server_ttfa_ms, record.server_queue_ms, record.server_intake_ms = (
+                            None if (v := timings.get(k)) is None else float(v)
+                            for k in ("first_chunk_ms", "queue_ms", "intake_ms"))
                         break
                 if record.status is None:
                     record.error = f"socket closed before utterance.done (close code {ws.close_code})"
