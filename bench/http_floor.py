@@ -80,8 +80,8 @@ async def measure(load: int, out_dir: Path, frames: int = 60) -> dict:
                 break
             except OSError:
                 await asyncio.sleep(0.05)
-        t0 = time.perf_counter()  # closed_loop's own start follows within microseconds: no await between
-        records = await closed_loop(f"http://127.0.0.1:{port}", load, 2 * load, ["Hello there."], warmup=8)
+        t0 = time.perf_counter()  # the records' zero, so that the handlers' stamps subtract exactly
+        records = await closed_loop(f"http://127.0.0.1:{port}", load, 2 * load, ["Hello there."], warmup=8, t0=t0)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)

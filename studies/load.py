@@ -217,12 +217,14 @@ def _record(mode, load, i, prompts, warmup) -> RequestRecord:
 
 async def closed_loop(url: str, concurrency: int, requests: int, prompts: list[str], options: dict | None = None,
                       warmup: int = 0, timeout_s: float = 60.0, protocol: str = "http",
-                      on_done=None) -> list[RequestRecord]:
+                      on_done=None, t0: float | None = None) -> list[RequestRecord]:
     """`concurrency` clients, each sending its next request as soon as its last one ends, until
-    `warmup + requests` have been sent; the first `warmup` are marked and left out of statistics."""
+    `warmup + requests` have been sent; the first `warmup` are marked and left out of statistics. Times count from
+    `t0` (a `time.perf_counter` reading; by default the call's start): a caller that matches the records against
+    stamps taken elsewhere on the same clock passes its own zero."""
     _check(concurrency, requests, prompts, warmup, protocol, options)
     total, counter, out = warmup + requests, iter(range(warmup + requests)), []
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if t0 is None else t0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         async def client():
             for i in counter:  # a shared iterator: each index is taken by exactly one client

@@ -493,6 +493,36 @@ async def test_sustained_window_opens_only_after_every_clients_warm_up(aiohttp_s
     assert len(warmups) == 2 and all(r.end_s >= 1.0 for r in warmups)
 
 
+@pytest.mark.asyncio
+async def test_closed_loop_times_count_from_the_zero_its_caller_gives(aiohttp_server):
+    """bench/http_floor.py subtracts server stamps from its own clock reading: the records must count from that same
+    reading, however long the caller waits before the loop starts (a 2-core machine under load waited ms)."""
+    import time
+
+    from aiohttp import web
+
+    from studies.load import closed_loop
+
+    pcm = np.zeros(1920, "<i2").tobytes()
+
+    async def speech(request):
+        resp = web.StreamResponse(headers={"X-Sample-Rate": "24000", "X-Channels": "1", "X-Sample-Format": "s16le"})
+        await resp.prepare(request)
+        await resp.write(pcm)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/audio/speech", speech)
+    server = await aiohttp_server(app)
+    url = str(server.make_url("")).rstrip("/")
+    before = time.perf_counter()
+    own = await closed_loop(url, 2, 2, ["one"])
+    given = await closed_loop(url, 2, 2, ["one"], t0=before)
+    assert all(0 <= r.send_s < 1.0 for r in own)
+    assert all(r.send_s >= own[-1].end_s for r in given)  # both of its sends came after the first loop ended
+
+
 def test_a_condition_is_measured_with_the_clients_garbage_collector_off_and_it_is_back_on_after(monkeypatch):
     """A full collection pass held the client for 60-110 ms late in a long run: chunks read that late would count
     as the server's stalls, so no pass may run while a condition is measured."""
