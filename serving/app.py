@@ -230,11 +230,8 @@ def serve_alone(app: web.Application) -> None:
       GIL inside every device call and takes it back several times per call; while the event loop holds it,
       taking a burst, each taking-back waited out the interval (5 ms by default). On an H100 a 16-row step
       whose call returns in 2.2 ms alone took 43 ms beside a spinning thread at 5 ms, 5.5 ms at 0.5 ms
-      (bench/results/gil-handoff-h100.json). The server's Poisson rates did not move with it (run 17). In a closed
-      burst of 256 on an H100 (run 19, 0.5 ms) the engine's first iteration, one newcomer's, took about 120 ms
-      (its first audio 119 ms after submission) while the event loop took the burst, and the newcomers behind it
-      waited up to 158 ms in the queue; over the simulated device with XLA's taking-back (bench/host_serving.py)
-      0.1 ms cut that burst's p95 TTFA from 312-346 ms to 275-287 and moved no Poisson rate."""
+      (bench/results/gil-handoff-h100.json). 0.1 ms shortened a closed burst's first audio and moved no Poisson
+      rate (docs/benchmarks.md, "The switch interval in a burst")."""
     interval_ms = app[SETTINGS].switch_interval_ms
     if not 0 < interval_ms < float("inf"):
         raise ValueError(f"switch_interval_ms {interval_ms} must be a positive number")
