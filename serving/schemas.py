@@ -7,9 +7,12 @@ document and the code cannot drift. Types are strict (a bool is not a number, a 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from qtts_jax.engine.job import Job
@@ -122,8 +125,10 @@ def base64_chars(n_bytes: int) -> int:
     return 4 * ((n_bytes + 2) // 3) + 64
 
 
-def speech_fields(max_input_chars: int = 4096, max_ref_audio_bytes: int = 16 * 1024 * 1024) -> dict[str, Field]:
-    return {
+@functools.lru_cache(maxsize=8)
+def speech_fields(max_input_chars: int = 4096, max_ref_audio_bytes: int = 16 * 1024 * 1024) -> Mapping[str, Field]:
+    """The speech body's fields, built once per limits (every request is checked against them) and read-only."""
+    return MappingProxyType({
         "model": Field("string", "Served model name (or an OpenAI alias tts-1, tts-1-hd, gpt-4o-mini-tts)",
                        max_length=256),
         "input": Field("string", "Text to speak, or an SSML <speak> document (see input_format); text longer than "
@@ -178,7 +183,7 @@ def speech_fields(max_input_chars: int = 4096, max_ref_audio_bytes: int = 16 * 1
                                                        "server's schedule)", minimum=0, maximum=64),
         "x_vector_only_mode": Field("boolean", "vLLM-Omni: clone from the speaker embedding only (no in-context "
                                                "reference), for ref_audio or a registered voice"),
-    }
+    })
 
 
 def _check(name: str, f: Field, v: Any) -> Any:
@@ -235,7 +240,7 @@ class SpeechParams:
     word_timestamps: bool = False  # SSE: speech.audio.words events
 
 
-def parse_options(body: Any, fields: dict[str, Field], *, required: bool = True) -> dict:
+def parse_options(body: Any, fields: Mapping[str, Field], *, required: bool = True) -> dict:
     """Type/range checks of a JSON object against `fields`; unknown keys are refused by name."""
     if not isinstance(body, dict):
         raise bad("body", "must be a JSON object", "invalid_json")
