@@ -743,3 +743,15 @@ def test_fuzz_websocket(served, caplog):
 
     case()
     after_fuzz(served, "websocket", before, examples, caplog)
+
+
+def test_the_speech_field_table_is_shared_read_only_and_per_limits():
+    """Every request is checked against one table per server's limits: no request can change it for the others,
+    and servers with other limits get their own."""
+    from serving.schemas import speech_fields
+
+    fields = speech_fields(100, 1000)
+    assert fields is speech_fields(100, 1000)
+    with pytest.raises(TypeError):
+        fields["input"] = None
+    assert fields["input"].max_length == 100 and speech_fields(200, 1000)["input"].max_length == 200
