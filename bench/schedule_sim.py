@@ -18,6 +18,7 @@ import bisect
 import concurrent.futures
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -52,6 +53,34 @@ class Inline:
         return done
 
 
+class EventLoop:
+    """The server's event loop between the hand-out and the listeners (`--chunk-us`): it takes a batch of chunks
+    handed out together one after another, soonest due first as serving/bridge.py orders them, spending `chunk_s`
+    on each (encoding it, writing it to its socket) after whatever it was still doing, so a batch's last listener
+    hears its chunk that much after the hand-out; each batch's lag reaches the engine's margin as the bridge
+    reports it. The interpreter it shares with the engine's thread is left out."""
+
+    def __init__(self, engine: Engine, chunk_s: float, take):
+        self.engine, self.chunk_s, self.take = engine, chunk_s, take
+        self.busy_until = -math.inf
+        self.batch: list = []  # (chunk, listener) handed out since the last flush
+
+    def put(self, chunk, listener) -> None:
+        self.batch.append((chunk, listener))
+
+    def flush(self) -> None:
+        """Take what the last iteration handed out: each hand-out (its chunks share a `sent_at`) as one batch."""
+        handed, self.batch = self.batch, []
+        for since in sorted({chunk.sent_at for chunk, _ in handed}):
+            batch = sorted((item for item in handed if item[0].sent_at == since), key=lambda item: item[0].due)
+            at = max(self.busy_until, since)  # sorted stably: a request's own chunks keep their order
+            for chunk, listener in batch:
+                at += self.chunk_s
+                self.take(listener, chunk, at)
+            self.busy_until = at
+            self.engine.observe_delivery_lag(at - since)
+
+
 @dataclasses.dataclass
 class Listener:
     arrived: float
@@ -61,10 +90,11 @@ class Listener:
 
 
 def run_rate(model, config: EngineConfig, rate: float, seconds: float, frames: int, scale: float, host_s: float,
-             seed: int, closed: int = 0, jitter_s: float = 0.0, xla_host: bool = False) -> dict:
+             seed: int, closed: int = 0, jitter_s: float = 0.0, xla_host: bool = False, chunk_s: float = 0.0) -> dict:
     """One condition: Poisson arrivals at `rate` for `seconds`, or with `closed` N, N clients that each send their
     next request as soon as their last one ends (its final chunk, or a refusal: the study's closed-loop client
-    does not wait out a Retry-After), 2N requests in all, all N at once at the start."""
+    does not wait out a Retry-After), 2N requests in all, all N at once at the start. `chunk_s`: the event loop's
+    time a chunk (`EventLoop`); 0, each listener hears its chunk when the engine hands it out."""
     clock = Clock()
     runner = RealTimeRunner(config, seed, clock=clock, scale=scale, jitter_s=jitter_s, xla_host=xla_host)
     engine = Engine(model, config, runner=runner)
@@ -93,13 +123,21 @@ def run_rate(model, config: EngineConfig, rate: float, seconds: float, frames: i
 
     runner.step = counted
 
+    def take(listener: Listener, chunk, at: float) -> None:
+        if len(chunk.pcm):
+            listener.chunks.append((at, len(chunk.pcm)))
+        if chunk.final:
+            listener.error = chunk.error
+            next_request(at)
+
+    loop = EventLoop(engine, chunk_s, take) if chunk_s else None
+
     def hear(listener: Listener):
         def on_chunk(chunk):
-            if len(chunk.pcm):
-                listener.chunks.append((chunk.sent_at, len(chunk.pcm)))
-            if chunk.final:
-                listener.error = chunk.error
-                next_request(chunk.sent_at)
+            if loop is None:
+                take(listener, chunk, chunk.sent_at)
+            else:
+                loop.put(chunk, listener)
         return on_chunk
 
     start, i = clock.now, 0
@@ -117,7 +155,10 @@ def run_rate(model, config: EngineConfig, rate: float, seconds: float, frames: i
                 listener.stream.timings.submitted = listener.arrived  # it came during the iteration, not at its end
             i += 1
         clock.now += host_s
-        if not engine.run_once() and i < len(arrivals):
+        busy = engine.run_once()
+        if loop is not None:
+            loop.flush()
+        if not busy and i < len(arrivals):
             clock.now = max(clock.now, float(arrivals[i]))
     wall = clock.now - start
     ttfa = np.array([lst.chunks[0][0] - lst.arrived for lst in listeners if lst.chunks]) * 1e3
@@ -136,6 +177,8 @@ def run_rate(model, config: EngineConfig, rate: float, seconds: float, frames: i
         "admitted_p50_p95_ms": [round(float(np.percentile(waited, q)), 1) for q in (50, 95)] if len(waited) else None,
         "frames_per_step": round(float(np.mean(step_frames)), 2) if step_frames else None,
         "throughput_rps": round(len(plays) / wall, 2),
+        "chunks_per_request": round(sum(len(lst.chunks) for lst in listeners) / max(len(listeners), 1), 1),
+        "margin_ms_at_end": round(engine.stats().headroom_margin_s * 1e3, 1),
     }
 
 
@@ -168,6 +211,8 @@ def main() -> None:
                    help="mean of an exponential extra delay of every device call (the calls' variation)")
     p.add_argument("--xla-host", action="store_true",
                    help="each device call holds the engine's thread for XLA's host work in it, as on the H200")
+    p.add_argument("--chunk-us", type=float, default=0.0,
+                   help="the server's event loop's time per chunk, each batch's chunks taken in turn (0: none)")
     p.add_argument("--variants", default="now=", help="name=field:value,...;... (EngineConfig fields)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out")
@@ -181,7 +226,7 @@ def main() -> None:
             (0.0, int(n)) for n in args.loads.split(",") if n]
         for rate, closed in conditions:
             rows.append(run_rate(model, config, rate, args.seconds, args.frames, args.scale, args.host_ms / 1e3,
-                                 args.seed, closed, args.jitter_ms / 1e3, args.xla_host))
+                                 args.seed, closed, args.jitter_ms / 1e3, args.xla_host, args.chunk_us / 1e6))
             print(json.dumps({"variant": name, **rows[-1]}), flush=True)
         results[name] = {"overrides": overrides, "rows": rows}
     if args.out:
