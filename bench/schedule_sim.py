@@ -2,7 +2,8 @@
 engine loop, over `sim_device.RealTimeRunner` on a simulated `Clock` (one device running the calls in order at what
 each costs on the H200, 0.6B shape, times `--scale`), with a listener per stream who plays from the first byte and
 counts every stall after it (the zero-underrun contract of the capacity study). The host's own work takes no
-time here (or `--host-ms` per iteration), so what this measures is the loop's decisions: how many frames a step
+time here (or `--host-ms` per iteration, and `--chunk-us` of the server's event loop per chunk handed out: see
+`EventLoop`), so what this measures is the loop's decisions: how many frames a step
 runs while newcomers keep joining, how late first audio comes, whether any stream runs dry. It is deterministic
 for a seed and runs in seconds on a CPU, so policies are compared side by side (`--variants`, fields of
 `EngineConfig` over the server's defaults) before a GPU measures them.
