@@ -18,6 +18,7 @@ import ast
 import bisect
 import concurrent.futures
 import dataclasses
+import itertools
 import json
 import math
 import sys
@@ -71,9 +72,8 @@ class EventLoop:
 
     def flush(self) -> None:
         """Take what the last iteration handed out: each hand-out (its chunks share a `sent_at`) as one batch."""
-        handed, self.batch = self.batch, []
-        for since in sorted({chunk.sent_at for chunk, _ in handed}):
-            batch = sorted((item for item in handed if item[0].sent_at == since), key=lambda item: item[0].due)
+        handed, self.batch = sorted(self.batch, key=lambda item: (item[0].sent_at, item[0].due)), []
+        for since, batch in itertools.groupby(handed, key=lambda item: item[0].sent_at):
             at = max(self.busy_until, since)  # sorted stably: a request's own chunks keep their order
             for chunk, listener in batch:
                 at += self.chunk_s
