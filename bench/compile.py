@@ -1,7 +1,9 @@
 """Why the engine's programs take minutes to compile: each chosen program compiled alone (no parallel contention),
 under several sets of XLA flags side by side, with its compile seconds, XLA's memory plan (temp bytes), the
 rematerialization warnings XLA printed, one call's run time and its host time (how long the call takes to
-return, before the device is waited on), so a flag that cuts compiling can be checked not to slow the program.
+return, before the device is waited on), so a flag that cuts compiling can be checked not to slow the program;
+with `--codes-check`, each variant also generates a few seeded streams on a small engine and reports a digest of
+their codes, so a flag can be checked not to change what the programs compute.
 Each variant runs in a subprocess of its own (XLA reads its flags once); all of them at once, each timing its
 programs under one shared lock so that no two time the GPU together. Writes JSON.
 
@@ -21,6 +23,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -54,6 +58,26 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--slots", type=int, default=256)
     p.add_argument("--context", type=int, default=512)
+
+
+def codes_digest(args, model) -> str:
+    """A digest of every code of `args.codes_check` seeded streams of 24 frames, generated together on an 8-slot
+    engine of this variant (warmed up first, so the programs of every step size it uses are compiled)."""
+    import hashlib
+
+    from qtts_jax.request import Request
+
+    engine = engine_for(args, model=model, slots=8)
+    engine.warmup()
+    streams = [engine.submit(engine.prepare(Request(f"Codes check number {i}.", speaker="ryan", seed=i,
+                                                    max_frames=24)), lambda chunk: None)
+               for i in range(args.codes_check)]
+    while not all(s.finished for s in streams):
+        engine.run_once()
+    digest = hashlib.sha256()
+    for s in streams:
+        digest.update(np.asarray(s.codes, np.int32).tobytes())
+    return digest.hexdigest()[:16]
 
 
 def child(args) -> dict:
@@ -90,6 +114,8 @@ def child(args) -> dict:
             rows[spec].update(run_ms=round(statistics.median(total) * 1e3, 3),
                               host_ms=round(statistics.median(host) * 1e3, 3))
             print(spec, rows[spec], file=sys.stderr, flush=True)
+    if args.codes_check:
+        rows["codes_digest"] = codes_digest(args, engine.model)
     return rows
 
 
@@ -100,6 +126,8 @@ def main() -> None:
                    help="kind:rung:size of step|first|codec|insert, comma-separated")
     p.add_argument("--variants", default="default=", help='"name=XLA flags;name=flags" (an empty value: none)')
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--codes-check", type=int, default=0, metavar="N",
+                   help="also generate N seeded streams on an 8-slot engine and report a digest of their codes")
     p.add_argument("--child-timeout-s", type=float, default=200, help="give up on a variant after this long")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--lock", default="/tmp/qtts-compile-bench.lock", help=argparse.SUPPRESS)
