@@ -43,11 +43,12 @@ from studies.sweep import run_sync  # noqa: E402
 APP = "qtts"
 
 
-def deploy(url: str, settings: Settings, replicas: int) -> list[str]:
+def deploy(url: str, settings: Settings, fleet: FleetConfig) -> list[str]:
     """Runs (or rescales) the application and returns the replica ids once /ready lists them all, idle."""
     from ray import serve
 
-    serve.run(build(settings, FleetConfig(replicas=replicas)), name=APP, route_prefix="/")
+    replicas = fleet.replicas
+    serve.run(build(settings, fleet), name=APP, route_prefix="/")
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         body = requests.get(f"{url}/ready", timeout=10).json()
@@ -79,8 +80,9 @@ async def first_audio(urls: dict[str, str], rounds: int, options: dict, text: st
 
 def overhead(url: str, settings: Settings, args, options: dict, text: str) -> dict:
     """The fleet's first-audio cost over `qtts-jax serve` (the target: at most +15 ms at the median)."""
-    with local_server(args.model, slots=args.slots, context=args.context, frames_per_step=1,
-                      extra_args=("--compile-cache", settings.compile_cache)) as plain:
+    with local_server(args.model, slots=args.slots, context=args.context, frames_per_step=settings.frames_per_step,
+                      extra_args=("--compile-cache", settings.compile_cache, "--dtype", settings.dtype,
+                                  "--codec-dtype", settings.codec_dtype)) as plain:
         ttfa = run_sync(first_audio({"serve": plain, "fleet": url}, args.ttfa_rounds, options, text))
     out = {label: {"p50_ms": percentile(v, 50), "p95_ms": percentile(v, 95), "n": len(v)} for label, v in ttfa.items()}
     out["p50_difference_ms"] = out["fleet"]["p50_ms"] - out["serve"]["p50_ms"]
@@ -103,8 +105,14 @@ def main() -> int:
     ap.add_argument("--model", default="tiny-random")
     ap.add_argument("--slots", type=int, default=1)
     ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights (and the codec's)")
+    ap.add_argument("--frames-per-step", type=int, default=1)
     ap.add_argument("--replicas", type=int, default=2, help="the fleet compared with one replica (default 2)")
-    ap.add_argument("--loads", type=int, nargs="+", default=[1, 2, 3], help="streams in flight")
+    ap.add_argument("--loads", type=int, nargs="*", default=[1, 2, 3], help="streams in flight (closed loop)")
+    ap.add_argument("--rates", type=float, nargs="*", default=[], help="Poisson arrivals, requests/s (open loop)")
+    ap.add_argument("--poisson-seconds", type=float, default=20.0, help="seconds of arrivals per rate")
+    ap.add_argument("--gpus-per-replica", type=float,
+                    help="GPUs each replica takes (default: 1 when Ray sees a GPU, else 0: CPU replicas)")
     ap.add_argument("--requests", type=int, default=60, help="measured requests per load (59 bound a p95)")
     ap.add_argument("--max-frames", type=int, default=24)
     ap.add_argument("--ttfa-rounds", type=int, default=40, help="single streams per server for the overhead")
@@ -116,40 +124,55 @@ def main() -> int:
     import ray
     from ray import serve
 
-    # the plain server gets the replicas' XLA flags, so the overhead compares the paths, not the engines
-    os.environ["XLA_FLAGS"] = FleetConfig().actor_options()["runtime_env"]["env_vars"]["XLA_FLAGS"]
     os.environ.update(RAY_ENV)
-    settings = Settings(model=args.model, slots=args.slots, context=args.context, frames_per_step=1,
+    settings = Settings(model=args.model, slots=args.slots, context=args.context, frames_per_step=args.frames_per_step,
+                        dtype=args.dtype, codec_dtype=args.dtype,
                         compile_cache=os.environ.get("QTTS_COMPILE_CACHE", "/tmp/qtts-fleet-scaling-xla"))
     options = {"voice": "ryan", "seed": 0, "chunk_schedule": [1, 2, 4], "max_frames": args.max_frames}
     prompts = load_corpus("voice_agent")
     runs = Path(args.runs_dir)
-    result: dict = {"bench": "fleet_scaling", "model": args.model, "slots": args.slots, "context": args.context,
-                    "replicas": args.replicas, "loads": args.loads, "requests": args.requests,
-                    "max_frames": args.max_frames, "cpus": os.cpu_count(), "xla_flags": os.environ["XLA_FLAGS"],
+    result: dict = {"bench": "fleet_scaling", "model": args.model, "dtype": args.dtype, "slots": args.slots,
+                    "context": args.context, "frames_per_step": args.frames_per_step,
+                    "replicas": args.replicas, "loads": args.loads, "rates": args.rates, "requests": args.requests,
+                    "poisson_seconds": args.poisson_seconds,
+                    "max_frames": args.max_frames, "cpus": os.cpu_count(),
                     "ray_serve_env": {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE")},
                     "command": " ".join([Path(sys.executable).name, *sys.argv])}
     ray.init(num_cpus=max(os.cpu_count() or 1, args.replicas + 1), include_dashboard=False, logging_level="ERROR")
+    gpus = args.gpus_per_replica
+    if gpus is None:
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    # the plain server gets the replicas' XLA flags, so the overhead compares the paths, not the engines
+    env_vars = FleetConfig(gpus=gpus).actor_options().get("runtime_env", {}).get("env_vars", {})
+    os.environ["XLA_FLAGS"] = env_vars.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    result.update(gpus_per_replica=gpus, xla_flags=os.environ["XLA_FLAGS"])
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
     try:
-        deploy(url, settings, 1)
+        deploy(url, settings, FleetConfig(replicas=1, gpus=gpus))
         if "overhead" in args.parts:
             result["overhead"] = overhead(url, settings, args, options, prompts[0])
-        for replicas in (1, args.replicas) if "scaling" in args.parts else ():
+        for replicas in sorted({1, args.replicas}) if "scaling" in args.parts else ():
             if replicas > 1:
-                deploy(url, settings, replicas)
+                deploy(url, settings, FleetConfig(replicas=replicas, gpus=gpus))
             label = f"{replicas} replica{'s' * (replicas > 1)}"
-            summary = study({label: url}, runs / f"{replicas}-replicas", "closed", args.loads, args.requests,
-                            prompts, options)
-            result[label] = capacity(summary)
-            print(label, json.dumps({k: v for k, v in result[label].items() if k != "conditions"}), file=sys.stderr)
+            if args.loads:
+                summary = study({label: url}, runs / f"{replicas}-replicas", "closed", args.loads, args.requests,
+                                prompts, options)
+                result[label] = capacity(summary)
+                print(label, json.dumps({k: v for k, v in result[label].items() if k != "conditions"}),
+                      file=sys.stderr)
+            for rate in args.rates:  # each rate its own study: its requests are its seconds of arrivals
+                summary = study({label: url}, runs / f"{replicas}-replicas-poisson-{rate:g}", "open-poisson", [rate],
+                                max(1, round(rate * args.poisson_seconds)), prompts, options)
+                result.setdefault(f"{label}, Poisson", []).append(capacity(summary))
+                print(label, rate, json.dumps(result[f"{label}, Poisson"][-1]["conditions"]), file=sys.stderr)
             Path(args.out).write_text(json.dumps(result, indent=1, default=float))
     finally:
         serve.shutdown()
         ray.shutdown()
-    if "scaling" in args.parts:
+    if "scaling" in args.parts and args.replicas > 1 and args.loads:
         one, many = result["1 replica"], result[f"{args.replicas} replicas"]
         result["scaling"] = {
             "safe_capacity_ratio": many["safe_capacity"] / one["safe_capacity"] if one["safe_capacity"] else None,
