@@ -13,6 +13,14 @@ replica's is its own device. With 2 slots each, 4 streams and Ray's processes sa
 step slower than their admission allows (`--slots 2`: 1.5x; bench/results/fleet-scaling-2slots-cpu.json):
 
     python bench/fleet_scaling.py --out bench/results/fleet-scaling-cpu.json
+
+Where Ray sees GPUs each replica takes one (`--gpus-per-replica`), and `--rates` adds Poisson studies (each
+`--poisson-seconds` of arrivals) beside the closed loop. On a machine of one GPU, `--replicas 1` measures the path's
+overhead and one GPU replica's capacity, the plain server sharing the GPU for the overhead part (so give each
+process part of its memory, XLA_PYTHON_CLIENT_MEM_FRACTION=0.4):
+
+    python bench/fleet_scaling.py --model 0.6b --dtype bfloat16 --frames-per-step 4 --slots 64 --context 512 \
+        --replicas 1 --loads 16 32 64 --rates 10 20 --max-frames 60 --out runs/fleet-gpu-0.6b.json
 """
 
 from __future__ import annotations
