@@ -131,17 +131,18 @@ class Front:
         return out
 
     async def readiness(self, send, path: str) -> None:
-        """/ready: 200 while any replica admits work, with slots, active and queued streams summed (what the studies
-        read); /health: liveness with the same sums in the batched Rust server's fields."""
+        """/ready: 200 while any replica admits work, with slots, active and queued streams and the programs still
+        compiling summed (what the studies read: a measurement waits until none is left, as with one server);
+        /health: liveness with the same sums in the batched Rust server's fields."""
         stats = list((await self.each("stats")).values())
-        slots, active, queued = (sum(s[k] for s in stats) for k in ("slots", "active", "queued"))
-        replicas = [{k: s[k] for k in ("replica", "ready", "slots", "active", "queued")} for s in stats]
+        slots, active, queued, compiling = (sum(s[k] for s in stats) for k in ("slots", "active", "queued", "compiling"))
+        replicas = [{k: s[k] for k in ("replica", "ready", "slots", "active", "queued", "compiling")} for s in stats]
         if path == "/health":
             return await _json(send, 200, {"status": "ok", "queue_depth": queued, "max_batch": slots,
                                            "active": active, "replicas": replicas})
         if any(s["ready"] for s in stats):
             return await _json(send, 200, {"status": "ready", "slots": slots, "active": active, "queued": queued,
-                                           "replicas": replicas})
+                                           "compiling": compiling, "replicas": replicas})
         return await _json(send, 503, {"status": "warming" if not stats else "draining", "replicas": replicas},
                            retry_after=5)
 

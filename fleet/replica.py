@@ -117,7 +117,7 @@ class Replica:
             ttfa, admit = None, False
         tracks = list(sched.streams.values())
         return {"replica": self.id, "ready": sched.accepting, "admit": admit, "ttfa_s": ttfa, "slots": st.slots,
-                "active": st.live, "queued": st.queued, "streams": len(tracks),
+                "active": st.live, "queued": st.queued, "compiling": st.compiling, "streams": len(tracks),
                 "routes": [t.request_id for t in tracks] + [i for i in self.sessions if i]}
 
     async def metrics_text(self, route: dict | None = None) -> str:

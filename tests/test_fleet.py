@@ -21,6 +21,8 @@ from ray import serve  # noqa: E402
 
 from fleet.app import RAY_ENV, FleetConfig, build  # noqa: E402
 from serving.settings import Settings  # noqa: E402
+from studies.load import wait_ready  # noqa: E402
+from studies.sweep import run_sync  # noqa: E402
 
 pytestmark = pytest.mark.fleet
 
@@ -200,8 +202,10 @@ def fleet_of_two(url):
 def test_the_fleet_serves_the_servers_api(fleet_of_two):
     url = fleet_of_two
     ids = _replicas(url, 2)
-    ready = requests.get(f"{url}/ready", timeout=10).json()
-    assert (ready["slots"], ready["active"], ready["queued"]) == (4, 0, 0)
+    # a study starts once nothing is left compiling in any replica's background warm-up, as with one server
+    ready = run_sync(wait_ready(url, 120, idle=True))
+    assert (ready["slots"], ready["active"], ready["queued"], ready["compiling"]) == (4, 0, 0, 0)
+    assert [r["compiling"] for r in ready["replicas"]] == [0, 0]
     r = _speech(url, 4)
     assert r.status_code == 200 and r.headers["X-Replica"] in ids and "X-TTFA-Ms" in r.headers
     assert len(r.content) == 4 * FRAME_BYTES
