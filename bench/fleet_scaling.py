@@ -52,7 +52,8 @@ APP = "qtts"
 
 
 def deploy(url: str, settings: Settings, fleet: FleetConfig) -> list[str]:
-    """Runs (or rescales) the application and returns the replica ids once /ready lists them all, idle."""
+    """Runs (or rescales) the application and returns the replica ids once /ready lists them all, idle and with
+    nothing left compiling."""
     from ray import serve
 
     replicas = fleet.replicas
@@ -62,7 +63,7 @@ def deploy(url: str, settings: Settings, fleet: FleetConfig) -> list[str]:
         body = requests.get(f"{url}/ready", timeout=10).json()
         ids = [r["replica"] for r in body.get("replicas", []) if r["ready"]]
         if len(ids) == replicas:
-            run_sync(wait_ready(url, 60, idle=True))
+            run_sync(wait_ready(url, max(1.0, deadline - time.monotonic()), idle=True))  # at full size
             return ids
         time.sleep(0.5)
     raise TimeoutError(f"the fleet never listed {replicas} ready replicas")
