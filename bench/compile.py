@@ -4,8 +4,10 @@ rematerialization warnings XLA printed, one call's run time and its host time (h
 return, before the device is waited on), so a flag that cuts compiling can be checked not to slow the program;
 with `--codes-check`, each variant also generates a few seeded streams on a small engine and reports a digest of
 their codes, so a flag can be checked not to change what the programs compute.
-Each variant runs in a subprocess of its own (XLA reads its flags once); all of them at once, each timing its
-programs under one shared lock so that no two time the GPU together. Writes JSON.
+Each variant runs in a subprocess of its own (XLA reads its flags once); all of them at once, compiling side by
+side, then timing their programs one variant at a time under a shared lock once every variant has compiled (a
+host-bound program timed while another process compiles reads slower), so that no two time the GPU together and
+none times beside a compile. Writes JSON.
 
     python bench/compile.py --model 0.6b --slots 256 --programs step:256:1,step:256:4,codec:256:8 \
         --variants "default=;no-remat=--xla_disable_hlo_passes=rematerialization" --out runs/compile-0.6b.json
@@ -18,9 +20,11 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -100,6 +104,10 @@ def child(args) -> dict:
         rows[spec] = {"lower_s": round(lower_s, 2), "compile_s": round(compile_s, 2),
                       "temp_gib": round(getattr(mem, "temp_size_in_bytes", 0) / 2**30, 3)}
         print(spec, rows[spec], file=sys.stderr, flush=True)
+    if args.codes_check:
+        rows["codes_digest"] = codes_digest(args, engine.model)
+    mark_compiled(args.barrier)
+    rows["waited_for_all_compiled"] = wait_for_siblings(args.barrier, args.siblings, args.child_timeout_s)
     with open(args.lock, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         for spec, key in compiled.items():  # each on padding rows (every write dropped), the state threaded
@@ -114,9 +122,28 @@ def child(args) -> dict:
             rows[spec].update(run_ms=round(statistics.median(total) * 1e3, 3),
                               host_ms=round(statistics.median(host) * 1e3, 3))
             print(spec, rows[spec], file=sys.stderr, flush=True)
-    if args.codes_check:
-        rows["codes_digest"] = codes_digest(args, engine.model)
     return rows
+
+
+def mark_compiled(barrier: str | None, pid: int | None = None) -> None:
+    """Variant `pid` (this process's by default) is done compiling, or has ended: it holds no other back."""
+    if barrier:
+        (Path(barrier) / str(pid or os.getpid())).touch()
+
+
+def _read(f) -> str:
+    f.seek(0)
+    return f.read()
+
+
+def wait_for_siblings(barrier: str | None, siblings: int, timeout_s: float) -> bool:
+    """Wait until all `siblings` variants have marked `barrier` (False: they had not within `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while barrier and len(list(Path(barrier).iterdir())) < siblings:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def main() -> None:
@@ -131,6 +158,8 @@ def main() -> None:
     p.add_argument("--child-timeout-s", type=float, default=200, help="give up on a variant after this long")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--lock", default="/tmp/qtts-compile-bench.lock", help=argparse.SUPPRESS)
+    p.add_argument("--barrier", help=argparse.SUPPRESS)  # where each child marks itself compiled
+    p.add_argument("--siblings", type=int, default=1, help=argparse.SUPPRESS)  # how many children mark it
     p.add_argument("--out")
     args = p.parse_args()
     if args.child:
@@ -139,27 +168,38 @@ def main() -> None:
     result = {"model": args.model, "slots": args.slots, "context": args.context, "variants": {}}
     base = os.environ.get("XLA_FLAGS", "")
     started = {}
-    for variant in args.variants.split(";"):
+    variants = args.variants.split(";")
+    barrier = tempfile.mkdtemp(prefix="qtts-compile-bench-")
+    for variant in variants:
         name, _, flags = variant.partition("=")
         # every variant holds its own engine on the one GPU: no process may take most of its memory up front
         env = {**os.environ, "XLA_FLAGS": f"{base} {flags}".strip(), "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-        cmd = [sys.executable, __file__, "--child", *sys.argv[1:]]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        started[name] = (flags, proc, time.perf_counter())
-    for name, (flags, proc, t0) in started.items():
-        try:
-            stdout, stderr = proc.communicate(timeout=max(1.0, args.child_timeout_s - (time.perf_counter() - t0)))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, stderr = proc.communicate()
+        cmd = [sys.executable, __file__, "--child", "--barrier", barrier, "--siblings", str(len(variants)),
+               *sys.argv[1:]]
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        started[name] = (flags, subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True), out, err,
+                         time.perf_counter())
+    running, wall = dict(started), {}
+    while running:  # a variant that ends early (it failed) counts as compiled: the others must not wait for it
+        for name, (_, proc, _, _, t0) in list(running.items()):
+            if proc.poll() is None and time.perf_counter() - t0 > args.child_timeout_s:
+                proc.kill()
+            if proc.poll() is not None:
+                mark_compiled(barrier, proc.pid)
+                wall[name] = round(time.perf_counter() - t0, 1)
+                del running[name]
+        time.sleep(0.2)
+    for name, (flags, proc, out, err, _) in started.items():
+        stdout, stderr = (_read(f) for f in (out, err))
         sys.stderr.write(stderr[-4000:])
         plans = [f"{v} {u}" for v, u in REMAT.findall(stderr)]
         result["variants"][name] = {
-            "xla_flags": flags, "wall_s": round(time.perf_counter() - t0, 1), "returncode": proc.returncode,
+            "xla_flags": flags, "wall_s": wall[name], "returncode": proc.returncode,
             "remat_warnings": len(plans), "remat_plans": plans[:8],
             "programs": json.loads(stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None,
             "log_tail": None if proc.returncode == 0 else stderr[-2000:]}
         print(name, json.dumps(result["variants"][name]), flush=True)
+    shutil.rmtree(barrier, ignore_errors=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
