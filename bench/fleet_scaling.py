@@ -190,6 +190,13 @@ def main() -> int:
             "fleet_model_safe_capacity": args.replicas * one["safe_capacity"],  # N replicas carry N times one
         }
         print(json.dumps(result["scaling"]), file=sys.stderr)
+    # issue 25's measure: the highest Poisson rate inside the zero-underrun contract, N replicas against one
+    if "scaling" in args.parts and args.replicas > 1 and args.rates:
+        one, many = (max(c["zero_underrun_capacity"] for c in result[f"{label}, Poisson"])
+                     for label in ("1 replica", f"{args.replicas} replicas"))
+        result["poisson_scaling"] = {"zero_underrun_rate_1": one, f"zero_underrun_rate_{args.replicas}": many,
+                                     "ratio": many / one if one else None}
+        print(json.dumps(result["poisson_scaling"]), file=sys.stderr)
     Path(args.out).write_text(json.dumps(result, indent=1, default=float))
     return 0
 
