@@ -107,7 +107,7 @@ def child(args) -> dict:
     if args.codes_check:
         rows["codes_digest"] = codes_digest(args, engine.model)
     mark_compiled(args.barrier)
-    rows["waited_for_all_compiled"] = wait_for_siblings(args.barrier, args.siblings, args.child_timeout_s)
+    wait_for_siblings(args.barrier, args.siblings)
     with open(args.lock, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         for spec, key in compiled.items():  # each on padding rows (every write dropped), the state threaded
@@ -125,25 +125,21 @@ def child(args) -> dict:
     return rows
 
 
-def mark_compiled(barrier: str | None, pid: int | None = None) -> None:
+def mark_compiled(barrier: str, pid: int | None = None) -> None:
     """Variant `pid` (this process's by default) is done compiling, or has ended: it holds no other back."""
-    if barrier:
-        (Path(barrier) / str(pid or os.getpid())).touch()
+    (Path(barrier) / str(pid or os.getpid())).touch()
+
+
+def wait_for_siblings(barrier: str, siblings: int) -> None:
+    """Wait until all `siblings` variants have marked `barrier` (the parent marks any that ends, and ends any past
+    its timeout, so none is waited for past that)."""
+    while len(list(Path(barrier).iterdir())) < siblings:
+        time.sleep(0.2)
 
 
 def _read(f) -> str:
     f.seek(0)
     return f.read()
-
-
-def wait_for_siblings(barrier: str | None, siblings: int, timeout_s: float) -> bool:
-    """Wait until all `siblings` variants have marked `barrier` (False: they had not within `timeout_s`)."""
-    deadline = time.monotonic() + timeout_s
-    while barrier and len(list(Path(barrier).iterdir())) < siblings:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
 
 
 def main() -> None:

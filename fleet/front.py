@@ -31,6 +31,7 @@ log = logging.getLogger("fleet")
 GONE = (RayActorError, ActorUnavailableError)  # the replica died or cannot be reached: another one may answer
 REFUSED = {429, 503}  # the replica's admission said no (or it warms up, or drains): another one may say yes
 BROADCAST_TIMEOUT_S = 2.0
+_SUMMED = ("slots", "active", "queued", "compiling")  # each replica's figures /ready and /health add up
 
 
 class Front:
@@ -135,8 +136,8 @@ class Front:
         compiling summed (what the studies read: a measurement waits until none is left, as with one server);
         /health: liveness with the same sums in the batched Rust server's fields."""
         stats = list((await self.each("stats")).values())
-        slots, active, queued, compiling = (sum(s[k] for s in stats) for k in ("slots", "active", "queued", "compiling"))
-        replicas = [{k: s[k] for k in ("replica", "ready", "slots", "active", "queued", "compiling")} for s in stats]
+        slots, active, queued, compiling = (sum(s[k] for s in stats) for k in _SUMMED)
+        replicas = [{k: s[k] for k in ("replica", "ready", *_SUMMED)} for s in stats]
         if path == "/health":
             return await _json(send, 200, {"status": "ok", "queue_depth": queued, "max_batch": slots,
                                            "active": active, "replicas": replicas})
