@@ -16,6 +16,7 @@ none times beside a compile. Writes JSON.
 from __future__ import annotations
 
 import argparse
+import collections
 import fcntl
 import json
 import os
@@ -33,6 +34,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 REMAT = re.compile(r"[Cc]an't reduce memory use below ([\d.]+)([KMGT]i?B)")
+# XLA's pass that turns a program's thunks into CUDA graphs logs, at verbosity 2, each thunk it leaves out and why;
+# a loop goes into a graph only if every thunk of its body does, so these lines say what keeps a loop on the host
+GRAPH_LOG = re.compile(r"command_buffer_conversion_pass\.cc:\d+\] (.*)")
 
 
 def model_for(args):
@@ -151,6 +155,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--codes-check", type=int, default=0, metavar="N",
                    help="also generate N seeded streams on an 8-slot engine and report a digest of their codes")
+    p.add_argument("--graph-log", action="store_true",
+                   help="count the reasons XLA gives for each thunk it leaves out of a command buffer (CUDA graph)")
     p.add_argument("--child-timeout-s", type=float, default=200, help="give up on a variant after this long")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--lock", default="/tmp/qtts-compile-bench.lock", help=argparse.SUPPRESS)
@@ -170,6 +176,8 @@ def main() -> None:
         name, _, flags = variant.partition("=")
         # every variant holds its own engine on the one GPU: no process may take most of its memory up front
         env = {**os.environ, "XLA_FLAGS": f"{base} {flags}".strip(), "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+        if args.graph_log:
+            env.update(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="command_buffer_conversion_pass=2")
         cmd = [sys.executable, __file__, "--child", "--barrier", barrier, "--siblings", str(len(variants)),
                *sys.argv[1:]]
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
@@ -187,13 +195,16 @@ def main() -> None:
         time.sleep(0.2)
     for name, (flags, proc, out, err, _) in started.items():
         stdout, stderr = (_read(f) for f in (out, err))
-        sys.stderr.write(stderr[-4000:])
+        log = "\n".join(line for line in stderr.splitlines() if not GRAPH_LOG.search(line))
+        sys.stderr.write(log[-4000:])
         plans = [f"{v} {u}" for v, u in REMAT.findall(stderr)]
+        graph_log = collections.Counter(re.sub(r"0x[0-9a-f]+|\d+", "#", m) for m in GRAPH_LOG.findall(stderr))
         result["variants"][name] = {
             "xla_flags": flags, "wall_s": wall[name], "returncode": proc.returncode,
             "remat_warnings": len(plans), "remat_plans": plans[:8],
+            **({"graph_log": dict(graph_log.most_common(30))} if args.graph_log else {}),
             "programs": json.loads(stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None,
-            "log_tail": None if proc.returncode == 0 else stderr[-2000:]}
+            "log_tail": None if proc.returncode == 0 else log[-2000:]}
         print(name, json.dumps(result["variants"][name]), flush=True)
     shutil.rmtree(barrier, ignore_errors=True)
     if args.out:
