@@ -6,7 +6,9 @@ It decides nothing about a request itself, except where it goes and what a dead 
   (the router excludes those already tried); the client gets the refusal only when every replica refused it;
 - a replica that dies before answering is skipped the same way; one that dies mid-stream ends an SSE stream with an
   `error` event, aborts a raw audio stream (a truncated transfer) and sends a WebSocket `error` event and closes;
-- /ready, /health and /metrics sum up or label every replica's own answer.
+- /ready, /health and /metrics sum up or label every replica's own answer;
+- how late the relay brings each stream's chunks is reported back to its replica, whose engine keeps that jitter in
+  its playback margin (fleet/relay.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from fleet import router
+from fleet.relay import REPORT_S, RelayLateness
 from serving.errors import ApiError
 from serving.schemas import base64_chars
 from serving.settings import Settings
@@ -45,7 +48,9 @@ class Front:
         # (made before it, each would start its own, which waits for the replica list and counts apart)
         await engine.remote()
         self.calls = {name: engine.options(method_name=name, stream=name in ("http", "ws_open"))
-                      for name in ("http", "ws_open", "ws_send", "stats", "metrics_text")}
+                      for name in ("http", "ws_open", "ws_send", "stats", "metrics_text", "observe_relay_lag")}
+        self.relay = RelayLateness()
+        self._reporter = asyncio.ensure_future(self._report_relay_lateness())
 
     def __serve_build_asgi_app__(self):
         async def app(scope, receive, send):  # a plain coroutine function: what ASGI servers recognise as ASGI 3
@@ -94,16 +99,20 @@ class Front:
             if retry and len(tried) < len(self._replicas()):
                 gen.cancel()
                 continue
-            return await self._relay(gen, head, send)
+            return await self._relay(gen, head, send, stream)
 
-    async def _relay(self, gen, head: dict, send) -> None:
-        """The replica's response as it comes; if the replica fails mid-stream, the end its format allows."""
+    async def _relay(self, gen, head: dict, send, stream: bool) -> None:
+        """The replica's response as it comes (a stream's chunks timed into `self.relay`); if the replica fails
+        mid-stream, the end its format allows."""
         headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in head["headers"]]  # ASGI: lower case
         headers.append((b"x-replica", head["replica"].encode()))
         sse = any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
         await send({"type": "http.response.start", "status": head["status"], "headers": headers})
+        arrived = self.relay.stream(head["replica"]) if stream and head["status"] == 200 else None
         try:
-            async for data in gen:
+            async for stamp, data in gen:
+                if arrived:
+                    arrived(stamp)
                 await send({"type": "http.response.body", "body": data, "more_body": True})
         except Exception as exc:
             log.warning("replica %s failed mid-stream: %s", head["replica"], exc)
@@ -125,11 +134,25 @@ class Front:
         out = {}
         for i in self._replicas():
             try:
-                out[i] = await asyncio.wait_for(_result(self.calls[method].remote(*args, route={"pin": i})),
-                                                BROADCAST_TIMEOUT_S)
+                out[i] = await self._pinned(method, i, *args)
             except (asyncio.TimeoutError, *GONE) as exc:
                 log.warning("replica %s did not answer %s: %r", i, method, exc)
         return out
+
+    async def _pinned(self, method: str, replica: str, *args):
+        """`method` on `replica` alone, within `BROADCAST_TIMEOUT_S`."""
+        return await asyncio.wait_for(_result(self.calls[method].remote(*args, route={"pin": replica})),
+                                      BROADCAST_TIMEOUT_S)
+
+    async def _report_relay_lateness(self) -> None:
+        """Every `REPORT_S`, each replica's worst relay lateness since the last report, to that replica."""
+        while True:
+            await asyncio.sleep(REPORT_S)
+            for replica, late in self.relay.take().items():
+                try:
+                    await self._pinned("observe_relay_lag", replica, late)
+                except (asyncio.TimeoutError, *GONE):
+                    pass  # a replica gone since: its streams ended, nothing left to plan for
 
     async def readiness(self, send, path: str) -> None:
         """/ready: 200 while any replica admits work, with slots, active and queued streams and the programs still
@@ -137,7 +160,7 @@ class Front:
         /health: liveness with the same sums in the batched Rust server's fields."""
         stats = list((await self.each("stats")).values())
         slots, active, queued, compiling = (sum(s[k] for s in stats) for k in _SUMMED)
-        replicas = [{k: s[k] for k in ("replica", "ready", *_SUMMED)} for s in stats]
+        replicas = [{k: s[k] for k in ("replica", "ready", *_SUMMED, "margin_ms", "relay_late_p99_ms")} for s in stats]
         if path == "/health":
             return await _json(send, 200, {"status": "ok", "queue_depth": queued, "max_batch": slots,
                                            "active": active, "replicas": replicas})

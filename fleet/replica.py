@@ -11,8 +11,10 @@ scheduler counts the stream (from admission to the response's end), and a WebSoc
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import tempfile
+import time
 
 import aiohttp
 from aiohttp import web
@@ -51,11 +53,13 @@ class Replica:
                                             timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
         self.sockets: dict[str, aiohttp.ClientWebSocketResponse] = {}
         self.sessions: set[str] = set()  # the route ids of the WebSocket sessions open now (`stats` lists them)
+        self.relay_late: collections.deque[float] = collections.deque(maxlen=512)  # the front's reports, seconds
 
     async def http(self, method: str, path: str, headers: list, body: bytes, route: dict | None = None):
-        """The server's answer to one HTTP request: first {"status", "headers", "replica"}, then the body's bytes as
-        they come. A response the server aborts (a raw audio stream whose engine failed) raises here, so the front
-        aborts its own."""
+        """The server's answer to one HTTP request: first {"status", "headers", "replica"}, then (stamp, bytes) for
+        the body's bytes as they come, stamped with this process's monotonic clock as the relay reads them (the
+        front measures how late they reach it: fleet/relay.py). A response the server aborts (a raw audio stream
+        whose engine failed) raises here, so the front aborts its own."""
         token = (route or {}).get("id")
         drop = HOP_HEADERS | {"host"} if token else HOP_HEADERS - {"x-request-id"} | {"host"}
         headers = [(k, v) for k, v in headers if k.lower() not in drop] + ([("X-Request-Id", token)] if token else [])
@@ -64,7 +68,7 @@ class Replica:
             yield {"status": r.status, "replica": self.id,
                    "headers": [(k, v) for k, v in r.headers.items() if k.lower() not in HOP_HEADERS]}
             async for data in r.content.iter_any():
-                yield data
+                yield time.monotonic(), data
 
     async def ws_open(self, sid: str, path: str, headers: list, route: dict | None = None):
         """A WebSocket to the server: first {"replica"}, then ("text" | "bytes", data) per server message and
@@ -103,6 +107,15 @@ class Replica:
             await ws.close(code=int(data or 1000))
         return True
 
+    def observe_relay_lag(self, seconds: float, route: dict | None = None) -> None:
+        """The front's report: this replica's chunks reached it up to `seconds` later than their streams' first
+        did. That is jitter between the engine and the client, as its own event loop's lateness is, so the engine's
+        playback margin covers it (fleet/relay.py)."""
+        from serving.keys import ENGINE
+
+        self.relay_late.append(seconds)
+        self.app[ENGINE].observe_delivery_lag(seconds)
+
     def stats(self, route: dict | None = None) -> dict:
         """What routing and the front's /ready need, from the engine's stats snapshot and the server's own
         admission (`Scheduler.admit` only reads the snapshot: asking changes nothing). `streams` (the server's
@@ -116,8 +129,11 @@ class Replica:
         except ApiError:
             ttfa, admit = None, False
         tracks = list(sched.streams.values())
+        late = sorted(self.relay_late)
         return {"replica": self.id, "ready": sched.accepting, "admit": admit, "ttfa_s": ttfa, "slots": st.slots,
                 "active": st.live, "queued": st.queued, "compiling": st.compiling, "streams": len(tracks),
+                "margin_ms": round(st.headroom_margin_s * 1e3, 2),
+                "relay_late_p99_ms": round(late[int(0.99 * (len(late) - 1))] * 1e3, 2) if late else None,
                 "routes": [t.request_id for t in tracks] + [i for i in self.sessions if i]}
 
     async def metrics_text(self, route: dict | None = None) -> str:

@@ -218,6 +218,20 @@ def test_the_fleet_serves_the_servers_api(fleet_of_two):
     assert requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] == "tiny-random"
     assert set(_rejected(url)) <= set(ids) and all(f'replica="{i}"' in requests.get(f"{url}/metrics").text
                                                     for i in ids)
+    # the front reported how late the relay brought the streams' chunks to the replicas that made them
+    served = {r.headers["X-Replica"], sse.headers["X-Replica"]}
+    deadline = time.monotonic() + 10
+    while True:
+        entries = [e for e in _ready_entries(url) if e["replica"] in served]
+        if all(e["relay_late_p99_ms"] is not None for e in entries):
+            break
+        assert time.monotonic() < deadline, entries
+        time.sleep(0.2)
+    assert all(e["relay_late_p99_ms"] >= 0 and e["margin_ms"] > 0 for e in entries)
+
+
+def _ready_entries(url: str) -> list[dict]:
+    return requests.get(f"{url}/ready", timeout=10).json()["replicas"]
 
 
 def test_websocket_session_through_the_fleet(fleet_of_two):
