@@ -26,6 +26,8 @@ process part of its memory, XLA_PYTHON_CLIENT_MEM_FRACTION=0.4):
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import sys
@@ -51,13 +53,13 @@ from studies.sweep import run_sync  # noqa: E402
 APP = "qtts"
 
 
-def deploy(url: str, settings: Settings, fleet: FleetConfig) -> list[str]:
+def deploy(url: str, settings: Settings, fleet: FleetConfig, engine_factory=None) -> list[str]:
     """Runs (or rescales) the application and returns the replica ids once /ready lists them all, idle and with
     nothing left compiling."""
     from ray import serve
 
     replicas = fleet.replicas
-    serve.run(build(settings, fleet), name=APP, route_prefix="/")
+    serve.run(build(settings, fleet, engine_factory), name=APP, route_prefix="/")
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         body = requests.get(f"{url}/ready", timeout=10).json()
@@ -126,9 +128,14 @@ def main() -> int:
     ap.add_argument("--max-frames", type=int, default=24)
     ap.add_argument("--ttfa-rounds", type=int, default=40, help="single streams per server for the overhead")
     ap.add_argument("--parts", nargs="+", choices=("overhead", "scaling"), default=["overhead", "scaling"])
+    ap.add_argument("--sim-device", action="store_true",
+                    help="replicas over a simulated H200 each (bench/sim_device.py, the host's work inside each "
+                         "call included; tiny-random prepares the requests): the fleet's own host side on a CPU")
     ap.add_argument("--runs-dir", default="runs/fleet-scaling")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.sim_device and "overhead" in args.parts:
+        ap.error("--sim-device measures the scaling part only (bench/host_serving.py runs one server over it)")
 
     import ray
     from ray import serve
@@ -137,14 +144,23 @@ def main() -> int:
     settings = Settings(model=args.model, slots=args.slots, context=args.context, frames_per_step=args.frames_per_step,
                         dtype=args.dtype, codec_dtype=args.dtype,
                         compile_cache=os.environ.get("QTTS_COMPILE_CACHE", "/tmp/qtts-fleet-scaling-xla"))
-    options = {"voice": "ryan", "seed": 0, "chunk_schedule": [1, 2, 4], "max_frames": args.max_frames}
+    engine_factory = None
+    if args.sim_device:
+        from bench.sim_device import sim_engine
+
+        settings = dataclasses.replace(settings, model="tiny-random", warm_voice_encoders=False)
+        engine_factory = functools.partial(sim_engine, xla_host=True)
+        # Ray's local workers inherit this process's environment: the replicas can import bench.sim_device
+        root = str(Path(__file__).resolve().parents[1])
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    options = {"voice": "ryan", "seed": 0, "max_frames": args.max_frames}  # the server's default chunk schedule
     prompts = load_corpus("voice_agent")
     runs = Path(args.runs_dir)
     result: dict = {"bench": "fleet_scaling", "model": args.model, "dtype": args.dtype, "slots": args.slots,
                     "context": args.context, "frames_per_step": args.frames_per_step,
                     "replicas": args.replicas, "loads": args.loads, "rates": args.rates, "requests": args.requests,
                     "poisson_seconds": args.poisson_seconds,
-                    "max_frames": args.max_frames, "cpus": os.cpu_count(),
+                    "max_frames": args.max_frames, "cpus": os.cpu_count(), "sim_device": args.sim_device,
                     "ray_serve_env": {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE")},
                     "command": " ".join([Path(sys.executable).name, *sys.argv])}
     ray.init(num_cpus=max(os.cpu_count() or 1, args.replicas + 1), include_dashboard=False, logging_level="ERROR")
@@ -159,12 +175,12 @@ def main() -> int:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
     try:
-        deploy(url, settings, FleetConfig(replicas=1, gpus=gpus))
+        deploy(url, settings, FleetConfig(replicas=1, gpus=gpus), engine_factory)
         if "overhead" in args.parts:
             result["overhead"] = overhead(url, settings, args, options, prompts[0])
         for replicas in sorted({1, args.replicas}) if "scaling" in args.parts else ():
             if replicas > 1:
-                deploy(url, settings, FleetConfig(replicas=replicas, gpus=gpus))
+                deploy(url, settings, FleetConfig(replicas=replicas, gpus=gpus), engine_factory)
             label = f"{replicas} replica{'s' * (replicas > 1)}"
             if args.loads:
                 summary = study({label: url}, runs / f"{replicas}-replicas", "closed", args.loads, args.requests,

@@ -42,9 +42,7 @@ def serve(argv: list[str]) -> int:
                    help="a serving.settings.Settings field other than those fixed here (port, slots, context, "
                         "compile_cache, warm_voice_encoders), e.g. max_step_ms=60 (repeatable)")
     args = p.parse_args(argv)
-    from bench.sim_device import RealTimeRunner
-    from qtts_jax.engine import Engine
-    from qtts_jax.model import load_model
+    from bench.sim_device import sim_engine
     from serving.app import run
     from serving.settings import Settings
 
@@ -56,9 +54,7 @@ def serve(argv: list[str]) -> int:
         os.environ[f"QTTS_{name.upper()}"] = value
     settings = Settings.from_env(port=args.port, slots=args.slots, context=512, compile_cache="off",
                                  warm_voice_encoders=False)
-    config = settings.engine_config()
-    runner = RealTimeRunner(config, xla_host=args.xla_host)
-    return run(settings, Engine(load_model("tiny-random"), config, runner=runner))
+    return run(settings, sim_engine(settings, xla_host=args.xla_host))
 
 
 def sweep_variant(args, name: str, flags: str, out: Path) -> dict:

@@ -184,3 +184,14 @@ class RealTimeRunner(NumpyRunner):
         if isinstance(value, tuple):
             return tuple(Pending(v, self.free, self.wait_until) for v in value)
         return Pending(value, self.free, self.wait_until)
+
+
+def sim_engine(settings, xla_host: bool = False):
+    """The engine `qtts-jax serve` would build for `settings`, over one simulated H200 (`RealTimeRunner`) and the
+    tiny-random model (which only prepares the requests: no model runs). A whole server, or a fleet replica
+    (`fleet.app.build(engine_factory=...)`), serves over it on a CPU."""
+    from qtts_jax.engine import Engine
+    from qtts_jax.model import load_model
+
+    config = settings.engine_config()
+    return Engine(load_model("tiny-random"), config, runner=RealTimeRunner(config, xla_host=xla_host))

@@ -74,8 +74,9 @@ class FleetConfig:
         return options
 
 
-def build(settings: Settings, fleet: FleetConfig = FleetConfig()):
-    """The bound Serve application (`serve.run(build(...))`)."""
+def build(settings: Settings, fleet: FleetConfig = FleetConfig(), engine_factory=None):
+    """The bound Serve application (`serve.run(build(...))`). `engine_factory(settings)`, where given, builds each
+    replica's engine (an importable function: bench/fleet_scaling.py's replicas over a simulated device)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -99,7 +100,7 @@ def build(settings: Settings, fleet: FleetConfig = FleetConfig()):
     )
     front = serve.deployment(serve.ingress()(Front), name=FRONT, num_replicas=1, max_ongoing_requests=100_000,
                              ray_actor_options={"num_cpus": 0}, logging_config={"enable_access_log": False})
-    return front.bind(engine.bind(settings), settings, ENGINE)
+    return front.bind(engine.bind(settings, engine_factory), settings, ENGINE)
 
 
 def from_env(args: dict | None = None):

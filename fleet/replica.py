@@ -31,7 +31,7 @@ class Replica:
     """A Ray Serve deployment class (wrapped by `fleet.app.build`); ready only once the engine has warmed up, so
     the router never sees a replica that would answer 503."""
 
-    async def __init__(self, settings: Settings):
+    async def __init__(self, settings: Settings, engine_factory=None):
         from qtts_jax.engine import compile_cache
         from serving.app import create_app, serve_alone
         from serving.keys import WARMUP_ERROR, WARMUP_TASK
@@ -39,7 +39,7 @@ class Replica:
         self.id = _replica_id()
         # a shared compilation cache turns a new replica's minutes of XLA into seconds
         compile_cache.enable(settings.compile_cache)
-        self.app = create_app(settings)
+        self.app = create_app(settings, engine=engine_factory(settings) if engine_factory else None)
         serve_alone(self.app)  # a replica is a serving process of its own, as `qtts-jax serve` is
         self.dir = tempfile.mkdtemp(prefix="qtts-replica-")
         self.sock = os.path.join(self.dir, "server.sock")
