@@ -1,5 +1,8 @@
-"""The fleet's HTTP and WebSocket entry (the Ray Serve ingress): relays each request to an engine replica through a
-deployment handle and adds `X-Replica` to each response.
+"""The fleet's HTTP and WebSocket entry (the Ray Serve ingress): relays each request to an engine replica and adds
+`X-Replica` to each response. A speech stream takes a lease on the replica the router picks (its handle's `lease`,
+open for the stream's life) and goes to that replica's server directly over HTTP, so its audio costs one hop, not a
+Ray message per chunk (on 2 CPU cores the front spent as much CPU as the engine's replica relaying them); other
+requests and WebSocket messages go through the handle.
 
 It decides nothing about a request itself, except where it goes and what a dead replica's stream ends with:
 - a speech request refused by a replica (429, or 503 while that replica warms up or drains) is tried on the others
@@ -7,8 +10,8 @@ It decides nothing about a request itself, except where it goes and what a dead 
 - a replica that dies before answering is skipped the same way; one that dies mid-stream ends an SSE stream with an
   `error` event, aborts a raw audio stream (a truncated transfer) and sends a WebSocket `error` event and closes;
 - /ready, /health and /metrics sum up or label every replica's own answer;
-- how late the relay brings each stream's chunks is reported back to its replica, whose engine keeps that jitter in
-  its playback margin (fleet/relay.py).
+- how late its event loop runs is reported to the replicas whose streams it relays, whose engines keep that jitter
+  in their playback margins (fleet/relay.py).
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ import logging
 import re
 import uuid
 
+import aiohttp
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from fleet import router
-from fleet.relay import REPORT_S, RelayLateness
+from fleet.relay import LoopLag
+from fleet.replica import request_headers, response_headers
 from serving.errors import ApiError
 from serving.schemas import base64_chars
 from serving.settings import Settings
@@ -32,6 +37,7 @@ from serving.settings import Settings
 log = logging.getLogger("fleet")
 
 GONE = (RayActorError, ActorUnavailableError)  # the replica died or cannot be reached: another one may answer
+UNREACHED = (*GONE, aiohttp.ClientConnectionError)  # the same, found on the way to its server
 REFUSED = {429, 503}  # the replica's admission said no (or it warms up, or drains): another one may say yes
 BROADCAST_TIMEOUT_S = 2.0
 _SUMMED = ("slots", "active", "queued", "compiling")  # each replica's figures /ready and /health add up
@@ -47,10 +53,18 @@ class Front:
         # the handle's first call starts its router; the copies `options` makes after it share that one router
         # (made before it, each would start its own, which waits for the replica list and counts apart)
         await engine.remote()
-        self.calls = {name: engine.options(method_name=name, stream=name in ("http", "ws_open"))
-                      for name in ("http", "ws_open", "ws_send", "stats", "metrics_text", "observe_relay_lag")}
-        self.relay = RelayLateness()
-        self._reporter = asyncio.ensure_future(self._report_relay_lateness())
+        self.calls = {name: engine.options(method_name=name, stream=name in ("http", "lease", "ws_open"))
+                      for name in ("http", "lease", "ws_open", "ws_send", "stats", "metrics_text",
+                                   "observe_relay_lag")}
+        self.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
+                                            timeout=aiohttp.ClientTimeout(total=None))
+        self.lag = LoopLag()
+        self._probe = asyncio.ensure_future(self.lag.run(self._report_lag))
+
+    async def __del__(self):
+        """Ray calls this as the front stops."""
+        self._probe.cancel()
+        await self.client.close()
 
     def __serve_build_asgi_app__(self):
         async def app(scope, receive, send):  # a plain coroutine function: what ASGI servers recognise as ASGI 3
@@ -78,51 +92,80 @@ class Front:
             return await self.metrics(send)
         full = path + (f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else "")
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
-        stream = path == "/v1/audio/speech" and method == "POST"
-        rid = re.sub(r"[^A-Za-z0-9_:-]", "", next((v for k, v in headers if k == "x-request-id"), ""))[:96]
-        tried: set[str] = set()
-        while True:
-            route = {"stream": stream, "exclude": sorted(tried)}
-            if stream:  # each attempt's own id, the server's request id there (the request's own, made unique)
-                route["id"] = f"{rid}.{uuid.uuid4().hex[:12]}"
-            gen = self.calls["http"].remote(method, full, headers, body, route=route)
+        if not (path == "/v1/audio/speech" and method == "POST"):
+            gen = self.calls["http"].remote(method, full, headers, body, route={"stream": False, "exclude": []})
             try:
                 head = await gen.__anext__()
             except GONE as exc:
-                if not stream or len(tried) >= len(self._replicas()):
-                    return await _json(send, 503, ApiError(503, "no_replica", f"no replica answered: {exc}",
-                                                           retry_after=1).body(), retry_after=1)
-                log.warning("replica gone before answering; trying another: %s", exc)
-                continue
-            retry = stream and head["status"] in REFUSED and head["replica"] not in tried
-            tried.add(head["replica"])
-            if retry and len(tried) < len(self._replicas()):
+                return await _no_replica(send, exc)
+            try:
+                return await self._relay(gen, head, send)
+            finally:
                 gen.cancel()
-                continue
-            return await self._relay(gen, head, send, stream)
+        return await self.stream(method, full, headers, body, receive, send)
 
-    async def _relay(self, gen, head: dict, send, stream: bool) -> None:
-        """The replica's response as it comes (a stream's chunks timed into `self.relay`); if the replica fails
-        mid-stream, the end its format allows."""
+    async def stream(self, method: str, full: str, headers: list, body: bytes, receive, send) -> None:
+        """A speech request: a lease on the replica the router picks, the request to that replica's server; a
+        refusal (or a replica found gone) is tried on the others. A client that goes away ends the request to the
+        server, which cancels the stream there (Ray cancels only its own calls, the lease)."""
+        rid = re.sub(r"[^A-Za-z0-9_:-]", "", next((v for k, v in headers if k == "x-request-id"), ""))[:96]
+        tried: set[str] = set()
+        while True:
+            # each attempt's own id, the server's request id there (the request's own, made unique)
+            route = {"stream": True, "exclude": sorted(tried), "id": f"{rid}.{uuid.uuid4().hex[:12]}"}
+            lease, where, response = self.calls["lease"].remote(route=route), None, None
+            try:
+                where = await lease.__anext__()
+                response = await self.client.request(method, where["address"] + full, data=body,
+                                                     headers=request_headers(headers, route["id"]),
+                                                     allow_redirects=False)
+            except UNREACHED as exc:
+                lease.cancel()
+                if where:
+                    tried.add(where["replica"])
+                if len(tried) >= len(self._replicas()):
+                    return await _no_replica(send, exc)
+                log.warning("replica gone before answering; trying another: %r", exc)
+                continue
+            replica = where["replica"]
+            retry = response.status in REFUSED and replica not in tried
+            tried.add(replica)
+            if retry and len(tried) < len(self._replicas()):
+                response.release()
+                lease.cancel()
+                continue
+            head = {"status": response.status, "replica": replica, "headers": response_headers(response.headers)}
+            self.lag.opened(replica)
+            relay = asyncio.ensure_future(self._relay(response.content.iter_any(), head, send))
+            gone = asyncio.ensure_future(_disconnected(receive))
+            try:
+                await asyncio.wait((relay, gone), return_when=asyncio.FIRST_COMPLETED)
+                if relay.done():
+                    return relay.result()  # its exception too: a raw stream aborted stays aborted
+            finally:
+                relay.cancel()
+                gone.cancel()
+                self.lag.closed(replica)
+                # a stream cut short (its client went away) closes the connection, which cancels it in the server
+                response.release() if response.content.at_eof() else response.close()
+                lease.cancel()
+
+    async def _relay(self, chunks, head: dict, send) -> None:
+        """The replica's response as it comes; if the replica fails mid-stream, the end its format allows."""
         headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in head["headers"]]  # ASGI: lower case
         headers.append((b"x-replica", head["replica"].encode()))
         sse = any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
         await send({"type": "http.response.start", "status": head["status"], "headers": headers})
-        arrived = self.relay.stream(head["replica"]) if stream and head["status"] == 200 else None
         try:
-            async for stamp, data in gen:
-                if arrived:
-                    arrived(stamp)
+            async for data in chunks:
                 await send({"type": "http.response.body", "body": data, "more_body": True})
         except Exception as exc:
-            log.warning("replica %s failed mid-stream: %s", head["replica"], exc)
+            log.warning("replica %s failed mid-stream: %r", head["replica"], exc)
             if not sse:
                 raise  # the client sees a truncated transfer, never a silently short file
             event = {"type": "error", "error": {"code": "replica_failed",
                                                 "message": f"replica {head['replica']} failed: {type(exc).__name__}"}}
             await send({"type": "http.response.body", "body": _sse(event), "more_body": True})
-        finally:
-            gen.cancel()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _replicas(self) -> list[str]:
@@ -144,15 +187,11 @@ class Front:
         return await asyncio.wait_for(_result(self.calls[method].remote(*args, route={"pin": replica})),
                                       BROADCAST_TIMEOUT_S)
 
-    async def _report_relay_lateness(self) -> None:
-        """Every `REPORT_S`, each replica's worst relay lateness since the last report, to that replica."""
-        while True:
-            await asyncio.sleep(REPORT_S)
-            for replica, late in self.relay.take().items():
-                try:
-                    await self._pinned("observe_relay_lag", replica, late)
-                except (asyncio.TimeoutError, *GONE):
-                    pass  # a replica gone since: its streams ended, nothing left to plan for
+    async def _report_lag(self, replica: str, seconds: float) -> None:
+        try:
+            await self._pinned("observe_relay_lag", replica, seconds)
+        except (asyncio.TimeoutError, *GONE):
+            pass  # a replica gone since: its streams ended, nothing left to plan for
 
     async def readiness(self, send, path: str) -> None:
         """/ready: 200 while any replica admits work, with slots, active and queued streams and the programs still
@@ -234,6 +273,17 @@ class _Labelled:
 
 async def _result(response):
     return await response
+
+
+async def _disconnected(receive) -> None:
+    """Returns once the client has gone away (the request's body is already read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _no_replica(send, exc: BaseException) -> None:
+    await _json(send, 503, ApiError(503, "no_replica", f"no replica answered: {exc}", retry_after=1).body(),
+                retry_after=1)
 
 
 async def _body(receive, limit: int) -> bytes:

@@ -1,46 +1,53 @@
-"""How late the fleet's relay brings a stream's chunks to the front, reported back to the replica that made them.
+"""How late the front's event loop runs, reported to the replicas whose streams it relays.
 
 A replica's engine keeps every stream's audio ahead of its listener by a margin that covers the jitter it measures
 (`scheduler.Jitter`): in one server, how late its own event loop takes the chunks it hands out. In the fleet each
-chunk then crosses Ray (the replica's relay, a deployment handle's stream, the front's event loop) before the
-client has it, and that crossing's jitter is out of the engine's sight: one replica on an H100 let 3 of 800
-streams stall at 40 rps where `qtts-jax serve` with the same engine let none stall at 60
-(bench/results/fleet-relay-0.6b-h100.json). The replica stamps each chunk as its relay reads it; the front measures
-each chunk's crossing against the stream's first (its listener's playback starts at the first, so only a later
-chunk crossing slower than the first eats into the stream's lead) and reports each replica's worst lateness per
-interval, which the replica adds to its engine's jitter. Clocks of two hosts differ by a constant, which the
-difference to the first chunk cancels."""
+chunk then passes the front's event loop before the client has it, and that loop's lateness is out of the
+engine's sight: one replica on an H100 let 3 of 800 streams stall at 40 rps, each at its second chunk, where
+`qtts-jax serve` with the same engine let none stall at 60 (bench/results/fleet-relay-0.6b-h100.json). The front
+runs a probe that sleeps `PROBE_S` at a time and measures how late it wakes: a chunk arriving meanwhile waits as
+long. Every `REPORT_S` the worst lateness goes to each replica the front relays a stream for, whose engine adds
+it to its jitter."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+import asyncio
+from collections.abc import Awaitable, Callable
 
-REPORT_S = 0.1  # one report per replica per interval: about as often as an engine iteration hands chunks out
+PROBE_S = 0.005
+REPORT_S = 0.1  # about as often as an engine iteration hands chunks out
 
 
-class RelayLateness:
-    """The worst lateness of any chunk relayed from each replica since the last `take` (0.0: chunks came, none
-    late). Read and written on the front's one event loop."""
+class LoopLag:
+    """The worst lateness of the running event loop since the last report; `relaying` holds how many streams the
+    front relays from each replica now (the replicas that get the reports)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
-        self.clock = clock
-        self._worst: dict[str, float] = {}
+    def __init__(self):
+        self.relaying: dict[str, int] = {}
+        self.worst = 0.0
 
-    def stream(self, replica: str) -> Callable[[float], None]:
-        """A recorder for one stream from `replica`: call it with each chunk's stamp (the replica's clock when its
-        relay read the chunk) as the chunk reaches the front."""
-        first: list[float] = []
+    def opened(self, replica: str) -> None:
+        self.relaying[replica] = self.relaying.get(replica, 0) + 1
 
-        def chunk(stamp: float) -> None:
-            crossing = self.clock() - stamp
-            if not first:
-                first.append(crossing)
-            self._worst[replica] = max(self._worst.get(replica, 0.0), crossing - first[0])
+    def closed(self, replica: str) -> None:
+        if (n := self.relaying.get(replica, 0) - 1) > 0:
+            self.relaying[replica] = n
+        else:
+            self.relaying.pop(replica, None)
 
-        return chunk
-
-    def take(self) -> dict[str, float]:
-        """Each replica's worst lateness since the last call (only replicas that relayed a chunk since)."""
-        worst, self._worst = self._worst, {}
-        return worst
+    async def run(self, report: Callable[[str, float], Awaitable[None]]) -> None:
+        """Probe forever; every `REPORT_S`, `report(replica, seconds)` for each replica relayed meanwhile."""
+        loop = asyncio.get_running_loop()
+        since = loop.time()
+        reported: set[str] = set()
+        while True:
+            before = loop.time()
+            await asyncio.sleep(PROBE_S)
+            now = loop.time()
+            self.worst = max(self.worst, now - before - PROBE_S)
+            reported |= self.relaying.keys()
+            if now - since >= REPORT_S:
+                worst, self.worst, since = self.worst, 0.0, now
+                for replica in reported:
+                    await report(replica, worst)
+                reported = set()

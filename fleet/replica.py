@@ -1,11 +1,14 @@
-"""One engine replica: the speech server's own aiohttp app (serving.app.create_app), listening on a Unix socket
-inside the replica, with its HTTP responses and WebSocket messages streamed out through Ray deployment handles.
+"""One engine replica: the speech server's own aiohttp app (serving.app.create_app), listening inside the replica,
+reached through Ray deployment handles and, for speech streams, directly.
 
 Running the server itself, not a copy of its routes, keeps request validation, admission, encoding, SSE and error
-bodies exactly the server's. Every method takes a `route` keyword that the router reads (fleet/router.py). A stream
-call's `route["id"]` becomes the server's request id, so this replica's stats list it exactly while the server's
-scheduler counts the stream (from admission to the response's end), and a WebSocket session's from its opening
-(fleet/routing.py).
+bodies exactly the server's. A speech stream takes a `lease` on the replica through its handle (Ray Serve's
+router picks the replica; the open lease is the stream's ongoing request, which autoscaling counts and a drain
+waits for) and the front then sends the request to this server's own TCP address, so its audio crosses one HTTP
+hop instead of one Ray message per chunk. Other requests' responses and WebSocket messages stream through the
+handles. Every method takes a `route` keyword that the router reads (fleet/router.py). A stream's `route["id"]`
+becomes the server's request id, so this replica's stats list it exactly while the server's scheduler counts the
+stream (from admission to the response's end), and a WebSocket session's from its opening (fleet/routing.py).
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import asyncio
 import collections
 import os
 import tempfile
-import time
 
 import aiohttp
 from aiohttp import web
@@ -46,6 +48,9 @@ class Replica:
         self.runner = web.AppRunner(self.app, handler_cancellation=True)
         await self.runner.setup()
         await web.UnixSite(self.runner, self.sock).start()
+        direct = web.TCPSite(self.runner, _node_address(), 0)  # the speech streams' own path (`lease`)
+        await direct.start()
+        self.address = direct.name
         await asyncio.shield(self.app[WARMUP_TASK])
         if self.app[WARMUP_ERROR]:
             raise RuntimeError(f"warm-up failed: {self.app[WARMUP_ERROR][0]}")
@@ -55,20 +60,21 @@ class Replica:
         self.sessions: set[str] = set()  # the route ids of the WebSocket sessions open now (`stats` lists them)
         self.relay_late: collections.deque[float] = collections.deque(maxlen=512)  # the front's reports, seconds
 
+    async def lease(self, route: dict | None = None):
+        """A speech stream's place on this replica: {"replica", "address"} (where the front sends the request
+        itself, with the route's id as its X-Request-Id), then nothing until the front cancels the call at the
+        stream's end. Open, it is one of this replica's ongoing requests, as the stream is."""
+        yield {"replica": self.id, "address": self.address}
+        await asyncio.Event().wait()
+
     async def http(self, method: str, path: str, headers: list, body: bytes, route: dict | None = None):
-        """The server's answer to one HTTP request: first {"status", "headers", "replica"}, then (stamp, bytes) for
-        the body's bytes as they come, stamped with this process's monotonic clock as the relay reads them (the
-        front measures how late they reach it: fleet/relay.py). A response the server aborts (a raw audio stream
-        whose engine failed) raises here, so the front aborts its own."""
-        token = (route or {}).get("id")
-        drop = HOP_HEADERS | {"host"} if token else HOP_HEADERS - {"x-request-id"} | {"host"}
-        headers = [(k, v) for k, v in headers if k.lower() not in drop] + ([("X-Request-Id", token)] if token else [])
-        async with self.client.request(method, f"http://replica{path}", headers=headers, data=body,
-                                       allow_redirects=False) as r:
-            yield {"status": r.status, "replica": self.id,
-                   "headers": [(k, v) for k, v in r.headers.items() if k.lower() not in HOP_HEADERS]}
+        """The server's answer to one HTTP request that is not a speech stream: first {"status", "headers",
+        "replica"}, then the body's bytes as they come."""
+        async with self.client.request(method, f"http://replica{path}", headers=request_headers(headers),
+                                       data=body, allow_redirects=False) as r:
+            yield {"status": r.status, "replica": self.id, "headers": response_headers(r.headers)}
             async for data in r.content.iter_any():
-                yield time.monotonic(), data
+                yield data
 
     async def ws_open(self, sid: str, path: str, headers: list, route: dict | None = None):
         """A WebSocket to the server: first {"replica"}, then ("text" | "bytes", data) per server message and
@@ -108,9 +114,9 @@ class Replica:
         return True
 
     def observe_relay_lag(self, seconds: float, route: dict | None = None) -> None:
-        """The front's report: this replica's chunks reached it up to `seconds` later than their streams' first
-        did. That is jitter between the engine and the client, as its own event loop's lateness is, so the engine's
-        playback margin covers it (fleet/relay.py)."""
+        """The front's report: its event loop, which relays this replica's streams to their clients, ran up to
+        `seconds` late. That is jitter between the engine and the client, as the server's own event loop's
+        lateness is, so the engine's playback margin covers it (fleet/relay.py)."""
         from serving.keys import ENGINE
 
         self.relay_late.append(seconds)
@@ -151,6 +157,28 @@ class Replica:
         """Ray calls this once its graceful shutdown has waited for the open streams: stop the server and engine."""
         await self.client.close()
         await self.runner.cleanup()
+
+
+def request_headers(headers: list, token: str | None = None) -> list[tuple[str, str]]:
+    """A client's request headers as the server gets them: without the hop-by-hop ones and the host; a stream's
+    X-Request-Id is its route's id (`token`), else the client's own is kept."""
+    drop = HOP_HEADERS | {"host"} if token else HOP_HEADERS - {"x-request-id"} | {"host"}
+    return [(k, v) for k, v in headers if k.lower() not in drop] + ([("X-Request-Id", token)] if token else [])
+
+
+def response_headers(headers) -> list[tuple[str, str]]:
+    """The server's response headers the front passes on (it frames its own response)."""
+    return [(k, v) for k, v in headers.items() if k.lower() not in HOP_HEADERS]
+
+
+def _node_address() -> str:
+    """This node's address, where the front reaches the replica's server (loopback outside a Ray cluster)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - not inside Ray (a unit test)
+        return "127.0.0.1"
 
 
 def _replica_id() -> str:
