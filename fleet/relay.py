@@ -25,22 +25,29 @@ class LoopLag:
     def __init__(self):
         self.relaying: dict[str, int] = {}
         self.worst = 0.0
+        self._any = asyncio.Event()  # set while some stream is relayed
 
     def opened(self, replica: str) -> None:
         self.relaying[replica] = self.relaying.get(replica, 0) + 1
+        self._any.set()
 
     def closed(self, replica: str) -> None:
         if (n := self.relaying.get(replica, 0) - 1) > 0:
             self.relaying[replica] = n
         else:
             self.relaying.pop(replica, None)
+            if not self.relaying:
+                self._any.clear()
 
     async def run(self, report: Callable[[str, float], Awaitable[None]]) -> None:
-        """Probe forever; every `REPORT_S`, `report(replica, seconds)` for each replica relayed meanwhile."""
+        """Probe while any stream is relayed; every `REPORT_S`, `report(replica, seconds)` for each replica relayed
+        meanwhile."""
         loop = asyncio.get_running_loop()
         since = loop.time()
         reported: set[str] = set()
         while True:
+            if not self.relaying and not reported:  # nobody to report to: no probing until a stream opens
+                await self._any.wait()
             before = loop.time()
             await asyncio.sleep(PROBE_S)
             now = loop.time()

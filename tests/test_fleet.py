@@ -218,7 +218,7 @@ def test_the_fleet_serves_the_servers_api(fleet_of_two):
     assert requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] == "tiny-random"
     assert set(_rejected(url)) <= set(ids) and all(f'replica="{i}"' in requests.get(f"{url}/metrics").text
                                                     for i in ids)
-    # the front reported how late the relay brought the streams' chunks to the replicas that made them
+    # the front reported its event loop's lateness to the replicas whose streams it relayed
     served = {r.headers["X-Replica"], sse.headers["X-Replica"]}
     deadline = time.monotonic() + 10
     while True:
