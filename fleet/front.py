@@ -1,8 +1,8 @@
 """The fleet's HTTP and WebSocket entry (the Ray Serve ingress): relays each request to an engine replica and adds
-`X-Replica` to each response. A speech stream takes a lease on the replica the router picks (its handle's `lease`,
-open for the stream's life) and goes to that replica's server directly over HTTP, so its audio costs one hop, not a
-Ray message per chunk (on 2 CPU cores the front spent as much CPU as the engine's replica relaying them); other
-requests and WebSocket messages go through the handle.
+`X-Replica` to each response. A speech stream or a WebSocket session takes a lease on the replica the router picks
+(its handle's `lease`, open for the stream's or session's life) and goes to that replica's server directly, so its
+audio costs one hop, not a Ray message per chunk (on 2 CPU cores the front spent as much CPU as the engine's replica
+relaying them); other requests go through the handle.
 
 It decides nothing about a request itself, except where it goes and what a dead replica's stream ends with:
 - a speech request refused by a replica (429, or 503 while that replica warms up or drains) is tried on the others
@@ -53,9 +53,8 @@ class Front:
         # the handle's first call starts its router; the copies `options` makes after it share that one router
         # (made before it, each would start its own, which waits for the replica list and counts apart)
         await engine.remote()
-        self.calls = {name: engine.options(method_name=name, stream=name in ("http", "lease", "ws_open"))
-                      for name in ("http", "lease", "ws_open", "ws_send", "stats", "metrics_text",
-                                   "observe_relay_lag")}
+        self.calls = {name: engine.options(method_name=name, stream=name in ("http", "lease"))
+                      for name in ("http", "lease", "stats", "metrics_text", "observe_relay_lag")}
         self.client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
                                             timeout=aiohttp.ClientTimeout(total=None))
         self.lag = LoopLag()
@@ -219,43 +218,45 @@ class Front:
     # ---- WebSocket ----------------------------------------------------------------------------------------
 
     async def websocket(self, scope, receive, send) -> None:
-        """The server's WebSocket on one replica (chosen like a stream); its messages both ways, in order."""
+        """The server's WebSocket on one replica, chosen and leased like a speech stream (the open session is one
+        of its ongoing requests) and reached directly; its messages both ways, in order."""
         if (await receive())["type"] != "websocket.connect":
             return
         sid = uuid.uuid4().hex
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
-        gen = self.calls["ws_open"].remote(sid, scope["path"], headers, route={"stream": True, "id": sid})
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
+                   if k.lower() in (b"user-agent", b"x-request-id")]
+        lease, where = self.calls["lease"].remote(route={"stream": True, "id": sid, "session": True}), None
         try:
-            replica = (await gen.__anext__())["replica"]
-        except GONE:
+            where = await lease.__anext__()
+            ws = await self.client.ws_connect(where["address"] + scope["path"], headers=headers, autoping=True,
+                                              max_msg_size=0)
+        except UNREACHED as exc:
+            lease.cancel()
+            log.warning("no replica for a WebSocket session: %r", exc)
             return await send({"type": "websocket.close", "code": 1013})
+        replica = where["replica"]
         await send({"type": "websocket.accept", "headers": [(b"x-replica", replica.encode())]})
-        pump = asyncio.ensure_future(self._client_to_replica(sid, replica, receive))
+        self.lag.opened(replica)
+        pump = asyncio.ensure_future(_client_to_replica(ws, receive))
         try:
-            async for kind, data in gen:
-                if kind == "close":
-                    return await send({"type": "websocket.close", "code": data})
-                await send({"type": "websocket.send", "text" if kind == "text" else "bytes": data})
-        except Exception as exc:
-            log.warning("replica %s failed mid-session: %s", replica, exc)
-            event = {"type": "error", "error": {"code": "replica_failed", "message": f"replica {replica} failed: "
-                                                f"{type(exc).__name__}", "param": None}}
+            while (msg := await ws.receive()).type in (aiohttp.WSMsgType.TEXT, aiohttp.WSMsgType.BINARY):
+                await send({"type": "websocket.send",
+                            "text" if msg.type == aiohttp.WSMsgType.TEXT else "bytes": msg.data})
+            if pump.done():
+                return  # the client went away first: nobody to tell
+            if msg.type == aiohttp.WSMsgType.CLOSE:  # the server's own close frame
+                return await send({"type": "websocket.close", "code": msg.data})
+            # the connection ended without one (a killed process's socket just closes): the replica failed
+            log.warning("replica %s failed mid-session: %s %r", replica, msg.type.name, msg.data)
+            event = {"type": "error", "error": {"code": "replica_failed", "message": f"replica {replica} failed",
+                                                "param": None}}
             await send({"type": "websocket.send", "text": json.dumps(event)})
             await send({"type": "websocket.close", "code": 1011})
         finally:
             pump.cancel()
-            gen.cancel()
-
-    async def _client_to_replica(self, sid: str, replica: str, receive) -> None:
-        route = {"pin": replica}
-        while True:
-            msg = await receive()
-            if msg["type"] == "websocket.disconnect":
-                await self.calls["ws_send"].remote(sid, "close", msg.get("code"), route=route)
-                return
-            kind, data = ("text", msg["text"]) if msg.get("text") is not None else ("bytes", msg.get("bytes"))
-            if not await self.calls["ws_send"].remote(sid, kind, data, route=route):
-                return
+            self.lag.closed(replica)
+            await ws.close()
+            lease.cancel()
 
 
 class _Labelled:
@@ -269,6 +270,18 @@ class _Labelled:
             for family in text_string_to_metric_families(text):
                 family.samples = [s._replace(labels={**s.labels, "replica": replica}) for s in family.samples]
                 yield family
+
+
+async def _client_to_replica(ws: aiohttp.ClientWebSocketResponse, receive) -> None:
+    """The client's messages to the replica's server socket, until either side closes."""
+    while not ws.closed:
+        msg = await receive()
+        if msg["type"] == "websocket.disconnect":
+            return await ws.close(code=msg.get("code") or 1000)
+        if msg.get("text") is not None:
+            await ws.send_str(msg["text"])
+        else:
+            await ws.send_bytes(msg.get("bytes") or b"")
 
 
 async def _result(response):

@@ -1,14 +1,15 @@
 """One engine replica: the speech server's own aiohttp app (serving.app.create_app), listening inside the replica,
-reached through Ray deployment handles and, for speech streams, directly.
+reached through Ray deployment handles and, for speech streams and WebSocket sessions, directly.
 
 Running the server itself, not a copy of its routes, keeps request validation, admission, encoding, SSE and error
 bodies exactly the server's. A speech stream takes a `lease` on the replica through its handle (Ray Serve's
 router picks the replica; the open lease is the stream's ongoing request, which autoscaling counts and a drain
 waits for) and the front then sends the request to this server's own TCP address, so its audio crosses one HTTP
-hop instead of one Ray message per chunk. Other requests' responses and WebSocket messages stream through the
-handles. Every method takes a `route` keyword that the router reads (fleet/router.py). A stream's `route["id"]`
-becomes the server's request id, so this replica's stats list it exactly while the server's scheduler counts the
-stream (from admission to the response's end), and a WebSocket session's from its opening (fleet/routing.py).
+hop instead of one Ray message per chunk; a WebSocket session the same way. Other requests' responses stream
+through the handles. Every method takes a `route` keyword that the router reads (fleet/router.py). A stream's
+`route["id"]` becomes the server's request id, so this replica's stats list it exactly while the server's scheduler
+counts the stream (from admission to the response's end), and a session's while its lease is open
+(fleet/routing.py).
 """
 
 from __future__ import annotations
@@ -56,16 +57,22 @@ class Replica:
             raise RuntimeError(f"warm-up failed: {self.app[WARMUP_ERROR][0]}")
         self.client = aiohttp.ClientSession(connector=aiohttp.UnixConnector(self.sock, limit=0),
                                             timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
-        self.sockets: dict[str, aiohttp.ClientWebSocketResponse] = {}
         self.sessions: set[str] = set()  # the route ids of the WebSocket sessions open now (`stats` lists them)
         self.relay_late: collections.deque[float] = collections.deque(maxlen=512)  # the front's reports, seconds
 
     async def lease(self, route: dict | None = None):
-        """A speech stream's place on this replica: {"replica", "address"} (where the front sends the request
-        itself, with the route's id as its X-Request-Id), then nothing until the front cancels the call at the
-        stream's end. Open, it is one of this replica's ongoing requests, as the stream is."""
-        yield {"replica": self.id, "address": self.address}
-        await asyncio.Event().wait()
+        """A speech stream's or WebSocket session's place on this replica: {"replica", "address"} (where the front
+        sends the request itself, a stream with the route's id as its X-Request-Id), then nothing until the front
+        cancels the call at the stream's or session's end. Open, it is one of this replica's ongoing requests, as
+        the stream is; a session's (`route["session"]`) route id is listed in `stats` meanwhile."""
+        token = (route or {}).get("id") if (route or {}).get("session") else None
+        if token:
+            self.sessions.add(token)
+        try:
+            yield {"replica": self.id, "address": self.address}
+            await asyncio.Event().wait()
+        finally:
+            self.sessions.discard(token)
 
     async def http(self, method: str, path: str, headers: list, body: bytes, route: dict | None = None):
         """The server's answer to one HTTP request that is not a speech stream: first {"status", "headers",
@@ -75,43 +82,6 @@ class Replica:
             yield {"status": r.status, "replica": self.id, "headers": response_headers(r.headers)}
             async for data in r.content.iter_any():
                 yield data
-
-    async def ws_open(self, sid: str, path: str, headers: list, route: dict | None = None):
-        """A WebSocket to the server: first {"replica"}, then ("text" | "bytes", data) per server message and
-        ("close", code) at the end. The front sends the client's messages with `ws_send(sid, ...)`."""
-        headers = [(k, v) for k, v in headers if k.lower() in ("user-agent", "x-request-id")]
-        async with self.client.ws_connect(f"http://replica{path}", headers=headers, autoping=True,
-                                          max_msg_size=0) as ws:
-            self.sockets[sid] = ws
-            token = (route or {}).get("id")
-            self.sessions.add(token)
-            try:
-                yield {"replica": self.id}
-                async for msg in ws:
-                    if msg.type == aiohttp.WSMsgType.TEXT:
-                        yield ("text", msg.data)
-                    elif msg.type == aiohttp.WSMsgType.BINARY:
-                        yield ("bytes", msg.data)
-                    else:
-                        break
-                yield ("close", ws.close_code or 1000)
-            finally:
-                self.sockets.pop(sid, None)
-                self.sessions.discard(token)
-
-    async def ws_send(self, sid: str, kind: str, data, route: dict | None = None) -> bool:
-        """Forward one client message ("text", "bytes" or "close") to the session's server socket; False when the
-        session is gone (it ended, or this is not its replica)."""
-        ws = self.sockets.get(sid)
-        if ws is None or ws.closed:
-            return False
-        if kind == "text":
-            await ws.send_str(data)
-        elif kind == "bytes":
-            await ws.send_bytes(data)
-        else:
-            await ws.close(code=int(data or 1000))
-        return True
 
     def observe_relay_lag(self, seconds: float, route: dict | None = None) -> None:
         """The front's report: its event loop, which relays this replica's streams to their clients, ran up to

@@ -284,22 +284,50 @@ def test_a_stream_never_goes_to_a_replica_that_refuses_while_another_has_headroo
     long.join(120)
 
 
+async def _session_cut_by_a_kill(url: str) -> tuple[str, int, list[dict], int]:
+    """A WebSocket session whose replica is killed once 4 frames of its utterance have played: the replica, the audio
+    bytes, the events and the close code the client got."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s, s.ws_connect(f"{url}/v1/audio/speech/stream") as ws:
+        victim = ws._response.headers["X-Replica"]
+        for msg in ({"type": "session.update", "session": {"voice": "ryan", "max_frames": 200}},
+                    {"type": "input_text.append", "text": "Hello there."}, {"type": "input_text.commit"}):
+            await ws.send_str(json.dumps(msg))
+        audio, events, killed = 0, [], False
+        async for msg in ws:
+            if msg.type == aiohttp.WSMsgType.BINARY:
+                audio += len(msg.data)
+            elif msg.type == aiohttp.WSMsgType.TEXT:
+                events.append(json.loads(msg.data))
+            if audio >= 4 * FRAME_BYTES and not killed:
+                await asyncio.to_thread(_kill, victim)
+                killed = True
+        return victim, audio, events, ws.close_code
+
+
 def test_a_replica_killed_mid_stream_ends_its_streams_with_an_error_and_the_rest_go_to_survivors(fleet_of_two):
     url = fleet_of_two
-    for fmt in ("sse", "pcm"):
+    for fmt in ("sse", "pcm", "ws"):
         _replicas(url, 2)  # Ray has replaced the replica killed in the round before
-        doomed = Stream(url, 200, **({"stream_format": "sse"} if fmt == "sse" else {}))
-        victim = doomed.replica
-        while len(doomed.body) < 4 * FRAME_BYTES and doomed.is_alive():
-            time.sleep(0.05)
-        _kill(victim)
-        doomed.join(60)
+        if fmt == "ws":  # the session gets an error event and a close that says the server failed
+            victim, audio, events, code = run_sync(_session_cut_by_a_kill(url))
+            assert 4 * FRAME_BYTES <= audio < 200 * FRAME_BYTES and code == 1011
+            assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == "replica_failed", events
+            assert "utterance.done" not in [e["type"] for e in events]
+        else:
+            doomed = Stream(url, 200, **({"stream_format": "sse"} if fmt == "sse" else {}))
+            victim = doomed.replica
+            while len(doomed.body) < 4 * FRAME_BYTES and doomed.is_alive():
+                time.sleep(0.05)
+            _kill(victim)
+            doomed.join(60)
         if fmt == "sse":  # the stream ends with an error event, not speech.audio.done
             events = re.findall(rb"^data: (.*)$", doomed.body, re.M)
             assert events, (doomed.error, doomed.body[:300])
             last = json.loads(events[-1])
             assert doomed.error is None and last["type"] == "error" and last["error"]["code"] == "replica_failed"
-        else:  # a truncated transfer, never a silently short file
+        elif fmt == "pcm":  # a truncated transfer, never a silently short file
             assert isinstance(doomed.error, requests.exceptions.ChunkedEncodingError)
             assert len(doomed.body) < 200 * FRAME_BYTES
         for _ in range(4):
