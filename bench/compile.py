@@ -125,8 +125,42 @@ def child(args) -> dict:
                 total.append(time.perf_counter() - t0)
             rows[spec].update(run_ms=round(statistics.median(total) * 1e3, 3),
                               host_ms=round(statistics.median(host) * 1e3, 3))
+            if args.placed_args:
+                rows[spec].update(placed_timings(engine.runner, key, args.repeats))
             print(spec, rows[spec], file=sys.stderr, flush=True)
     return rows
+
+
+def placed_timings(runner, key, repeats: int) -> dict:
+    """Run and host ms of program `key` with its per-call arguments (rows, limits...) given two other ways than the
+    engine's (`run_ms`: written into buffers the program keeps, `Runner._inputs_held`): copied to the device afresh
+    for every call (`fresh`: new buffers each time, as the engine did before) and placed on the device once and
+    passed again every call (`placed`: no copy at all). XLA records a CUDA graph again whenever a buffer it reads
+    has moved; this tells what that costs, and what the engine's copy into kept buffers costs beside none."""
+    import jax
+
+    def call_args():
+        return runner._padding_call(*key, runner.state, runner.codec_state)
+
+    host_args = [i for i, a in enumerate(call_args()) if isinstance(a, (np.ndarray, np.generic))]
+    placed = {i: jax.device_put(call_args()[i]) for i in host_args}
+    ways = {"fresh": lambda i, a: jax.device_put(a), "placed": lambda i, a: placed[i]}
+    out = {}
+    for way, given in ways.items():
+        def call():
+            return runner._run(key, tuple(given(i, a) if i in host_args else a for i, a in enumerate(call_args())))
+
+        jax.block_until_ready(call())
+        host, total = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            res = call()
+            host.append(time.perf_counter() - t0)
+            jax.block_until_ready(res)
+            total.append(time.perf_counter() - t0)
+        out.update({f"run_ms_{way}": round(statistics.median(total) * 1e3, 3),
+                    f"host_ms_{way}": round(statistics.median(host) * 1e3, 3)})
+    return out
 
 
 def mark_compiled(barrier: str, pid: int | None = None) -> None:
@@ -157,6 +191,8 @@ def main() -> None:
                    help="also generate N seeded streams on an 8-slot engine and report a digest of their codes")
     p.add_argument("--graph-log", action="store_true",
                    help="count the reasons XLA gives for each thunk it leaves out of a command buffer (CUDA graph)")
+    p.add_argument("--placed-args", action="store_true",
+                   help="also time each program with its per-call arguments copied afresh each call, and placed once")
     p.add_argument("--child-timeout-s", type=float, default=200, help="give up on a variant after this long")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--lock", default="/tmp/qtts-compile-bench.lock", help=argparse.SUPPRESS)

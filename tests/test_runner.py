@@ -38,3 +38,23 @@ def test_calibrating_on_the_live_state_leaves_a_playing_slot_untouched(tiny_mode
     assert set(timed.firsts) == {a for kind, a, _ in keys if kind == "first"}
     assert set(timed.prefills) == set(SMALL.prefill_sizes)  # timed at the largest bucket only
     assert all(v > 0 for costs in (timed.steps, timed.firsts, timed.prefills) for v in costs.values())
+
+
+def test_a_programs_per_call_inputs_keep_their_device_buffers_and_take_each_calls_values(tiny_model):
+    """XLA records a CUDA graph again whenever a buffer it reads has moved: each call's rows and limits are written
+    into the buffers the program read last time, and the call sees the new values."""
+    from qtts_jax.engine import Engine
+
+    runner = Runner(tiny_model, SMALL)
+    job = Engine(tiny_model, SMALL).prepare(Request("A slot in use.", speaker="ryan", max_frames=8, **GREEDY))
+    runner.prefill(job.bucket, [(0, job)], 1)
+    key = ("step", 2, 1)  # slot 0 in the first row, then the second, then the first again
+    valid, addresses = [], []
+    for idx, limits in (([0, SMALL.slots], [1, 0]), ([SMALL.slots, 0], [0, 1]), ([0, SMALL.slots], [1, 0])):
+        step = runner.step(np.array(idx, np.int32), np.array(limits, np.int32), 1)
+        valid.append(np.asarray(step.valid)[0].tolist())
+        addresses.append([a.unsafe_buffer_pointer() for a in runner.held[key]])
+        np.testing.assert_array_equal(np.asarray(runner.held[key][0]), idx)
+        np.testing.assert_array_equal(np.asarray(runner.held[key][1]), limits)
+    assert valid == [[True, False], [False, True], [True, False]]
+    assert addresses[0] == addresses[1] == addresses[2]
