@@ -273,15 +273,19 @@ class _Labelled:
 
 
 async def _client_to_replica(ws: aiohttp.ClientWebSocketResponse, receive) -> None:
-    """The client's messages to the replica's server socket, until either side closes."""
+    """The client's messages to the replica's server socket, until either side closes (a message that finds the
+    server's side gone is dropped: the relay the other way tells the client why)."""
     while not ws.closed:
         msg = await receive()
         if msg["type"] == "websocket.disconnect":
             return await ws.close(code=msg.get("code") or 1000)
-        if msg.get("text") is not None:
-            await ws.send_str(msg["text"])
-        else:
-            await ws.send_bytes(msg.get("bytes") or b"")
+        try:
+            if msg.get("text") is not None:
+                await ws.send_str(msg["text"])
+            else:
+                await ws.send_bytes(msg.get("bytes") or b"")
+        except ConnectionError:
+            return
 
 
 async def _result(response):
