@@ -10,6 +10,7 @@ It decides nothing about a request itself, except where it goes and what a dead 
 - a replica that dies before answering is skipped the same way; one that dies mid-stream ends an SSE stream with an
   `error` event, aborts a raw audio stream (a truncated transfer) and sends a WebSocket `error` event and closes;
 - /ready, /health and /metrics sum up or label every replica's own answer;
+- a voice registered or deleted (Base models) is registered or deleted on every replica;
 - how late its event loop runs is reported to the replicas whose streams it relays, whose engines keep that jitter
   in their playback margins (fleet/relay.py).
 """
@@ -41,6 +42,7 @@ UNREACHED = (*GONE, aiohttp.ClientConnectionError)  # the same, found on the way
 REFUSED = {429, 503}  # the replica's admission said no (or it warms up, or drains): another one may say yes
 BROADCAST_TIMEOUT_S = 2.0
 _SUMMED = ("slots", "active", "queued", "compiling")  # each replica's figures /ready and /health add up
+VOICE_PATH = "/v1/audio/voices/"  # DELETE of one voice: a registry change, made on every replica
 
 
 class Front:
@@ -91,6 +93,8 @@ class Front:
             return await self.metrics(send)
         full = path + (f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else "")
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+        if (method, path) == ("POST", "/v1/audio/voices") or (method == "DELETE" and path.startswith(VOICE_PATH)):
+            return await self.everywhere(method, full, headers, body, send)
         if not (path == "/v1/audio/speech" and method == "POST"):
             gen = self.calls["http"].remote(method, full, headers, body, route={"stream": False, "exclude": []})
             try:
@@ -102,6 +106,28 @@ class Front:
             finally:
                 gen.cancel()
         return await self.stream(method, full, headers, body, receive, send)
+
+    async def everywhere(self, method: str, full: str, headers: list, body: bytes, send) -> None:
+        """A change to the voice registry (Base models), made on every replica in turn, so that a voice registered
+        through the fleet is usable whichever replica a speech request then reaches. The client gets the first
+        replica's answer, or the first refusal or failure if any replica did not take the change (the replicas
+        that did keep it: the same call again, with `replace` for a registration, makes them agree)."""
+        answers = {}
+        for replica in self._replicas():
+            gen = self.calls["http"].remote(method, full, headers, body, route={"pin": replica})
+            try:
+                head = await gen.__anext__()
+                data = b"".join([data async for data in gen])
+                # a replica that left the router meanwhile is not pinned: another may have answered twice
+                answers.setdefault(head["replica"], (head, data))
+            except GONE as exc:
+                log.warning("replica %s gone during a voice change: %r", replica, exc)
+            finally:
+                gen.cancel()
+        if not answers:
+            return await _no_replica(send, RuntimeError("none is ready"))
+        head, data = next((a for a in answers.values() if a[0]["status"] >= 300), next(iter(answers.values())))
+        await self._relay(_once(data), head, send)
 
     async def stream(self, method: str, full: str, headers: list, body: bytes, receive, send) -> None:
         """A speech request: a lease on the replica the router picks, the request to that replica's server; a
@@ -286,6 +312,10 @@ async def _client_to_replica(ws: aiohttp.ClientWebSocketResponse, receive) -> No
                 await ws.send_bytes(msg.get("bytes") or b"")
         except ConnectionError:
             return
+
+
+async def _once(data: bytes):
+    yield data
 
 
 async def _result(response):

@@ -103,8 +103,8 @@ def test_a_cpu_replica_of_one_cpu_runs_xla_on_one_thread_and_keeps_the_users_fla
 
 
 def _settings(**overrides) -> Settings:
-    return Settings(model="tiny-random", slots=2, context=1024, frames_per_step=1, drain_timeout_s=60,
-                    compile_cache=os.environ["QTTS_TEST_COMPILE_CACHE"], **overrides)
+    return Settings(**{"model": "tiny-random", "slots": 2, "context": 1024, "frames_per_step": 1,
+                       "drain_timeout_s": 60, "compile_cache": os.environ["QTTS_TEST_COMPILE_CACHE"], **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -177,11 +177,16 @@ class Stream(threading.Thread):
         return self.response.headers["X-Replica"]
 
 
-def _rejected(url: str) -> dict[str, float]:
-    """Speech requests each replica's own admission refused (from the fleet's /metrics, labelled by replica)."""
+def _counted(url: str, endpoint: str, outcome: str) -> dict[str, float]:
+    """Requests of `endpoint` that ended in `outcome` on each replica (the fleet's /metrics, labelled by replica)."""
     text = requests.get(f"{url}/metrics", timeout=10).text
-    pattern = r'qtts_requests_total\{endpoint="/v1/audio/speech",outcome="rejected",replica="(\w+)"\} (\S+)'
+    pattern = rf'qtts_requests_total\{{endpoint="{endpoint}",outcome="{outcome}",replica="(\w+)"\}} (\S+)'
     return {m[0]: float(m[1]) for m in re.findall(pattern, text)}
+
+
+def _rejected(url: str) -> dict[str, float]:
+    """Speech requests each replica's own admission refused."""
+    return _counted(url, "/v1/audio/speech", "rejected")
 
 
 def _kill(replica: str) -> None:
@@ -228,6 +233,12 @@ def test_the_fleet_serves_the_servers_api(fleet_of_two):
         assert time.monotonic() < deadline, entries
         time.sleep(0.2)
     assert all(e["relay_late_p99_ms"] >= 0 and e["margin_ms"] > 0 for e in entries)
+    # a voice registration goes to every replica (these CustomVoice ones each refuse it, naming the model)
+    before = _counted(url, "/v1/audio/voices", "bad_request")
+    r = requests.post(f"{url}/v1/audio/voices", json={"name": "x", "audio": "AAAA"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model" and r.headers["X-Replica"] in ids
+    after = _counted(url, "/v1/audio/voices", "bad_request")
+    assert {i: after.get(i, 0) - before.get(i, 0) for i in ids} == {i: 1 for i in ids}
 
 
 def _ready_entries(url: str) -> list[dict]:
@@ -351,9 +362,11 @@ def test_scale_down_during_streams_cuts_none(url):
 
     import aiohttp
 
-    _deploy(url, _settings(), FleetConfig(replicas=1, min_replicas=1, max_replicas=2, safe_capacity=1.5, headroom=0,
-                                          upscale_delay_s=1, downscale_delay_s=1, look_back_period_s=1,
-                                          stats_period_s=0.2))
+    # the session's 1600 frames take about a minute on 2 cores, most of it after the scale-down began: the drain
+    # must be allowed longer than that (at 60 s one run in three cut the session's last utterance)
+    fleet = FleetConfig(replicas=1, min_replicas=1, max_replicas=2, safe_capacity=1.5, headroom=0, upscale_delay_s=1,
+                        downscale_delay_s=1, look_back_period_s=1, stats_period_s=0.2)
+    _deploy(url, _settings(drain_timeout_s=300), fleet)
     (first,) = _replicas(url, 1)
     # an idle engine always admits it; its text caps it at thousands of frames (minutes), so it plays until cancelled
     long = Stream(url, 100_000, input="Hello there. " * 300)
