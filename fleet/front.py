@@ -117,17 +117,17 @@ class Front:
             gen = self.calls["http"].remote(method, full, headers, body, route={"pin": replica})
             try:
                 head = await gen.__anext__()
-                data = b"".join([data async for data in gen])
+                body_out = b"".join([chunk async for chunk in gen])
                 # a replica that left the router meanwhile is not pinned: another may have answered twice
-                answers.setdefault(head["replica"], (head, data))
+                answers.setdefault(head["replica"], (head, body_out))
             except GONE as exc:
                 log.warning("replica %s gone during a voice change: %r", replica, exc)
             finally:
                 gen.cancel()
         if not answers:
             return await _no_replica(send, RuntimeError("none is ready"))
-        head, data = next((a for a in answers.values() if a[0]["status"] >= 300), next(iter(answers.values())))
-        await self._relay(_once(data), head, send)
+        head, body_out = next((a for a in answers.values() if a[0]["status"] >= 300), next(iter(answers.values())))
+        await self._relay(_once(body_out), head, send)
 
     async def stream(self, method: str, full: str, headers: list, body: bytes, receive, send) -> None:
         """A speech request: a lease on the replica the router picks, the request to that replica's server; a

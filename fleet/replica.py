@@ -65,14 +65,15 @@ class Replica:
         sends the request itself, a stream with the route's id as its X-Request-Id), then nothing until the front
         cancels the call at the stream's or session's end. Open, it is one of this replica's ongoing requests, as
         the stream is; a session's (`route["session"]`) route id is listed in `stats` meanwhile."""
-        token = (route or {}).get("id") if (route or {}).get("session") else None
-        if token:
-            self.sessions.add(token)
+        route = route or {}
+        session = route.get("id") if route.get("session") else None
+        if session:
+            self.sessions.add(session)
         try:
             yield {"replica": self.id, "address": self.address}
             await asyncio.Event().wait()
         finally:
-            self.sessions.discard(token)
+            self.sessions.discard(session)
 
     async def http(self, method: str, path: str, headers: list, body: bytes, route: dict | None = None):
         """The server's answer to one HTTP request that is not a speech stream: first {"status", "headers",
