@@ -1,7 +1,8 @@
 """Why the engine's programs take minutes to compile: each chosen program compiled alone (no parallel contention),
 under several sets of XLA flags side by side, with its compile seconds, XLA's memory plan (temp bytes), the
 rematerialization warnings XLA printed, one call's run time and its host time (how long the call takes to
-return, before the device is waited on), so a flag that cuts compiling can be checked not to slow the program;
+return, before the device is waited on) and how many output addresses its calls gave (XLA records a CUDA graph
+again whenever one has moved), so a flag that cuts compiling can be checked not to slow the program;
 with `--codes-check`, each variant also generates a few seeded streams on a small engine and reports a digest of
 their codes, so a flag can be checked not to change what the programs compute.
 Each variant runs in a subprocess of its own (XLA reads its flags once); all of them at once, compiling side by
@@ -34,6 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 REMAT = re.compile(r"[Cc]an't reduce memory use below ([\d.]+)([KMGT]i?B)")
+ENV_TOKEN = re.compile(r"^[A-Z_][A-Z0-9_]*=")  # a variant's NAME=VALUE token: an environment variable, not a flag
 # XLA's pass that turns a program's thunks into CUDA graphs logs, at verbosity 2, each thunk it leaves out and why;
 # a loop goes into a graph only if every thunk of its body does, so these lines say what keeps a loop on the host
 GRAPH_LOG = re.compile(r"command_buffer_conversion_pass\.cc:\d+\] (.*)")
@@ -116,15 +118,17 @@ def child(args) -> dict:
         fcntl.flock(lock, fcntl.LOCK_EX)
         for spec, key in compiled.items():  # each on padding rows (every write dropped), the state threaded
             jax.block_until_ready(engine.runner.idle_call(key))
-            host, total = [], []
+            host, total, addresses = [], [], set()
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
                 out = engine.runner.idle_call(key)
                 host.append(time.perf_counter() - t0)
                 jax.block_until_ready(out)
                 total.append(time.perf_counter() - t0)
+                addresses.add(tuple(a.unsafe_buffer_pointer() for a in jax.tree.leaves(out)))
             rows[spec].update(run_ms=round(statistics.median(total) * 1e3, 3),
-                              host_ms=round(statistics.median(host) * 1e3, 3))
+                              host_ms=round(statistics.median(host) * 1e3, 3),
+                              out_addresses=len(addresses))  # 1: every call's output where the last one's was
             if args.placed_args:
                 rows[spec].update(placed_timings(engine.runner, key, args.repeats))
             print(spec, rows[spec], file=sys.stderr, flush=True)
@@ -185,7 +189,9 @@ def main() -> None:
     engine_args(p)
     p.add_argument("--programs", default="step:256:1,step:256:4,codec:256:8,first:256:1,insert:128:32",
                    help="kind:rung:size of step|first|codec|insert, comma-separated")
-    p.add_argument("--variants", default="default=", help='"name=XLA flags;name=flags" (an empty value: none)')
+    p.add_argument("--variants", default="default=",
+                   help='"name=XLA flags;name=flags" (an empty value: none; a NAME=VALUE token sets an environment '
+                        'variable of that variant\'s process)')
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--codes-check", type=int, default=0, metavar="N",
                    help="also generate N seeded streams on an 8-slot engine and report a digest of their codes")
@@ -210,8 +216,11 @@ def main() -> None:
     barrier = tempfile.mkdtemp(prefix="qtts-compile-bench-")
     for variant in variants:
         name, _, flags = variant.partition("=")
+        # a token NAME=VALUE (no leading dashes) is an environment variable of the variant's process, the rest XLA's
+        settings = dict(t.split("=", 1) for t in flags.split() if ENV_TOKEN.match(t))
+        xla = " ".join(t for t in flags.split() if not ENV_TOKEN.match(t))
         # every variant holds its own engine on the one GPU: no process may take most of its memory up front
-        env = {**os.environ, "XLA_FLAGS": f"{base} {flags}".strip(), "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+        env = {**os.environ, **settings, "XLA_FLAGS": f"{base} {xla}".strip(), "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
         if args.graph_log:
             env.update(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="command_buffer_conversion_pass=2")
         cmd = [sys.executable, __file__, "--child", "--barrier", barrier, "--siblings", str(len(variants)),
