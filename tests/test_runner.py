@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 
 from qtts_jax.engine.runner import Calibration, FirstOutcome, Runner, StepOutcome, stages
 from qtts_jax.request import Request
@@ -58,3 +59,29 @@ def test_a_programs_per_call_inputs_keep_their_device_buffers_and_take_each_call
         np.testing.assert_array_equal(np.asarray(runner.held[key][1]), limits)
     assert valid == [[True, False], [False, True], [True, False]]
     assert addresses[0] == addresses[1] == addresses[2]
+
+
+def test_a_programs_outcome_takes_the_last_ones_buffers_and_is_read_before_the_next_call(tiny_model):
+    """XLA records a CUDA graph again whenever a buffer it writes has moved: a step's, first frame's and codec
+    call's outcome is written where the same program's last outcome was (its buffers donated), with each call's
+    own values, so an outcome is readable until the next call of that program and no longer."""
+    from qtts_jax.engine import Engine
+
+    runner = Runner(tiny_model, SMALL)
+    job = Engine(tiny_model, SMALL).prepare(Request("A slot in use.", speaker="ryan", max_frames=8, **GREEDY))
+    runner.prefill(job.bucket, [(0, job)], 1)
+    steps, addresses = [], []
+    for idx, limits in (([0, SMALL.slots], [1, 0]), ([SMALL.slots, 0], [0, 1])):
+        step = runner.step(np.array(idx, np.int32), np.array(limits, np.int32), 1)
+        # copies: on a CPU np.asarray may share the buffer, and a buffer numpy holds is copied, not donated
+        steps.append((np.array(step.frames), np.array(step.valid)[0].tolist()))
+        addresses.append([a.unsafe_buffer_pointer() for a in step])
+    assert [valid for _, valid in steps] == [[True, False], [False, True]]
+    assert addresses[0] == addresses[1]
+    assert (steps[0][0][0, 0] >= 0).all() and (steps[1][0][0, 1] >= 0).all()  # each call's own frame, read in time
+    audio = [runner.codec(np.array([0, SMALL.slots], np.int32), np.zeros(2, bool), np.array([k, 0], np.int32),
+                          np.array([1, 0], np.int32), 1) for k in (0, 1)]
+    assert audio[0].is_deleted() and not audio[1].is_deleted()  # the second call wrote into the first's buffers
+    assert np.abs(np.asarray(audio[1])[0]).max() > 0
+    with pytest.raises(RuntimeError, match="deleted"):
+        np.asarray(audio[0])

@@ -29,7 +29,7 @@ def test_background_warmup_serves_its_smallest_rung_at_once_then_grows_to_every_
         compile_(keys)
         for key in keys:
             exe = runner.programs[key]
-            runner.programs[key] = lambda *args, key=key, exe=exe: (ran.add(key), exe(*args))[1]
+            runner.programs[key] = lambda *args, key=key, exe=exe, **kwargs: (ran.add(key), exe(*args, **kwargs))[1]
 
     runner.compile = compile_counting
     engine.on_compiled = lambda: hooked.append((threading.current_thread().name, engine.stats().compiling,

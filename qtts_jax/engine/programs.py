@@ -22,6 +22,7 @@ import numpy as np
 from qtts_jax import nn
 from qtts_jax.talker import sampling, transformer
 from qtts_jax.codec import streaming as codec_streaming
+from qtts_jax.codec.config import SAMPLES_PER_FRAME
 from qtts_jax.engine.config import EngineConfig
 from qtts_jax.generate import RowSettings, RowState, frame_step
 from qtts_jax.model import Model
@@ -35,6 +36,23 @@ class EngineState(NamedTuple):
     k: jax.Array  # [slots] frames produced so far
     row0: jax.Array  # [slots] cache row of frame 0 (= the slot's prompt bucket)
     codes: jax.Array  # [slots, context, 16] each slot's frames by index, where the codec reads them (-1: none)
+
+
+def outcome_shapes(kind: str, rows: int, frames: int, groups: int) -> tuple:
+    """What the loop reads of a call of program `kind` ("step", "first" or "codec") for `rows` rows and `frames`
+    frames: a step's frames [frames, rows, groups] and valid flags [frames, rows]; a first frame's, with its audio
+    [rows, one frame's samples]; a codec call's audio [rows, frames' samples]."""
+    def codes(n):
+        return jax.ShapeDtypeStruct((n, rows, groups), jnp.int32), jax.ShapeDtypeStruct((n, rows), jnp.bool_)
+
+    def audio(n):
+        return jax.ShapeDtypeStruct((rows, n * SAMPLES_PER_FRAME), jnp.float32)
+
+    if kind == "step":
+        return codes(frames)
+    if kind == "first":
+        return (*codes(1), audio(1))
+    return audio(frames)
 
 
 def take_rows(tree, idx):

@@ -70,17 +70,38 @@ class Calibration:
 @dataclasses.dataclass
 class Scratch:
     """A state of the live one's shapes, for timing programs while the loop owns the live one (and its own
-    buffers for the programs' per-call inputs: see `Runner._inputs_held`)."""
+    buffers for the programs' per-call inputs and outcomes: see `Runner._inputs_held` and `Runner._run`)."""
 
     state: programs.EngineState
     codec_state: codec_streaming.StreamState
     held: dict = dataclasses.field(default_factory=dict)
+    outcomes: dict = dataclasses.field(default_factory=dict)
 
 
 @partial(jax.jit, donate_argnums=(0,))  # one for every runner: each shape of inputs compiles once per process
 def _refill(held: tuple, new: tuple) -> tuple:
     """`new` written into the buffers of `held` (donated): the same device addresses, the new values."""
     return jax.tree.map(lambda h, n: jax.lax.dynamic_update_slice(h, n, (0,) * h.ndim), held, new)
+
+
+# where a program's outcome (what the loop reads) is in its output; the rest is the state it carries on
+_OUTCOME_AT = {"step": 1, "first": 2, "codec": 0}
+
+
+def _writing_into(program, kind: str):
+    """`program` with its outcome written into the buffers `into` (donated, so the outcome takes their addresses):
+    see `Runner._run`. The buffers must be the outcome's shapes (`programs.outcome_shapes`)."""
+
+    def wrapped(*args, into, **kwargs):
+        out = list(program(*args, **kwargs))
+        at = _OUTCOME_AT[kind]
+        if jax.tree.map(lambda a: (a.shape, a.dtype), into) != jax.tree.map(lambda a: (a.shape, a.dtype), out[at]):
+            raise ValueError(f"{kind}: outcome buffers {into} do not fit the program's outcome {out[at]}")
+        out[at] = jax.tree.map(lambda buf, value: jax.lax.dynamic_update_slice(buf, value, (0,) * buf.ndim), into,
+                               out[at])
+        return tuple(out)
+
+    return wrapped
 
 
 def stages(c: EngineConfig) -> list[list[Key]]:
@@ -110,12 +131,15 @@ class Runner:
         cfg, codec_cfg = model.cfg, model.codec_cfg
         choose, attention = programs.chooser(config.sampler), programs.attender(config.attention)
         self._jit_insert = jax.jit(partial(programs.insert, graph=model.graph, cfg=cfg), donate_argnums=(1,))
-        self._jit_step = jax.jit(partial(programs.step, graph=model.graph, cfg=cfg, choose=choose,
-                                         attention=attention), donate_argnums=(1,), static_argnames="n")
-        self._jit_codec = jax.jit(partial(programs.codec, cfg=codec_cfg), donate_argnums=(1,), static_argnames="n")
-        self._jit_first = jax.jit(partial(programs.first, graph=model.graph, cfg=cfg, codec_cfg=codec_cfg,
-                                          choose=choose, attention=attention),
-                                  donate_argnums=(2, 3))
+        self._jit_step = jax.jit(_writing_into(partial(programs.step, graph=model.graph, cfg=cfg, choose=choose,
+                                                       attention=attention), "step"),
+                                 donate_argnums=(1,), donate_argnames="into", static_argnames="n")
+        self._jit_codec = jax.jit(_writing_into(partial(programs.codec, cfg=codec_cfg), "codec"),
+                                  donate_argnums=(1,), donate_argnames="into", static_argnames="n")
+        self._jit_first = jax.jit(_writing_into(partial(programs.first, graph=model.graph, cfg=cfg,
+                                                        codec_cfg=codec_cfg, choose=choose, attention=attention),
+                                                "first"),
+                                  donate_argnums=(2, 3), donate_argnames="into")
         self._codec_one = jax.jit(
             lambda p, st, codes: codec_streaming.decode_step(p, codec_cfg, st, codes, jnp.full(1, codes.shape[1]))[1],
             donate_argnums=(1,),
@@ -125,6 +149,7 @@ class Runner:
             lambda st, one, slot: programs.set_slot(st, slot, jax.tree.map(lambda v: v[0], one)), donate_argnums=(0,))
         self.programs: dict[Key, jax.stages.Compiled] = {}
         self.held: dict[Key, tuple] = {}  # each program's per-call inputs on the device (`_inputs_held`)
+        self.outcomes: dict[Key, tuple | jax.Array] = {}  # each program's last outcome, its next one's buffers (`_run`)
         self._primed: OrderedDict[bytes, codec_streaming.StreamState] = OrderedDict()
         self._primed_lock = threading.Lock()
         self.state = programs.init_state(model, config)
@@ -201,7 +226,12 @@ class Runner:
         jit = {"insert": self._jit_insert, "step": self._jit_step, "first": self._jit_first, "codec": self._jit_codec,
                "append": self._jit_append}[kind]
         static = {"n": b} if kind in ("step", "codec") else {}
+        if kind in _OUTCOME_AT:
+            static["into"] = self._outcome_shapes(kind, a, b)
         return jit.lower(*self._padding_call(kind, a, b, *self._specs), **static)
+
+    def _outcome_shapes(self, kind: str, a: int, b: int):
+        return programs.outcome_shapes(kind, a, b, self.model.cfg.num_code_groups)
 
     def program(self, kind: str, a: int, b: int):
         """A compiled program; `compile` makes them ahead, and one not made yet is compiled on demand."""
@@ -223,9 +253,23 @@ class Runner:
 
     def _run(self, key: Key, args: tuple, target: Runner | Scratch | None = None):
         """Program `key` on `args`, whose state it donates: `target` (this runner, or a `Scratch`) keeps the new
-        state, and the rest of the program's output is returned (an append's is its state)."""
+        state, and the rest of the program's output is returned (an append's is its state).
+
+        A step's, first frame's or codec call's outcome is written into the buffers of the same program's last
+        outcome (donated), so it has the same device addresses every call: XLA records a program's CUDA graph again
+        whenever a buffer it writes has moved, as for the inputs (`_inputs_held`). So an outcome is readable until
+        the next call of the same program, which the loop makes only after it has read it."""
         target = self if target is None else target
-        kind, out = key[0], self.program(*key)(*self._inputs_held(key, args, target.held))
+        kind, exe = key[0], self.program(*key)
+        args = self._inputs_held(key, args, target.held)
+        if kind in _OUTCOME_AT:
+            into = target.outcomes.pop(key, None)
+            if into is None:
+                into = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._outcome_shapes(*key))
+            out = exe(*args, into=into)
+            target.outcomes[key] = out[_OUTCOME_AT[kind]]
+        else:
+            out = exe(*args)
         if kind in ("insert", "step"):
             target.state, out = out
         elif kind == "first":
