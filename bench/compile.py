@@ -42,12 +42,24 @@ GRAPH_LOG = re.compile(r"command_buffer_conversion_pass\.cc:\d+\] (.*)")
 
 
 def model_for(args):
-    """The random-weight model of --model at --dtype."""
+    """The random-weight model of --model at --dtype, with the loops that QTTS_BENCH_UNROLL names (a variant's
+    environment: "talker" the talker's layers, "groups" the code predictor's group steps, comma-separated)
+    unrolled in the source."""
     import jax.numpy as jnp
 
+    from qtts_jax import nn
     from qtts_jax.model import load_model
 
-    return load_model(args.model, dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
+    model = load_model(args.model, dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
+    unroll = {name for name in os.environ.get("QTTS_BENCH_UNROLL", "").split(",") if name}
+    if unroll - {"talker", "groups"}:
+        raise SystemExit(f"QTTS_BENCH_UNROLL: {sorted(unroll)}; talker and groups are known")
+    if unroll:
+        talker = nn.merge(model.graph, model.params)
+        talker.stack.unrolled = "talker" in unroll
+        talker.predictor.unrolled_groups = "groups" in unroll
+        model.graph = nn.split(talker)[0]
+    return model
 
 
 def engine_for(args, model=None, **overrides):
@@ -136,11 +148,13 @@ def child(args) -> dict:
 
 
 def placed_timings(runner, key, repeats: int) -> dict:
-    """Run and host ms of program `key` with its per-call arguments (rows, limits...) given two other ways than the
-    engine's (`run_ms`: written into buffers the program keeps, `Runner._inputs_held`): copied to the device afresh
-    for every call (`fresh`: new buffers each time, as the engine did before) and placed on the device once and
-    passed again every call (`placed`: no copy at all). XLA records a CUDA graph again whenever a buffer it reads
-    has moved; this tells what that costs, and what the engine's copy into kept buffers costs beside none."""
+    """Run and host ms of program `key` three other ways than the engine's (`run_ms`: its per-call arguments
+    (rows, limits...) written into buffers the program keeps, `Runner._inputs_held`, and its outcome into the
+    buffers of its last one, `Runner._run`): the arguments copied to the device afresh for every call (`fresh`: new
+    buffers each time, as the engine did before 99681c0), placed on the device once and passed again every call
+    (`placed`: no copy at all), and the engine's arguments with the outcome in new buffers every call
+    (`new_outcome`, as before the outcome was kept). XLA records a CUDA graph again whenever a buffer it reads or
+    writes has moved; this tells what that costs, and what the engine's copy into kept buffers costs beside none."""
     import jax
 
     def call_args():
@@ -148,10 +162,13 @@ def placed_timings(runner, key, repeats: int) -> dict:
 
     host_args = [i for i, a in enumerate(call_args()) if isinstance(a, (np.ndarray, np.generic))]
     placed = {i: jax.device_put(call_args()[i]) for i in host_args}
-    ways = {"fresh": lambda i, a: jax.device_put(a), "placed": lambda i, a: placed[i]}
+    ways = {"fresh": lambda i, a: jax.device_put(a), "placed": lambda i, a: placed[i], "new_outcome": None}
     out = {}
     for way, given in ways.items():
         def call():
+            if given is None:  # no outcome to write into: the runner makes new buffers for this call's
+                runner.outcomes.pop(key, None)
+                return runner._run(key, call_args())
             return runner._run(key, tuple(given(i, a) if i in host_args else a for i, a in enumerate(call_args())))
 
         jax.block_until_ready(call())
@@ -198,7 +215,8 @@ def main() -> None:
     p.add_argument("--graph-log", action="store_true",
                    help="count the reasons XLA gives for each thunk it leaves out of a command buffer (CUDA graph)")
     p.add_argument("--placed-args", action="store_true",
-                   help="also time each program with its per-call arguments copied afresh each call, and placed once")
+                   help="also time each program with its per-call arguments copied afresh each call, placed once, "
+                        "and with its outcome in new buffers each call")
     p.add_argument("--child-timeout-s", type=float, default=200, help="give up on a variant after this long")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--lock", default="/tmp/qtts-compile-bench.lock", help=argparse.SUPPRESS)

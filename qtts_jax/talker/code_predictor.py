@@ -38,6 +38,9 @@ class CodePredictor(nnx.Module):
         # unrolled: its 5 layers run 15 times a frame, and a loop's every trip costs a launch from the host (a
         # 256-row four-frame step 47.4 -> 42.4 ms on an H100, bench/results/unroll-0.6b-h100.json)
         self.stack = DecoderStack(c, dtype=dtype, rngs=rngs, unrolled=True)
+        # its 14 group steps as straight-line code rather than a loop: measured slower while XLA recorded the
+        # program's graphs again every call (bench/results/unroll-0.6b-h100.json); bench/compile.py can set it
+        self.unrolled_groups = False
         self.heads = dense(rngs, (groups, c.hidden_size, c.vocab_size), dtype)
 
     def _project(self, x: jax.Array) -> jax.Array:
@@ -82,5 +85,5 @@ class CodePredictor(nnx.Module):
             nxt = choose(logits, gumbel[j], p)
             return (nxt, cache), (nxt, logits)
 
-        _, (rest, rest_logits) = jax.lax.scan(step, (first, cache), jnp.arange(1, groups))
+        _, (rest, rest_logits) = jax.lax.scan(step, (first, cache), jnp.arange(1, groups), unroll=self.unrolled_groups)
         return jnp.concatenate([first[None], rest]), jnp.concatenate([logits0[None], rest_logits])
