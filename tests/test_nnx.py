@@ -103,6 +103,31 @@ def test_the_code_predictors_layers_are_straight_line_code(tiny_model):
     assert loops(tiny_model.talker.stack) == 1
 
 
+def test_the_code_predictors_group_steps_unrolled_give_the_loops_codes_without_its_loop(tiny_model):
+    """`CodePredictor.unrolled_groups` (what bench/compile.py sets to time an unrolled step) runs the 14 group steps
+    as straight-line code: one loop fewer, the same codes and logits as the loop's, sampled and greedy."""
+    model = tiny_model
+    hidden = jax.random.normal(jax.random.PRNGKey(2), (model.cfg.talker.hidden_size,))
+    code0 = jnp.int32(7)
+    outs, loops = {}, {}
+    for unrolled in (False, True):
+        talker = nn.merge(model.graph, model.params)
+        talker.predictor.unrolled_groups = unrolled
+        graph = nn.split(talker)[0]
+
+        def predict(params, greedy, graph=graph):
+            p = sampling.SamplingParams.make(greedy, 0.9, 50, 0.95)
+            return nn.merge(graph, params).predict(hidden, code0, jax.random.PRNGKey(5), p)
+
+        run = jax.jit(predict, static_argnums=1)
+        loops[unrolled] = run.lower(model.params, False).as_text().count("stablehlo.while")
+        outs[unrolled] = [run(model.params, greedy) for greedy in (False, True)]
+    assert loops[True] == loops[False] - 1
+    for (codes, logits), (codes_u, logits_u) in zip(outs[False], outs[True]):
+        np.testing.assert_array_equal(np.asarray(codes_u), np.asarray(codes))
+        assert rel(logits_u, logits) < FP32_BOUND
+
+
 def test_rows_gradient_equals_a_gathers_and_writes_each_row_once():
     """`nn.rows` is `table[ids]` with the gradient summed per id before the table is written: the same values and
     gradients as a gather's (ids repeated hundreds of times and some absent); for a bf16 table, the fp32 sum
