@@ -162,14 +162,20 @@ def placed_timings(runner, key, repeats: int) -> dict:
 
     host_args = [i for i, a in enumerate(call_args()) if isinstance(a, (np.ndarray, np.generic))]
     placed = {i: jax.device_put(call_args()[i]) for i in host_args}
-    ways = {"fresh": lambda i, a: jax.device_put(a), "placed": lambda i, a: placed[i], "new_outcome": None}
+
+    def given(way):  # the host arguments as this way passes them
+        return tuple(way(i, a) if i in host_args else a for i, a in enumerate(call_args()))
+
+    def new_outcome():  # with no last outcome to write into, the runner makes new buffers for this call's
+        runner.outcomes.pop(key, None)
+        return call_args()
+
+    ways = {"fresh": lambda: given(lambda i, a: jax.device_put(a)), "placed": lambda: given(lambda i, a: placed[i]),
+            "new_outcome": new_outcome}
     out = {}
-    for way, given in ways.items():
+    for way, args_of in ways.items():
         def call():
-            if given is None:  # no outcome to write into: the runner makes new buffers for this call's
-                runner.outcomes.pop(key, None)
-                return runner._run(key, call_args())
-            return runner._run(key, tuple(given(i, a) if i in host_args else a for i, a in enumerate(call_args())))
+            return runner._run(key, args_of())
 
         jax.block_until_ready(call())
         host, total = [], []

@@ -78,10 +78,14 @@ class Scratch:
     outcomes: dict = dataclasses.field(default_factory=dict)
 
 
-@partial(jax.jit, donate_argnums=(0,))  # one for every runner: each shape of inputs compiles once per process
-def _refill(held: tuple, new: tuple) -> tuple:
-    """`new` written into the buffers of `held` (donated): the same device addresses, the new values."""
-    return jax.tree.map(lambda h, n: jax.lax.dynamic_update_slice(h, n, (0,) * h.ndim), held, new)
+def _write_into(buffers, values):
+    """`values` written over the whole of `buffers` (a tree of the same shapes): under donation, the same device
+    addresses with the new values."""
+    return jax.tree.map(lambda buf, value: jax.lax.dynamic_update_slice(buf, value, (0,) * buf.ndim), buffers, values)
+
+
+# one for every runner: each shape of inputs compiles once per process
+_refill = jax.jit(_write_into, donate_argnums=(0,))
 
 
 # where a program's outcome (what the loop reads) is in its output; the rest is the state it carries on
@@ -97,8 +101,7 @@ def _writing_into(program, kind: str):
         at = _OUTCOME_AT[kind]
         if jax.tree.map(lambda a: (a.shape, a.dtype), into) != jax.tree.map(lambda a: (a.shape, a.dtype), out[at]):
             raise ValueError(f"{kind}: outcome buffers {into} do not fit the program's outcome {out[at]}")
-        out[at] = jax.tree.map(lambda buf, value: jax.lax.dynamic_update_slice(buf, value, (0,) * buf.ndim), into,
-                               out[at])
+        out[at] = _write_into(into, out[at])
         return tuple(out)
 
     return wrapped
@@ -267,7 +270,6 @@ class Runner:
             if into is None:
                 into = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._outcome_shapes(*key))
             out = exe(*args, into=into)
-            target.outcomes[key] = out[_OUTCOME_AT[kind]]
         else:
             out = exe(*args)
         if kind in ("insert", "step"):
@@ -278,6 +280,8 @@ class Runner:
             out, target.codec_state = out
         else:
             target.state = out
+        if kind in _OUTCOME_AT:
+            target.outcomes[key] = out
         return out
 
     def _inputs_held(self, key: Key, args: tuple, held: dict[Key, tuple]) -> tuple:
