@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+import ref_masks  # noqa: F401  (installs the reference's masks built without vmap: every reference build comes here)
 import torch
 
 from qtts_jax.presets import tiny_codec_config
