@@ -100,7 +100,6 @@ class Scheduler:
         self.draining = False
         self.streams: dict[int, StreamTrack] = {}
         self._service = None  # EMA seconds: admitted -> first chunk, as observed
-        self._compiled = 0  # the engine's programs compiled on demand when the last first chunk was observed
 
     @property
     def accepting(self) -> bool:
@@ -109,11 +108,8 @@ class Scheduler:
     def observe(self, timings) -> None:
         """A stream's first chunk left: its admission-to-first-chunk time corrects the predicted one (not while the
         engine compiles its larger rungs in the background: XLA then slows everything, and a burst judged by that
-        later would be refused whole; nor when the engine compiled a program on demand since the last one, as one
-        started without a warm-up does for its first requests, which then wait seconds)."""
-        compiled = self.engine.compiled_on_demand
-        if self.engine.compiling or compiled != self._compiled:
-            self._compiled = compiled
+        later would be refused whole)."""
+        if self.engine.compiling:
             return
         t = timings
         if t.admitted is not None and t.first_chunk is not None:

@@ -55,8 +55,6 @@ class Snapshots:
     def compiling(self):
         return self.st.compiling
 
-    compiled_on_demand = 0
-
 
 def ready_scheduler(st, **config) -> Scheduler:
     sched = Scheduler(Snapshots(st), AdmissionConfig(**config))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
 import gc
 import io
 import json
@@ -358,24 +357,6 @@ async def test_ready_503_until_warm_and_requests_refused(make_client, engine, mo
     finally:
         gate.set()
     await wait_ready(client)
-
-
-async def test_a_server_started_without_warmup_serves_before_any_cost_is_timed(aiohttp_client, model, offline):
-    """QTTS_WARMUP=0 (a quick start): no program is timed before the first requests, so admission has no step,
-    prefill or first-frame cost to predict with; it judges an untimed cost as none (an idle server admits anyway),
-    and the iterations that compiled a program on demand are not taken for what a step costs."""
-    fresh = Engine(model, CONFIG)  # SMALL's programs load from the session's compilation cache
-    assert not (fresh.step_costs or fresh.prefill_costs or fresh.first_costs)
-    client = await app_client(aiohttp_client, dataclasses.replace(SETTINGS, warmup=False), fresh)
-    text = "No warm-up first."
-    expected, _ = offline(text, max_frames=6)
-    rs = await asyncio.gather(*(client.post("/v1/audio/speech", json={**SPEECH, "input": text, "max_frames": 6,
-                                                                      "response_format": "pcm"})
-                                for _ in range(CONFIG.slots + 1)))  # one more than the slots: one waits its turn
-    for r in rs:
-        assert r.status == 200, await r.text()
-        assert_same_audio(pcm(await r.read()), expected)
-    assert fresh.runner.compiled_on_demand > 0  # the calls above compiled what a warm-up would have
 
 
 async def test_drain_refuses_new_work_and_lets_streams_finish(client, offline):

@@ -328,12 +328,6 @@ class Engine:
         thread)."""
         return self._compiling
 
-    @property
-    def compiled_on_demand(self) -> int:
-        """Programs compiled when first run rather than by a warm-up, so far (safe from any thread): the server
-        leaves the first audio of a request that waited on one out of its service time."""
-        return self.runner.compiled_on_demand
-
     def stats(self) -> EngineStats:
         """The latest published snapshot, with the queue, the streams in slots and the rungs in use as they are
         now: requests submitted since the last iteration count at once, so a burst is judged request by request,
@@ -346,7 +340,6 @@ class Engine:
     def run_once(self) -> bool:
         """One loop iteration (see the module docstring). False when there is nothing to do."""
         t0 = self.clock()
-        compiled = self.runner.compiled_on_demand
         parts = _PartTimer()
         self._reap_cancelled()
         self._margin_s = self.jitter.margin()
@@ -422,15 +415,12 @@ class Engine:
         self._profile.add(parts, live=len(live), new=len(new), frames=plan.frames if plan else 0,
                           margin_ms=self._margin_s * 1e3, held=len(held))
         elapsed = self.clock() - t0
-        # an iteration that compiled a program on demand (an engine not warmed up) says nothing about the next one's
-        # time: it goes into no estimate
-        if self.runner.compiled_on_demand == compiled:
-            self._iteration_s = _ema(self._iteration_s or None, elapsed)
-            if plan is not None:  # what a step iteration really takes, host work included, newcomers' share not
-                self.jitter.add(elapsed - plan.predicted_s)
-                cost = max(elapsed - extra, 0.0)
-                key = (b, plan.frames)
-                self.step_costs[key] = _ema(self.step_costs.get(key), cost)
+        self._iteration_s = _ema(self._iteration_s or None, elapsed)
+        if plan is not None:  # what a step iteration really takes, host work included, newcomers' share not
+            self.jitter.add(elapsed - plan.predicted_s)
+            cost = max(elapsed - extra, 0.0)
+            key = (b, plan.frames)
+            self.step_costs[key] = _ema(self.step_costs.get(key), cost)
         self.iterations += 1
         with self._lock:
             self._stats = self._snapshot()
