@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import gc
 import io
 import json
@@ -357,6 +358,19 @@ async def test_ready_503_until_warm_and_requests_refused(make_client, engine, mo
     finally:
         gate.set()
     await wait_ready(client)
+
+
+async def test_a_server_started_without_warmup_serves_before_any_cost_is_timed(aiohttp_client, model, offline):
+    """QTTS_WARMUP=0 (a quick start): no program is timed before the first request, so admission has no prefill or
+    first-frame cost to predict with; it judges an untimed cost as none (an idle server admits anyway)."""
+    fresh = Engine(model, CONFIG)  # SMALL's programs load from the session's compilation cache
+    assert not (fresh.prefill_costs or fresh.first_costs)
+    client = await app_client(aiohttp_client, dataclasses.replace(SETTINGS, warmup=False), fresh)
+    text = "No warm-up first."
+    expected, _ = offline(text, max_frames=6)
+    r = await client.post("/v1/audio/speech", json={**SPEECH, "input": text, "max_frames": 6, "response_format": "pcm"})
+    assert r.status == 200, await r.text()
+    assert_same_audio(pcm(await r.read()), expected)
 
 
 async def test_drain_refuses_new_work_and_lets_streams_finish(client, offline):
