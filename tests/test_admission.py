@@ -369,3 +369,11 @@ def test_above_capacity_refuses_and_keeps_admitted_streams_playing(parts, second
     got = simulate(150, seconds, parts=parts)
     assert got["refused"] > 0.3 * (got["refused"] + got["admitted"]), got
     assert got["starved_max"] == 0.0 and got["ttfa_p95"] <= 0.3, got  # the zero-underrun contract
+
+
+def test_costs_not_timed_yet_count_as_none():
+    """An engine not warmed up has timed nothing: its snapshot's costs are zero, not a failure (QTTS_WARMUP=0)."""
+    st = dataclasses.replace(snapshot(live=(10,)), step_costs={}, prefill_costs={}, first_costs={})
+    assert st.step_cost(1, 1) == st.prefill_cost(3) == st.first_cost(3) == 0.0
+    timed = snapshot(live=(10,))
+    assert timed.prefill_cost(3) > 0 and timed.first_cost(3) > 0 and timed.step_cost(1, 1) > 0
