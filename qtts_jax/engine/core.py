@@ -655,8 +655,8 @@ class Engine:
     def _newcomers_s(self, prefilled: int, first: int) -> float:
         """Measured seconds of prefilling `prefilled` requests (in their cheapest calls) and of
         the first-frame program for `first` newcomers, which run ahead of the step; 0 before anything is timed."""
-        return ((prefill_cost(self.prefill_costs, prefilled) if prefilled and self.prefill_costs else 0.0)
-                + (cost_in_calls(self.first_costs, first) if first and self.first_costs else 0.0))
+        return ((prefill_cost(self.prefill_costs, prefilled) if prefilled else 0.0)
+                + (cost_in_calls(self.first_costs, first) if first else 0.0))
 
     def _decode_audio(self, now: float, coming: dict[Stream, int], step: int | None,
                       held: set[Stream] = frozenset()) -> None:

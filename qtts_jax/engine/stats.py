@@ -37,23 +37,26 @@ class EngineStats:
     first_late_s: float = 0.0
     compiling: int = 0  # programs a background warm-up has still to compile and time (the slots grow after them)
 
-    # A cost not timed yet counts as none, as in the engine's own newcomer guard: an engine started without a
-    # warm-up (QTTS_WARMUP=0) times its programs as it first runs them, and an idle server admits anyway.
+    # A cost not timed yet counts as none: only a warm-up times the prefill and first-frame programs, and a server
+    # started without one (QTTS_WARMUP=0) still answers (an idle server admits anyway).
 
     def step_cost(self, live: int, frames: int) -> float:
         return self.step_costs.get((rung(self.ladder, max(live, 1)), frames), 0.0)
 
     def first_cost(self, newcomers: int) -> float:
         """Newcomers' first frames: one program per iteration, of at most the largest first-frame rung each."""
-        return cost_in_calls(self.first_costs, newcomers) if self.first_costs else 0.0
+        return cost_in_calls(self.first_costs, newcomers)
 
     def prefill_cost(self, requests: int) -> float:
         """Prefilling `requests` together (largest prompt bucket), in the calls the engine makes of them."""
-        return prefill_cost(self.prefill_costs, requests) if self.prefill_costs else 0.0
+        return prefill_cost(self.prefill_costs, requests)
 
 
 def prefill_cost(costs: dict, n: int) -> float:
-    """Cost of prefilling `n` requests in the cheapest calls of the sizes `costs` holds (size -> seconds)."""
+    """Cost of prefilling `n` requests in the cheapest calls of the sizes `costs` holds (size -> seconds); none
+    while nothing is timed."""
+    if not costs:
+        return 0.0
     return sum(costs[s] for s in prefill_calls(tuple(sorted(costs.items())), n))
 
 
@@ -65,5 +68,8 @@ def largest_first(sizes: tuple[int, ...], n: int) -> tuple[int, ...]:
 
 
 def cost_in_calls(costs: dict, n: int) -> float:
-    """Cost of `n` rows through `largest_first` calls of the sizes `costs` holds (size -> seconds)."""
+    """Cost of `n` rows through `largest_first` calls of the sizes `costs` holds (size -> seconds); none while
+    nothing is timed."""
+    if not costs:
+        return 0.0
     return sum(costs[s] for s in largest_first(tuple(sorted(costs)), n))
