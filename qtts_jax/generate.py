@@ -92,6 +92,7 @@ def frame_step(
     The codes of a frame are chosen per row (`frame_codes`, `vmap`-ed); the talker step that follows is one
     batched call against the shared cache. Nothing mixes rows, so a row's codes do not depend on the batch.
     """
+    choose = partial(choose, warps=sampling.Warps.of(s.talker, s.predictor))  # outside the vmap: one for the batch
     frame, x, done = jax.vmap(partial(frame_codes, talker, cfg, choose=choose))(state, s, k)
     key_valid = state.key_valid.at[jnp.arange(row.shape[0]), row].set(True)
     logits, hidden, cache = talker.decode_rows(x, cache, slots, row, s.position0 + k, key_valid, attention)

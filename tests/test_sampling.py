@@ -101,3 +101,31 @@ def test_draws_follow_the_warped_distribution():
     expected = np.asarray(jax.nn.softmax(logits[:3] / 0.9))
     freq = np.bincount(draws, minlength=3)[:3] / len(draws)
     np.testing.assert_allclose(freq, expected, atol=0.015)
+
+
+def _rows(*settings) -> sampling.SamplingParams:
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *[sampling.SamplingParams.make(*s) for s in settings])
+
+
+@pytest.mark.parametrize("rows,applies", [
+    ([(True, 0.7, 50, 0.8), (True, 1.0, 1, 0.5)], (False, False)),  # greedy rows discard their draws
+    ([(False, 0.9, 0, 1.0), (True, 0.7, 50, 0.8)], (False, False)),  # top-k 0 and top-p 1 keep every score
+    ([(False, 0.9, 50, 1.0), (False, 0.9, 0, 1.0)], (True, False)),  # the reference's defaults: no top-p sort
+    ([(False, 0.9, 0, 1.0), (False, 1.3, 0, 0.5)], (False, True)),
+    ([(True, 0.9, 0, 1.0), (False, 1.3, 20, 0.5)], (True, True)),
+])
+def test_a_batch_skips_the_warpers_none_of_its_rows_applies_and_chooses_the_same(rows, applies):
+    p = _rows(*rows * 16)  # each row 16 times, with noise of its own: 16 draws
+    warps = sampling.Warps.of(p)
+    assert (bool(warps.top_k), bool(warps.top_p)) == applies
+    logits = jax.random.normal(jax.random.PRNGKey(2), (len(p.greedy), V)) * 3
+    gumbel = jax.vmap(lambda k: sampling.noise(k, V))(jax.random.split(jax.random.PRNGKey(3), len(p.greedy)))
+
+    @jax.jit
+    def batch(logits, gumbel, p, warps):  # the warps stay outside the vmap, as in the frame step
+        return jax.vmap(lambda x, g, q: sampling.choose(x, g, q, warps))(logits, gumbel, p)
+
+    every = batch(logits, gumbel, p, sampling.Warps())
+    np.testing.assert_array_equal(batch(logits, gumbel, p, warps), every)
+    if any(applies):  # a warper a row applies, skipped, changes that row's draw: the flags are what keeps it
+        assert not np.array_equal(batch(logits, gumbel, p, sampling.Warps(False, False)), every)

@@ -200,8 +200,9 @@ def sample_plain_ref(logits, params: SamplingParams, gumbel, *, interpret=False)
     return jax.vmap(sampling.choose)(logits, gumbel, params)
 
 
-def choose_row(logits, gumbel, p: SamplingParams, *, interpret=False):
+def choose_row(logits, gumbel, p: SamplingParams, warps=None, *, interpret=False):
     """One row through the kernel, with `qtts_jax.talker.sampling.choose`'s signature: the engine's frame
-    step is written per stream and vmapped, and vmap turns this into one batched kernel launch."""
+    step is written per stream and vmapped, and vmap turns this into one batched kernel launch. (`warps` goes
+    unused: the kernel's threshold searches have no sort to skip.)"""
     params = jax.tree.map(lambda a: jnp.asarray(a)[None], p)
     return _call(logits[None], params, gumbel[None], interpret)[0]

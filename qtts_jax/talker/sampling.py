@@ -9,6 +9,8 @@ before the warpers, as HF does.
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import NamedTuple
 
 import jax
@@ -46,28 +48,60 @@ def talker_mask(logits: jax.Array, num_generated: jax.Array, eos: int, min_new_t
     return jnp.where(banned, NEG_INF, logits)
 
 
-def warp(logits: jax.Array, p: SamplingParams) -> jax.Array:
-    """Temperature → top-k → top-p, each exactly as HF's warpers (ties at the k-th value are kept)."""
-    scores = logits / p.temperature
-    vocab = scores.shape[-1]
+class Warps(NamedTuple):
+    """Which warpers some row of a batch applies, as bools outside the per-row `vmap`: `warp` skips the sort of a
+    warper no row applies (the sorts are most of a frame on CPU). Skipping changes no row's scores (a greedy row
+    discards its draw; top-k 0 and top-p 1 keep every score), so every choice stays the same. The default applies
+    both, for callers that know nothing of the batch."""
+
+    top_k: jax.Array | bool = True
+    top_p: jax.Array | bool = True
+
+    @classmethod
+    def of(cls, *batches: SamplingParams) -> "Warps":
+        """What the rows of `batches` (batched `SamplingParams`, e.g. a batch's talker and predictor settings)
+        apply."""
+        def any_row(applies):
+            return functools.reduce(operator.or_, [jnp.any(~p.greedy & applies(p)) for p in batches])
+
+        return cls(any_row(lambda p: p.top_k > 0), any_row(lambda p: p.top_p < 1.0))
+
+
+def _top_k(scores: jax.Array, p: SamplingParams) -> jax.Array:
     desc = jnp.sort(scores)[::-1]
-    kth = desc[jnp.clip(p.top_k, 1, vocab) - 1]
-    scores = jnp.where((p.top_k > 0) & (scores < kth), NEG_INF, scores)
+    kth = desc[jnp.clip(p.top_k, 1, scores.shape[-1]) - 1]
+    return jnp.where((p.top_k > 0) & (scores < kth), NEG_INF, scores)
+
+
+def _top_p(scores: jax.Array, p: SamplingParams) -> jax.Array:
     order = jnp.argsort(scores)  # ascending, as HF sorts for top-p
     cum = jnp.cumsum(jax.nn.softmax(scores[order]))
     drop_sorted = (cum <= 1.0 - p.top_p).at[-1].set(False)
-    drop = jnp.zeros(vocab, bool).at[order].set(drop_sorted)
+    drop = jnp.zeros(scores.shape[-1], bool).at[order].set(drop_sorted)
     return jnp.where((p.top_p < 1.0) & drop, NEG_INF, scores)
 
 
-def choose(logits: jax.Array, gumbel: jax.Array, p: SamplingParams) -> jax.Array:
+def _when(applies: jax.Array | bool, warper, scores: jax.Array, p: SamplingParams) -> jax.Array:
+    if applies is True:
+        return warper(scores, p)
+    return jax.lax.cond(applies, warper, lambda s, _: s, scores, p)
+
+
+def warp(logits: jax.Array, p: SamplingParams, warps: Warps = Warps()) -> jax.Array:
+    """Temperature → top-k → top-p, each exactly as HF's warpers (ties at the k-th value are kept); a warper that
+    `warps` says no row of the batch applies is skipped."""
+    scores = logits / p.temperature
+    return _when(warps.top_p, _top_p, _when(warps.top_k, _top_k, scores, p), p)
+
+
+def choose(logits: jax.Array, gumbel: jax.Array, p: SamplingParams, warps: Warps = Warps()) -> jax.Array:
     """Argmax for greedy rows; otherwise a draw from the warped distribution by the Gumbel-max trick.
 
     The noise is an input (`noise(key, vocab)`), so two implementations given the same noise must
-    make the same draw, and a row's draws depend only on its own key.
+    make the same draw, and a row's draws depend only on its own key. `warps`: what the batch applies.
     """
     logits = logits.astype(jnp.float32)
-    drawn = jnp.argmax(warp(logits, p) + gumbel)
+    drawn = jnp.argmax(warp(logits, p, warps) + gumbel)
     return jnp.where(p.greedy, jnp.argmax(logits), drawn).astype(jnp.int32)
 
 
