@@ -29,9 +29,8 @@ FRAMES = 24  # the page caps random weights at 24 frames (1.92 s), as `qtts-jax 
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    """A `qtts-jax serve` subprocess, as a user starts one: its programs are optimised (this process compiles
-    without optimisation, and its tiny-random streams run slower than real time on a busy CPU), and they come
-    from the compilation cache that test_studies_server's server of the same configuration filled."""
+    """A `qtts-jax serve` subprocess, as a user starts one; its programs come from the compilation cache that
+    test_studies_server's server of the same configuration filled."""
     with local_server(slots=2, context=256, log_path=tmp_path_factory.mktemp("page") / "serve.log") as u:
         body = json.dumps({"input": "Warm.", "voice": "alloy", "response_format": "pcm", "stream": False, "max_frames": 4}).encode()
         urllib.request.urlopen(urllib.request.Request(u + "/v1/audio/speech", body, JSON), timeout=60).read()  # a first
