@@ -9,8 +9,6 @@ before the warpers, as HF does.
 
 from __future__ import annotations
 
-import functools
-import operator
 from typing import NamedTuple
 
 import jax
@@ -61,10 +59,9 @@ class Warps(NamedTuple):
     def of(cls, *batches: SamplingParams) -> "Warps":
         """What the rows of `batches` (batched `SamplingParams`, e.g. a batch's talker and predictor settings)
         apply."""
-        def any_row(applies):
-            return functools.reduce(operator.or_, [jnp.any(~p.greedy & applies(p)) for p in batches])
-
-        return cls(any_row(lambda p: p.top_k > 0), any_row(lambda p: p.top_p < 1.0))
+        sampled = jnp.concatenate([~p.greedy for p in batches])
+        return cls(jnp.any(sampled & jnp.concatenate([p.top_k > 0 for p in batches])),
+                   jnp.any(sampled & jnp.concatenate([p.top_p < 1.0 for p in batches])))
 
 
 def _top_k(scores: jax.Array, p: SamplingParams) -> jax.Array:
