@@ -26,9 +26,11 @@ if "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", ""):
 # MLIR fusion emitters, which cuts each compile to about 40% (tiny-random's step, first-frame and codec programs:
 # 11.0 s -> 4.5 s; a 2-slot server ready in 13 s instead of 32 s; `make test` 14.4 -> 10.2 min on 2 cores). The
 # programs compute the same arithmetic, parity is asserted at the same tolerances, and they still run faster than
-# real time (a 2-slot server's step: 35 ms a frame instead of 18).
+# real time (a 2-slot server's step: 35 ms a frame instead of 18). Not the fleet's replicas: four processes on two
+# cores at half speed run slower than real time, and their admission rightly refuses (`serving_xla_flags`).
+_SERVING_XLA_FLAGS = os.environ["XLA_FLAGS"]
 os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ["XLA_FLAGS"], "--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+    [_SERVING_XLA_FLAGS, "--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
      "--xla_llvm_disable_expensive_passes=true"])
 sys.path.insert(0, str(Path(__file__).parent / "refstub"))
 
@@ -54,6 +56,12 @@ compile_cache.enable(os.environ["QTTS_TEST_COMPILE_CACHE"])
 os.environ.setdefault("QTTS_COMPILE_CACHE", os.environ["QTTS_TEST_COMPILE_CACHE"])
 
 import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def serving_xla_flags() -> str:
+    """XLA_FLAGS without the suite's fast-compile flags: for servers whose tests need them as fast as the product."""
+    return _SERVING_XLA_FLAGS
 
 
 @pytest.fixture(scope="session")

@@ -108,8 +108,10 @@ def _settings(**overrides) -> Settings:
 
 
 @pytest.fixture(scope="module")
-def url():
-    os.environ.update(RAY_ENV)
+def url(serving_xla_flags):
+    # the replicas (their runtime env starts from these) compile as a user's do: at the suite's fast-compile flags
+    # a tiny-random step takes twice as long, and two replicas beside Ray on CI's two cores fall behind real time
+    os.environ.update(RAY_ENV, XLA_FLAGS=serving_xla_flags)
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
