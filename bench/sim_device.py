@@ -85,6 +85,8 @@ class Clock:
 class NumpyRunner:
     """The runner's calls answered at once, each advancing `clock` by its cost."""
 
+    compiled_on_demand = 0  # it compiles nothing
+
     def __init__(self, config: EngineConfig, clock: Clock | None = None, seed: int = 0, scale: float = 1.0):
         self.config, self.clock, self.scale = config, clock, scale
         self.rng = np.random.default_rng(seed)

@@ -108,10 +108,11 @@ class Scheduler:
     def observe(self, timings) -> None:
         """A stream's first chunk left: its admission-to-first-chunk time corrects the predicted one (not while the
         engine compiles its larger rungs in the background: XLA then slows everything, and a burst judged by that
-        later would be refused whole)."""
-        if self.engine.compiling:
-            return
+        later would be refused whole; nor when the engine compiled a program on demand after it was submitted, as
+        one started without a warm-up does for its first requests: it may have waited seconds on that)."""
         t = timings
+        if self.engine.compiling or self.engine.compiled_on_demand != t.compiled_before:
+            return
         if t.admitted is not None and t.first_chunk is not None:
             self._service = _ema(self._service, t.first_chunk - t.admitted)
 

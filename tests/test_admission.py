@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from qtts_jax.engine import EngineStats, rung, step_frames
-from qtts_jax.engine.stream import FRAME_SECONDS, Stream
+from qtts_jax.engine.stream import FRAME_SECONDS, Stream, Timings
 from serving.scheduler import AdmissionConfig, Scheduler, StreamTrack
 from serving.errors import ApiError
 
@@ -55,6 +55,8 @@ class Snapshots:
     def compiling(self):
         return self.st.compiling
 
+    compiled_on_demand = 0  # a warmed-up engine compiles nothing on demand
+
 
 def ready_scheduler(st, **config) -> Scheduler:
     sched = Scheduler(Snapshots(st), AdmissionConfig(**config))
@@ -82,13 +84,27 @@ def test_free_slot_admits_with_ttfa_of_one_prefill_and_one_first_frame():
 def test_first_chunks_observed_while_the_engine_compiles_do_not_count():
     """A first chunk that took 2 s while XLA compiled the larger rungs (a warm-up request) must not make the
     prediction refuse a burst once the engine is done; observed after that, it counts."""
-    slow = type("Timings", (), {"admitted": 0.0, "first_chunk": 2.0})()
+    slow = Timings(admitted=0.0, first_chunk=2.0)
     st = snapshot(live=[40] * 10)
     sched = ready_scheduler(dataclasses.replace(st, compiling=3))
     sched.observe(slow)
     sched.engine.st = st
     assert sched.admit() == pytest.approx(st.iteration_s + prefill_cost(1) + first_cost(1))
     sched.observe(slow)
+    with pytest.raises(ApiError, match="predicted first audio"):
+        sched.admit()
+
+
+def test_a_first_chunk_that_waited_on_a_program_compiled_on_demand_does_not_count():
+    """An engine started without a warm-up compiles each program as a request first needs it (seconds, on a real
+    model): a first chunk submitted before such a compile may have waited on it and must not make admission refuse
+    what comes after; one submitted after the compile counts."""
+    st = snapshot(live=[40] * 10)
+    sched = ready_scheduler(st)
+    sched.engine.compiled_on_demand = 3
+    sched.observe(Timings(admitted=0.0, first_chunk=2.0, compiled_before=2))
+    assert sched.admit() == pytest.approx(st.iteration_s + prefill_cost(1) + first_cost(1))
+    sched.observe(Timings(admitted=0.0, first_chunk=2.0, compiled_before=3))
     with pytest.raises(ApiError, match="predicted first audio"):
         sched.admit()
 

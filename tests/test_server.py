@@ -11,6 +11,7 @@ import json
 import struct
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -360,17 +361,34 @@ async def test_ready_503_until_warm_and_requests_refused(make_client, engine, mo
     await wait_ready(client)
 
 
-async def test_a_server_started_without_warmup_serves_before_any_cost_is_timed(aiohttp_client, model, offline):
-    """QTTS_WARMUP=0 (a quick start): no program is timed before the first request, so admission has no prefill or
-    first-frame cost to predict with; it judges an untimed cost as none (an idle server admits anyway)."""
-    fresh = Engine(model, CONFIG)  # SMALL's programs load from the session's compilation cache
-    assert not (fresh.prefill_costs or fresh.first_costs)
+async def test_a_server_started_without_warmup_leaves_compiles_out_of_its_estimates(aiohttp_client, model, offline,
+                                                                                   monkeypatch):
+    """QTTS_WARMUP=0 (a quick start): each program compiles when a request first needs it, which takes seconds on
+    a real model. Admission has no cost timed before the first request (an untimed cost counts as none), and what
+    waited on a compile (the calibration request's first audio, the iterations that compiled) goes into no
+    estimate: else it predicts seconds of first audio for every request after it and refuses them."""
+    fresh = Engine(model, CONFIG)  # SMALL's programs load from the session's compilation cache...
+    lower = fresh.runner.lower
+
+    def compiling_for_a_second(kind, a, b):  # ...so each takes a second more, as a real model's compile does
+        lowered = lower(kind, a, b)
+        return SimpleNamespace(compile=lambda: (time.sleep(1.0), lowered.compile())[1])
+
+    monkeypatch.setattr(fresh.runner, "lower", compiling_for_a_second)
+    assert not (fresh.step_costs or fresh.prefill_costs or fresh.first_costs)
     client = await app_client(aiohttp_client, dataclasses.replace(SETTINGS, warmup=False), fresh)
     text = "No warm-up first."
     expected, _ = offline(text, max_frames=6)
-    r = await client.post("/v1/audio/speech", json={**SPEECH, "input": text, "max_frames": 6, "response_format": "pcm"})
-    assert r.status == 200, await r.text()
-    assert_same_audio(pcm(await r.read()), expected)
+    for _ in range(2):  # a burst right after the calibration (its compiles), and one after that
+        rs = await asyncio.gather(*(client.post("/v1/audio/speech", json={**SPEECH, "input": text, "max_frames": 6,
+                                                                          "response_format": "pcm"})
+                                    for _ in range(CONFIG.slots)))
+        for r in rs:
+            assert r.status == 200, await r.text()
+            assert_same_audio(pcm(await r.read()), expected)
+    assert fresh.compiled_on_demand >= 4  # the calls above compiled what a warm-up would have (a second each)
+    st = fresh.stats()
+    assert max(st.step_costs.values()) < 0.5 and st.iteration_s < 0.5  # no compile's second in them
 
 
 async def test_drain_refuses_new_work_and_lets_streams_finish(client, offline):

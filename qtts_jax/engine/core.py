@@ -222,6 +222,7 @@ class Engine:
         it before every waiting request: the next part of a response whose listener is already playing."""
         stream = Stream(job, on_chunk)
         stream.timings.submitted = self.clock()
+        stream.timings.compiled_before = self.runner.compiled_on_demand
         with self._wake:
             if ahead:
                 self.queue.appendleft(stream)
@@ -328,6 +329,12 @@ class Engine:
         thread)."""
         return self._compiling
 
+    @property
+    def compiled_on_demand(self) -> int:
+        """Programs compiled when first run rather than by a warm-up, so far (safe from any thread): a request
+        submitted before the latest (`Timings.compiled_before`) may have waited seconds on it."""
+        return self.runner.compiled_on_demand
+
     def stats(self) -> EngineStats:
         """The latest published snapshot, with the queue, the streams in slots and the rungs in use as they are
         now: requests submitted since the last iteration count at once, so a burst is judged request by request,
@@ -340,6 +347,7 @@ class Engine:
     def run_once(self) -> bool:
         """One loop iteration (see the module docstring). False when there is nothing to do."""
         t0 = self.clock()
+        compiled = self.runner.compiled_on_demand  # an iteration that compiles on demand goes into no estimate
         parts = _PartTimer()
         self._reap_cancelled()
         self._margin_s = self.jitter.margin()
@@ -393,7 +401,8 @@ class Engine:
             parts.mark("hand_out")
         if sending is not None:
             first = sending.result()
-            if ahead is not None:  # what the planner counts on when a codec call runs ahead of the newcomers
+            if ahead is not None and self.runner.compiled_on_demand == compiled:
+                # what the planner counts on when a codec call runs ahead of the newcomers
                 samples = self._first_late.setdefault(ahead, collections.deque(maxlen=64))
                 samples.append(max(first[2] - t0 - extra, 0.0))
                 self._late[ahead] = min(samples)
@@ -415,12 +424,13 @@ class Engine:
         self._profile.add(parts, live=len(live), new=len(new), frames=plan.frames if plan else 0,
                           margin_ms=self._margin_s * 1e3, held=len(held))
         elapsed = self.clock() - t0
-        self._iteration_s = _ema(self._iteration_s or None, elapsed)
-        if plan is not None:  # what a step iteration really takes, host work included, newcomers' share not
-            self.jitter.add(elapsed - plan.predicted_s)
-            cost = max(elapsed - extra, 0.0)
-            key = (b, plan.frames)
-            self.step_costs[key] = _ema(self.step_costs.get(key), cost)
+        if self.runner.compiled_on_demand == compiled:  # (an engine not warmed up: the next one compiles nothing)
+            self._iteration_s = _ema(self._iteration_s or None, elapsed)
+            if plan is not None:  # what a step iteration really takes, host work included, newcomers' share not
+                self.jitter.add(elapsed - plan.predicted_s)
+                cost = max(elapsed - extra, 0.0)
+                key = (b, plan.frames)
+                self.step_costs[key] = _ema(self.step_costs.get(key), cost)
         self.iterations += 1
         with self._lock:
             self._stats = self._snapshot()

@@ -50,6 +50,7 @@ class Timings:
     first_chunk: float | None = None  # first PCM handed out
     finished: float | None = None
     chunk_times: list[float] = dataclasses.field(default_factory=list)
+    compiled_before: int = 0  # the engine's programs compiled on demand when it was submitted (see `Engine.submit`)
 
     def as_dict(self) -> dict:
         def ms(t):
