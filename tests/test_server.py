@@ -367,7 +367,8 @@ async def test_a_server_started_without_warmup_leaves_compiles_out_of_its_estima
     a real model. Admission has no cost timed before the first request (an untimed cost counts as none), and what
     waited on a compile (the calibration request's first audio, the iterations that compiled) goes into no
     estimate: else it predicts seconds of first audio for every request after it and refuses them."""
-    fresh = Engine(model, CONFIG)  # SMALL's programs load from the session's compilation cache...
+    # rungs of one and two rows (the calibration runs one); the programs load from the session's compilation cache...
+    fresh = Engine(model, dataclasses.replace(CONFIG, batch_sizes=(1,)))
     lower = fresh.runner.lower
 
     def compiling_for_a_second(kind, a, b):  # ...so each takes a second more, as a real model's compile does
@@ -378,10 +379,18 @@ async def test_a_server_started_without_warmup_leaves_compiles_out_of_its_estima
     assert not (fresh.step_costs or fresh.prefill_costs or fresh.first_costs)
     client = await app_client(aiohttp_client, dataclasses.replace(SETTINGS, warmup=False), fresh)
     text = "No warm-up first."
-    expected, _ = offline(text, max_frames=6)
-    for _ in range(2):  # a burst right after the calibration (its compiles), and one after that
-        rs = await asyncio.gather(*(client.post("/v1/audio/speech", json={**SPEECH, "input": text, "max_frames": 6,
-                                                                          "response_format": "pcm"})
+    speech = {**SPEECH, "input": text, "response_format": "pcm"}
+    (expected, _), (longer, _) = offline(text, max_frames=6), offline(text, max_frames=30)
+    playing = await client.post("/v1/audio/speech", json={**speech, "max_frames": 30, "stream": True})
+    assert playing.status == 200, await playing.text()
+    head = await playing.content.readany()
+    # a request joins a playing stream: the engine judges what it may admit by a step of two rows, not timed yet
+    joining = await client.post("/v1/audio/speech", json={**speech, "max_frames": 6})
+    assert joining.status == 200, await joining.text()
+    assert_same_audio(pcm(await joining.read()), expected)
+    assert_same_audio(pcm(head + await playing.read()), longer)
+    for _ in range(2):  # a burst after those compiles, and one after that
+        rs = await asyncio.gather(*(client.post("/v1/audio/speech", json={**speech, "max_frames": 6})
                                     for _ in range(CONFIG.slots)))
         for r in rs:
             assert r.status == 200, await r.text()

@@ -658,7 +658,8 @@ class Engine:
 
         def iteration_s(m: int) -> float:
             b = rung(self._ladder, live + m)
-            return self._newcomers_s(m, m) + self.step_costs[b, 1] + self._delivery_after(b, 1)
+            # a rung not timed yet (no warm-up, nothing this wide stepped since) costs none, as in `_plan_step`
+            return self._newcomers_s(m, m) + self.step_costs.get((b, 1), 0.0) + self._delivery_after(b, 1)
 
         return newcomers_that_fit(waiting, min(heads, default=None), self._margin_s, iteration_s)
 
