@@ -91,17 +91,20 @@ class Listener:
 
 
 def run_rate(model, config: EngineConfig, rate: float, seconds: float, frames: int, scale: float, host_s: float,
-             seed: int, closed: int = 0, jitter_s: float = 0.0, xla_host: bool = False, chunk_s: float = 0.0) -> dict:
+             seed: int, closed: int = 0, jitter_s: float = 0.0, xla_host: bool = False, chunk_s: float = 0.0,
+             warmup: bool = True) -> dict:
     """One condition: Poisson arrivals at `rate` for `seconds`, or with `closed` N, N clients that each send their
     next request as soon as their last one ends (its final chunk, or a refusal: the study's closed-loop client
     does not wait out a Retry-After), 2N requests in all, all N at once at the start. `chunk_s`: the event loop's
-    time a chunk (`EventLoop`); 0, each listener hears its chunk when the engine hands it out."""
+    time a chunk (`EventLoop`); 0, each listener hears its chunk when the engine hands it out. `warmup` False: the
+    engine starts with nothing timed (a server's QTTS_WARMUP=0) and times its calls as they first run."""
     clock = Clock()
     runner = RealTimeRunner(config, seed, clock=clock, scale=scale, jitter_s=jitter_s, xla_host=xla_host)
     engine = Engine(model, config, runner=runner)
     engine.set_clock(clock)
     engine._sender = Inline()
-    engine.warmup()
+    if warmup:
+        engine.warmup()
     admission = Scheduler(engine, Settings().admission())
     admission.ready = True
     job = engine.prepare(Request("A request of the study's length.", speaker="ryan", max_frames=frames))

@@ -45,6 +45,19 @@ def test_a_closed_loop_as_wide_as_the_slots_is_served_whole_within_the_seed_slo(
 
 
 
+def test_an_engine_started_without_a_warm_up_serves_every_stream_as_its_rungs_first_run(tiny_model):
+    """Nothing timed before the first requests (a server's QTTS_WARMUP=0), and each rung's step cost only once a
+    step that wide has run: arrivals that fill the slots climb the ladder rung by rung, and every decision that
+    reads a cost (admission, the newcomer guard, the step planner) takes one not timed yet as none. Each request
+    is served or refused, none fails and none runs dry (the newcomer guard once failed every stream on a rung with
+    no one-frame step timed)."""
+    config = Settings(slots=256, context=512).engine_config()
+    got = schedule_sim.run_rate(tiny_model, config, rate=60.0, seconds=4.0, frames=60, scale=1.0, host_s=0.005,
+                                seed=0, warmup=False)
+    assert got["requests"] > 200 and got["errors"] == 0 and got["served"] + got["refused"] == got["requests"]
+    assert got["underrun_requests"] == 0
+
+
 def test_a_jittered_device_runs_each_call_longer_by_a_random_delay_the_same_for_a_seed():
     """`--jitter-ms`: every call costs its measured time plus a delay drawn from an exponential of that mean,
     drawn from the seed, so side-by-side runs see the same delays."""
