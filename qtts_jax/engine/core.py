@@ -347,7 +347,9 @@ class Engine:
     def run_once(self) -> bool:
         """One loop iteration (see the module docstring). False when there is nothing to do."""
         t0 = self.clock()
-        compiled = self.runner.compiled_on_demand  # an iteration that compiles on demand goes into no estimate
+        # an iteration that compiled a program on demand (no warm-up) times the compile, not what the next one costs:
+        # it goes into no estimate
+        compiled = self.runner.compiled_on_demand
         parts = _PartTimer()
         self._reap_cancelled()
         self._margin_s = self.jitter.margin()
@@ -424,7 +426,7 @@ class Engine:
         self._profile.add(parts, live=len(live), new=len(new), frames=plan.frames if plan else 0,
                           margin_ms=self._margin_s * 1e3, held=len(held))
         elapsed = self.clock() - t0
-        if self.runner.compiled_on_demand == compiled:  # (an engine not warmed up: the next one compiles nothing)
+        if self.runner.compiled_on_demand == compiled:
             self._iteration_s = _ema(self._iteration_s or None, elapsed)
             if plan is not None:  # what a step iteration really takes, host work included, newcomers' share not
                 self.jitter.add(elapsed - plan.predicted_s)

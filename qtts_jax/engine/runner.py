@@ -151,7 +151,8 @@ class Runner:
         self._codec_load = jax.jit(  # a one-slot state into slot `slot` of the batched one
             lambda st, one, slot: programs.set_slot(st, slot, jax.tree.map(lambda v: v[0], one)), donate_argnums=(0,))
         self.programs: dict[Key, jax.stages.Compiled] = {}
-        self.compiled_on_demand = 0  # programs `program` had to compile (none after a warm-up): timings skip those calls
+        self.compiled_on_demand = 0  # programs `program` had to compile (none after a warm-up): the engine's timings
+        # leave out what waited on one
         self.held: dict[Key, tuple] = {}  # each program's per-call inputs on the device (`_inputs_held`)
         self.outcomes: dict[Key, tuple | jax.Array] = {}  # each program's last outcome, its next one's buffers (`_run`)
         self._primed: OrderedDict[bytes, codec_streaming.StreamState] = OrderedDict()
