@@ -116,7 +116,7 @@ def test_the_page_speaks_and_plays_the_stream_as_it_arrives(url, browser):
     text.send_keys("Hello from the page.")
     # A 1 s start-up buffer, half the stream: a tiny-random server on a 2-core CPU shared with the other test
     # worker and the browser can run slower than real time (CI once saw ~100 ms per 80 ms frame, so 200 ms ran dry
-    # after 1 s of audio). The page still starts playing before the last chunk unless the server is that fast; the
+    # after 1 s of audio). Playback still starts once 1 s of audio is in, before the stream's last chunk; the
     # zero-buffer contract under load is the studies' to measure, and the next test checks the stall count
     _set(browser, "buffer-ms", "1000")
     browser.find_element("id", "speak").click()
