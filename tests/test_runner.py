@@ -43,22 +43,26 @@ def test_calibrating_on_the_live_state_leaves_a_playing_slot_untouched(tiny_mode
 
 def test_a_programs_per_call_inputs_keep_their_device_buffers_and_take_each_calls_values(tiny_model):
     """XLA records a CUDA graph again whenever a buffer it reads has moved: each call's rows and limits are written
-    into the buffers the program read last time, and the call sees the new values."""
+    into the buffers the program read last time, and the call sees the new values; a call with the last call's
+    values writes nothing (no copy, no program), and the call after it still sees its own."""
     from qtts_jax.engine import Engine
 
     runner = Runner(tiny_model, SMALL)
     job = Engine(tiny_model, SMALL).prepare(Request("A slot in use.", speaker="ryan", max_frames=8, **GREEDY))
     runner.prefill(job.bucket, [(0, job)], 1)
-    key = ("step", 2, 1)  # slot 0 in the first row, then the second, then the first again
-    valid, addresses = [], []
-    for idx, limits in (([0, SMALL.slots], [1, 0]), ([SMALL.slots, 0], [0, 1]), ([0, SMALL.slots], [1, 0])):
+    key = ("step", 2, 1)  # slot 0 in the first row, then the second (twice), then the first again
+    valid, addresses, buffers = [], [], []
+    first, second = ([0, SMALL.slots], [1, 0]), ([SMALL.slots, 0], [0, 1])
+    for idx, limits in (first, second, second, first):
         step = runner.step(np.array(idx, np.int32), np.array(limits, np.int32), 1)
         valid.append(np.asarray(step.valid)[0].tolist())
-        addresses.append([a.unsafe_buffer_pointer() for a in runner.held[key]])
-        np.testing.assert_array_equal(np.asarray(runner.held[key][0]), idx)
-        np.testing.assert_array_equal(np.asarray(runner.held[key][1]), limits)
-    assert valid == [[True, False], [False, True], [True, False]]
-    assert addresses[0] == addresses[1] == addresses[2]
+        buffers.append(runner.held[key].buffers)
+        addresses.append([a.unsafe_buffer_pointer() for a in buffers[-1]])
+        np.testing.assert_array_equal(np.asarray(buffers[-1][0]), idx)
+        np.testing.assert_array_equal(np.asarray(buffers[-1][1]), limits)
+    assert valid == [[True, False], [False, True], [False, True], [True, False]]
+    assert addresses[0] == addresses[1] == addresses[2] == addresses[3]
+    assert buffers[2] is buffers[1] and buffers[3] is not buffers[2]  # the repeat wrote nothing
 
 
 def test_a_programs_outcome_takes_the_last_ones_buffers_and_is_read_before_the_next_call(tiny_model):

@@ -88,6 +88,13 @@ def _write_into(buffers, values):
 _refill = jax.jit(_write_into, donate_argnums=(0,))
 
 
+class HeldInputs(NamedTuple):
+    """A program's per-call inputs on the device (`buffers`) and the host values last written into them."""
+
+    buffers: tuple
+    values: tuple
+
+
 # where a program's outcome (what the loop reads) is in its output; the rest is the state it carries on
 _OUTCOME_AT = {"step": 1, "first": 2, "codec": 0}
 
@@ -153,7 +160,7 @@ class Runner:
         self.programs: dict[Key, jax.stages.Compiled] = {}
         self.compiled_on_demand = 0  # programs `program` had to compile (none after a warm-up): the engine's timings
         # leave out what waited on one
-        self.held: dict[Key, tuple] = {}  # each program's per-call inputs on the device (`_inputs_held`)
+        self.held: dict[Key, HeldInputs] = {}  # each program's per-call inputs on the device (`_inputs_held`)
         self.outcomes: dict[Key, tuple | jax.Array] = {}  # each program's last outcome, its next one's buffers (`_run`)
         self._primed: OrderedDict[bytes, codec_streaming.StreamState] = OrderedDict()
         self._primed_lock = threading.Lock()
@@ -292,16 +299,23 @@ class Runner:
         buffers that program `key` keeps from call to call (`held[key]`). XLA records each CUDA graph of a program
         against the addresses of the buffers it reads and records it again whenever one has moved, which inputs
         copied to the device afresh for every call always have: a one-stream step ran 7.3 ms with them and 6.6 with
-        its inputs kept in place (an H100, bench/results/placed-args-0.6b-h100.json)."""
+        its inputs kept in place (an H100, bench/results/placed-args-0.6b-h100.json). Writing them costs a copy and a
+        program of its own (one-stream frame 6.99 ms against 6.46 placed once, an H100,
+        bench/results/unrolled-held-0.6b-h100.json), so a call whose values equal the last ones writes nothing."""
         where = [i for i, a in enumerate(args) if isinstance(a, (np.ndarray, np.generic))]
         if not where:
             return args
         new = tuple(args[i] for i in where)
-        if key not in held:  # buffers of the device's own (a CPU's device_put may borrow numpy's memory instead)
-            held[key] = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), new)
-        held[key] = _refill(held[key], new)
+        last = held.get(key)
+        if last is None:  # buffers of the device's own (a CPU's device_put may borrow numpy's memory instead)
+            last = HeldInputs(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), new), ())
+        if last.values and all(np.array_equal(a, b) for a, b in zip(new, last.values)):
+            buffers = last.buffers  # the values are there already (a stable batch's steps): no copy, no program
+        else:
+            buffers = _refill(last.buffers, new)
+            held[key] = HeldInputs(buffers, tuple(np.array(a) for a in new))
         args = list(args)
-        for i, a in zip(where, held[key]):
+        for i, a in zip(where, buffers):
             args[i] = a
         return tuple(args)
 
