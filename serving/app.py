@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import sys
 import time
 import weakref
@@ -280,7 +281,27 @@ def run(settings: Settings, engine: Engine | None = None) -> int:
         log.info("draining (up to %.0f s)", settings.drain_timeout_s)
         finished = await drain(app)
         log.info("drain %s; shutting down", "complete" if finished else "timed out")
+        compiling = _compiling(app)
         await runner.cleanup()
+        if compiling:
+            _exit_under_compiles()
         return 0
 
     return asyncio.run(main())
+
+
+def _compiling(app: web.Application) -> bool:
+    """Whether XLA is compiling for the app: its warm-up (foreground or background) or the voice encoders'."""
+    return (not app[WARMUP_TASK].done() or app[ENGINE].compiling > 0
+            or any(not f.done() for f in app[VOICE_WARMUP]))
+
+
+def _exit_under_compiles() -> None:
+    """Exit 0 at once, the logs flushed. XLA's compiles run on threads nothing can stop: a normal exit waited out the
+    whole warm-up (minutes on a cold GPU), and an interpreter finalised under the background warm-up's compiles
+    crashed (a segmentation fault on an H100). What was compiled is in the compilation cache, where one is on."""
+    log.info("exiting before the warm-up's compiles finish (what was compiled is in the compilation cache)")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

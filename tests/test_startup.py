@@ -183,3 +183,29 @@ def test_a_second_start_loads_every_program_from_the_compile_cache(tmp_path):
     assert re.search(rf"ready after .*; {total} XLA programs: {total} loaded from the compilation cache {cache}, "
                      "0 compiled", log2)
     assert ready2 < ready1
+
+
+def test_a_signal_during_the_warm_up_stops_the_server_at_once_and_exits_0(tmp_path):
+    """XLA's compiles cannot be stopped: a server told to stop while it compiles exits without waiting for them (it
+    once waited out the whole warm-up, and on a GPU crashed at exit under its background compiles)."""
+    port, log_path = free_port(), tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "qtts_cli", "serve", "--model", "tiny-random", "--port",
+                                 str(port), "--slots", "64", "--compile-cache", "off"], stdout=log, stderr=log,
+                                env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        try:
+            t0 = time.monotonic()
+            while "listening on" not in log_path.read_text() and proc.poll() is None and time.monotonic() - t0 < 120:
+                time.sleep(0.1)
+            time.sleep(1.0)  # into the warm-up's compiles
+            proc.terminate()
+            t_signal = time.monotonic()
+            code = proc.wait(timeout=60)
+            exit_s = time.monotonic() - t_signal
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log_path.read_text()
+    assert "ready after" not in text  # the signal came during the warm-up
+    assert code == 0 and exit_s < 10, (code, exit_s, text[-2000:])
+    assert "exiting before the warm-up's compiles finish" in text
