@@ -253,7 +253,8 @@ def run(settings: Settings, engine: Engine | None = None) -> int:
     import signal
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.info("XLA compilation cache: %s", compile_cache.enable(settings.compile_cache) or "off")
+    cache = compile_cache.enable(settings.compile_cache)
+    log.info("XLA compilation cache: %s", cache or "off")
 
     async def main() -> int:
         try:
@@ -284,7 +285,7 @@ def run(settings: Settings, engine: Engine | None = None) -> int:
         compiling = _compiling(app)
         await runner.cleanup()
         if compiling:
-            _exit_under_compiles()
+            _exit_under_compiles(cache)
         return 0
 
     return asyncio.run(main())
@@ -296,11 +297,12 @@ def _compiling(app: web.Application) -> bool:
             or any(not f.done() for f in app[VOICE_WARMUP]))
 
 
-def _exit_under_compiles() -> None:
+def _exit_under_compiles(cache: Path | None) -> None:
     """Exit 0 at once, the logs flushed. XLA's compiles run on threads nothing can stop: a normal exit waited out the
     whole warm-up (minutes on a cold GPU), and an interpreter finalised under the background warm-up's compiles
-    crashed (a segmentation fault on an H100). What was compiled is in the compilation cache, where one is on."""
-    log.info("exiting before the warm-up's compiles finish (what was compiled is in the compilation cache)")
+    crashed (a segmentation fault on an H100). What was compiled is in the compilation cache `cache`, if one is on."""
+    log.info("exiting before the warm-up's compiles finish%s",
+             f" (what was compiled is in the compilation cache {cache})" if cache else "")
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
