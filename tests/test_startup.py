@@ -103,31 +103,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_and_stop(tmp_path, *args: str) -> tuple[int, str, float]:
-    """Runs `qtts-jax serve` until /ready is 200, then SIGTERM; returns (exit code, log, seconds to ready).
+def start_and_stop(tmp_path, *args: str, warmup: bool = False,
+                   stop_on: str | None = None) -> tuple[int, str, float, float]:
+    """Runs `qtts-jax serve` until /ready is 200 (with `stop_on`, until that line is in its log), then SIGTERM;
+    returns (exit code, log, seconds to the signal, seconds from the signal to the exit). Without `warmup`,
     QTTS_WARMUP=0: only the calibration request's programs compile, which keeps the starts short on a CPU."""
     port = free_port()
     log_path = tmp_path / f"serve-{time.monotonic_ns()}.log"
+
+    def up() -> bool:
+        if stop_on is not None:
+            return stop_on in log_path.read_text()
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2)
+            return True
+        except (urllib.error.URLError, ConnectionError):
+            return False
+
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "qtts_cli", "serve", "--model", "tiny-random", "--port",
                                  str(port), "--frames-per-step", "1", *args], stdout=log, stderr=log,
                                 env={**os.environ, "JAX_PLATFORMS": "cpu", "QTTS_DRAIN_TIMEOUT_S": "1",
-                                     "QTTS_WARMUP": "0"})
+                                     "QTTS_WARMUP": "1" if warmup else "0"})
         t0 = time.monotonic()
         try:
-            while proc.poll() is None and time.monotonic() - t0 < 120:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2)
-                    break
-                except (urllib.error.URLError, ConnectionError):
-                    time.sleep(0.2)
+            while proc.poll() is None and time.monotonic() - t0 < 120 and not up():
+                time.sleep(0.1)
             elapsed = time.monotonic() - t0
             proc.terminate()
-            code = proc.wait(timeout=30)
+            code = proc.wait(timeout=60)
+            exit_s = time.monotonic() - t0 - elapsed
         finally:
             if proc.poll() is None:
                 proc.kill()
-    return code, log_path.read_text(), elapsed
+    return code, log_path.read_text(), elapsed, exit_s
 
 
 def test_run_refuses_slots_that_do_not_fit_before_listening(caplog):
@@ -173,9 +182,9 @@ def test_run_exits_1_with_the_reason_when_warm_up_fails(caplog):
 def test_a_second_start_loads_every_program_from_the_compile_cache(tmp_path):
     cache = tmp_path / "xla"
     args = ("--slots", "1", "--context", "128", "--compile-cache", str(cache))
-    code1, log1, ready1 = start_and_stop(tmp_path, *args)
+    code1, log1, ready1, _ = start_and_stop(tmp_path, *args)
     entries = len(list(cache.iterdir()))
-    code2, log2, ready2 = start_and_stop(tmp_path, *args)
+    code2, log2, ready2, _ = start_and_stop(tmp_path, *args)
     assert code1 == code2 == 0
     (total,) = re.findall(rf"ready after .*; (\d+) XLA programs: 0 loaded from the compilation cache {cache}, "
                           r"\1 compiled", log1)
@@ -188,24 +197,8 @@ def test_a_second_start_loads_every_program_from_the_compile_cache(tmp_path):
 def test_a_signal_during_the_warm_up_stops_the_server_at_once_and_exits_0(tmp_path):
     """XLA's compiles cannot be stopped: a server told to stop while it compiles exits without waiting for them (it
     once waited out the whole warm-up, and on a GPU crashed at exit under its background compiles)."""
-    port, log_path = free_port(), tmp_path / "serve.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "qtts_cli", "serve", "--model", "tiny-random", "--port",
-                                 str(port), "--slots", "64", "--compile-cache", "off"], stdout=log, stderr=log,
-                                env={**os.environ, "JAX_PLATFORMS": "cpu"})
-        try:
-            t0 = time.monotonic()
-            while "listening on" not in log_path.read_text() and proc.poll() is None and time.monotonic() - t0 < 120:
-                time.sleep(0.1)
-            time.sleep(1.0)  # into the warm-up's compiles
-            proc.terminate()
-            t_signal = time.monotonic()
-            code = proc.wait(timeout=60)
-            exit_s = time.monotonic() - t_signal
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    text = log_path.read_text()
+    code, text, _, exit_s = start_and_stop(tmp_path, "--slots", "64", "--compile-cache", "off", warmup=True,
+                                           stop_on="listening on")  # the warm-up started before it listens
     assert "ready after" not in text  # the signal came during the warm-up
     assert code == 0 and exit_s < 10, (code, exit_s, text[-2000:])
     assert "exiting before the warm-up's compiles finish\n" in text  # no compilation cache to speak of

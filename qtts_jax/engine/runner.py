@@ -307,12 +307,11 @@ class Runner:
             return args
         new = tuple(args[i] for i in where)
         last = held.get(key)
-        if last is None:  # buffers of the device's own (a CPU's device_put may borrow numpy's memory instead)
-            last = HeldInputs(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), new), ())
-        if last.values and all(np.array_equal(a, b) for a, b in zip(new, last.values)):
+        if last is not None and all(np.array_equal(a, b) for a, b in zip(new, last.values)):
             buffers = last.buffers  # the values are there already (a stable batch's steps): no copy, no program
-        else:
-            buffers = _refill(last.buffers, new)
+        else:  # the first call's buffers are the device's own (a CPU's device_put may borrow numpy's memory instead)
+            into = last.buffers if last is not None else jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), new)
+            buffers = _refill(into, new)
             held[key] = HeldInputs(buffers, tuple(np.array(a) for a in new))
         args = list(args)
         for i, a in zip(where, buffers):
