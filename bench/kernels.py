@@ -1,7 +1,10 @@
 """Which kernels an engine program spends its device time in: each chosen program is called under the JAX
 profiler, and the trace is reduced to, per call, the wall time, the time some kernel ran (the rest is the device
 waiting for the host to launch the next one), the number of kernels launched, and the kernels (and the HLO ops they
-come from) that take the most time. The evidence for where a frame's 40-60 ms at 256 rows go. With
+come from) that take the most time, and per model part (the talker's layers, the code predictor, sampling, the
+codec: the named scopes in the model's code) its kernels and their time. Beside them, XLA's count of the program's
+arithmetic and memory traffic over its wall time: the achieved FLOP/s and bytes/s. Every figure is also given per
+frame. With
 --variants, each program is profiled once per engine configuration, side by side in one run; compile seconds are
 beside each (all programs compile at once, so they are comparable within a run only). Writes JSON.
 
@@ -18,6 +21,7 @@ import dataclasses
 import glob
 import gzip
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -72,6 +76,41 @@ def busy_us(events: list[dict]) -> float:
             total += stop - max(start, end)
             end = stop
     return total
+
+
+PARTS = ("sampling", "code_predictor", "talker", "codec")  # named scopes in the model's code, innermost wins
+
+
+def op_parts(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> the model part its `op_name` metadata names (the innermost of `PARTS`, else
+    "other"), read from a compiled program's text."""
+    parts = {}
+    for name, op_name in re.findall(r'%?([\w.\-]+) = [^\n]*?metadata=\{op_name="([^"]*)"', hlo_text):
+        found = [(op_name.rfind(part), part) for part in PARTS if part in op_name]
+        parts[name] = max(found)[1] if found else "other"
+    return parts
+
+
+def by_part(events: list[dict], parts: dict[str, str], calls: int) -> dict:
+    """Kernels per call and their ms per call, per model part."""
+    out: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    for e in events:
+        op = str(e.get("args", {}).get("hlo_op", ""))
+        entry = out[parts.get(op, "other")]
+        entry[0] += e.get("dur", 0)
+        entry[1] += 1
+    return {part: {"kernels_per_call": round(n / calls, 1), "ms_per_call": round(t / 1e3 / calls, 3)}
+            for part, (t, n) in sorted(out.items())}
+
+
+def costs(exe, wall_s: float, frames: int) -> dict:
+    """XLA's own count of a program's arithmetic and memory traffic, and what that is per second of `wall_s`:
+    achieved, not peak (a kernel that does less work faster lowers both)."""
+    analysis = exe.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis or {}
+    flops, traffic = float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
+    return {"gflop_per_frame": round(flops / frames / 1e9, 3), "gbytes_per_frame": round(traffic / frames / 1e9, 3),
+            "achieved_tflops": round(flops / wall_s / 1e12, 2), "achieved_gbytes_s": round(traffic / wall_s / 1e9, 1)}
 
 
 def summarise(events: list[dict], calls: int, top: int) -> dict:
@@ -156,14 +195,22 @@ def main() -> None:
 
         events, lines = device_events(traced(calls))
         name = ":".join(map(str, (variant, *key)))
+        hlo = exe.as_text()
         if args.hlo:
-            Path(args.out).with_suffix(f".{name.replace(':', '-')}.hlo.txt").write_text(exe.as_text())
-        result["programs"][name] = {"wall_ms": round(statistics.median(walls) * 1e3, 3),
-                                    "compile_s": round(compile_s, 2), "trace_lines_s": lines,
-                                    **{kind: summarise(e, args.calls, args.top) for kind, e in events.items()}}
-        print(name, result["programs"][name]["wall_ms"],
-              {kind: (s["busy_ms_per_call"], s["kernels_per_call"]) for kind, s in
-               ((kind, result["programs"][name][kind]) for kind in events)}, flush=True)
+            Path(args.out).with_suffix(f".{name.replace(':', '-')}.hlo.txt").write_text(hlo)
+        wall = statistics.median(walls)
+        frames = key[2] if key[0] in ("step", "codec") else 1
+        kernels = summarise(events.get("kernels", []), args.calls, args.top)
+        result["programs"][name] = {
+            "wall_ms": round(wall * 1e3, 3), "frames": frames, "wall_ms_per_frame": round(wall * 1e3 / frames, 3),
+            "kernels_per_frame": round(kernels["kernels_per_call"] / frames, 1),
+            "busy_share": round(kernels["busy_ms_per_call"] / (wall * 1e3), 3), **costs(exe, wall, frames),
+            "parts": by_part(events.get("kernels", []), op_parts(hlo), args.calls),
+            "compile_s": round(compile_s, 2), "trace_lines_s": lines,
+            **{kind: summarise(e, args.calls, args.top) for kind, e in events.items()}}
+        r = result["programs"][name]
+        print(name, {k: r[k] for k in ("wall_ms_per_frame", "kernels_per_frame", "busy_share", "achieved_tflops",
+                                       "achieved_gbytes_s")}, r["parts"], flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 
 

@@ -1,7 +1,7 @@
 """Where one engine frame step spends its time, per part, at the real shapes (GPU, random weights, bf16).
 
-The engine's step for B rows is: per row, code0 sampling and the code predictor's 15 sequential codes
-(`generate.frame_codes`, vmapped), then one talker decode of the B rows against the shared KV cache. This
+The engine's step for B rows is: per row, code0 sampling (`generate.frame_code0`, vmapped) and the code
+predictor's 15 sequential codes, then one talker decode of the B rows against the shared KV cache. This
 times each part alone at several row counts (and the codec's one-frame call), with the sampler the engine
 uses and the jnp reference, plus how long each program took to compile: the evidence for what a step's
 cost grows with. Writes JSON.
@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 from qtts_jax import nn  # noqa: E402
 from qtts_jax.engine import Engine, EngineConfig  # noqa: E402
 from qtts_jax.engine import programs  # noqa: E402
-from qtts_jax.generate import frame_codes  # noqa: E402
+from qtts_jax.generate import frame_code0  # noqa: E402
 from qtts_jax.model import load_model  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def parts(graph, cfg, codec_cfg, sampler: str) -> dict:
 
     def codes(params, codec_params, state, codec_state, idx):
         rows, settings, k = programs.take_rows(state.rows, idx), programs.take_rows(state.settings, idx), programs.take_rows(state.k, idx)
-        return jax.vmap(partial(frame_codes, nn.merge(graph, params), cfg, choose=choose))(rows, settings, k)
+        return jax.vmap(partial(frame_code0, cfg, choose=choose))(rows, settings, k)
 
     def predictor(params, codec_params, state, codec_state, idx):
         rows, settings = programs.take_rows(state.rows, idx), programs.take_rows(state.settings, idx)

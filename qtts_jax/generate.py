@@ -62,9 +62,8 @@ def row_settings(req: Request, prompt_len: int, trailing: jax.Array) -> RowSetti
     )
 
 
-def frame_codes(talker: Talker, cfg: ModelConfig, state: RowState, s: RowSettings, k: jax.Array,
-                choose=sampling.choose):
-    """Frame k of ONE row: its 16 codes, the talker input they make, and whether the row is now done.
+def frame_code0(cfg: ModelConfig, state: RowState, s: RowSettings, k: jax.Array, choose=sampling.choose):
+    """Code0 of frame k of ONE row, whether the row is now done, and the key its code predictor draws with.
 
     `choose` picks a token from processed logits (the jnp reference or the Pallas kernel's row form).
     """
@@ -74,28 +73,32 @@ def frame_codes(talker: Talker, cfg: ModelConfig, state: RowState, s: RowSetting
     token = choose(logits, sampling.noise(key_talker, logits.shape[-1]), s.talker)
     done = state.done | (k >= s.max_frames)
     token = jnp.where(done, cfg.codec.eos, token)
-    done = done | (token == cfg.codec.eos)
-    rest, _ = talker.predict(state.hidden, token, key_predictor, s.predictor, choose)
-    frame = jnp.concatenate([token[None], rest])
-    x = talker.embed_codes(frame) + s.trailing[jnp.minimum(k, s.trailing.shape[0] - 1)]
-    return frame, x, done
+    return token, done | (token == cfg.codec.eos), key_predictor
 
 
 def frame_step(
     talker: Talker, cfg: ModelConfig, state: RowState, cache: KVCache, slots: jax.Array, s: RowSettings,
-    k: jax.Array, row: jax.Array, choose=sampling.choose, attention=transformer.gather_rows_attention,
+    k: jax.Array, row: jax.Array, choose=sampling.choose, attention=transformer.gather_rows_attention, layers=None,
 ):
     """Advance B rows by one frame each: row b is slot `slots[b]` of `cache`, at frame k[b], written at cache
     row `row[b]`. Returns (state, cache, frame codes [B, 16]). `choose` picks tokens and `attention` reads the
-    cache (the jnp references by default, or the Pallas kernels of the same signatures).
+    cache (the jnp references by default, or the Pallas kernels of the same signatures); `layers`
+    (`kernels.layer.LayerKernels`) runs the talker's and the code predictor's layers fused instead.
 
-    The codes of a frame are chosen per row (`frame_codes`, `vmap`-ed); the talker step that follows is one
-    batched call against the shared cache. Nothing mixes rows, so a row's codes do not depend on the batch.
+    Code0 is chosen per row (`vmap`), then the code predictor makes codes 1..15 (per row, or batched through
+    `layers`), and the talker step that follows is one batched call against the shared cache. Nothing mixes
+    rows, so a row's codes do not depend on the batch.
     """
     choose = partial(choose, warps=sampling.Warps.of(s.talker, s.predictor))  # outside the vmap: one for the batch
-    frame, x, done = jax.vmap(partial(frame_codes, talker, cfg, choose=choose))(state, s, k)
+    token, done, keys = jax.vmap(partial(frame_code0, cfg, choose=choose))(state, s, k)
+    if layers is None:
+        rest = jax.vmap(lambda *a: talker.predict(*a, choose)[0])(state.hidden, token, keys, s.predictor)
+    else:
+        rest = talker.predict_rows(state.hidden, token, keys, s.predictor, choose, layers)
+    frame = jnp.concatenate([token[:, None], rest], axis=1)
+    x = talker.embed_codes(frame) + jax.vmap(lambda t, k: t[jnp.minimum(k, t.shape[0] - 1)])(s.trailing, k)
     key_valid = state.key_valid.at[jnp.arange(row.shape[0]), row].set(True)
-    logits, hidden, cache = talker.decode_rows(x, cache, slots, row, s.position0 + k, key_valid, attention)
+    logits, hidden, cache = talker.decode_rows(x, cache, slots, row, s.position0 + k, key_valid, attention, layers)
     seen = state.seen.at[jnp.arange(row.shape[0]), frame[:, 0]].set(True)
     return RowState(key_valid, logits, hidden, seen, done), cache, frame
 

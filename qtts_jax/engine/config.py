@@ -42,6 +42,10 @@ class EngineConfig:
     # only the rows it has written), "jnp" (the reference: the whole slot gathered, then masked), or "auto": the
     # kernel on GPU, the reference elsewhere.
     attention: str = "auto"
+    # How a frame runs the talker's and the code predictor's layers: "pallas" (four fused kernels a layer, which
+    # also write and read the cache, so `attention` goes unused), "jnp" (XLA's fusions of the model's code), or
+    # "auto": the kernels on GPU, XLA elsewhere.
+    layers: str = "auto"
     cached_voices: int = 64  # ICL voices whose primed codec state stays on the device (LRU)
     # Live-batch ladder of the step and the codec: `min_batch` times powers of 4 up to `slots`, or explicit
     # sizes. Each rung compiles the step and the codec at every size (minutes at 256 rows on the H200), and

@@ -169,7 +169,13 @@ def chooser(name: str):
 
         return choose_row
 
-    return _kernel_or_reference(name, "sampler", sampling.choose, kernel)
+    pick = _kernel_or_reference(name, "sampler", sampling.choose, kernel)
+
+    def scoped(*args, **kwargs):
+        with jax.named_scope("sampling"):  # names its kernels in profiles (bench/kernels.py)
+            return pick(*args, **kwargs)
+
+    return scoped
 
 
 def attender(name: str):
@@ -183,7 +189,21 @@ def attender(name: str):
     return _kernel_or_reference(name, "attention", transformer.gather_rows_attention, kernel)
 
 
-def step(params, state: EngineState, idx, limit, *, graph, cfg, choose, attention, n: int):
+def layer_kernels(name: str):
+    """How the frame step runs the talker's and the code predictor's layers: "pallas" (four fused kernels a layer,
+    `kernels.layer`), "jnp" (XLA's own fusions of the model's code: None), or "auto": the kernels on GPU."""
+    if name == "auto":
+        name = "pallas" if jax.default_backend() == "gpu" else "jnp"
+    if name == "jnp":
+        return None
+    if name == "pallas":
+        from qtts_jax.kernels import layer
+
+        return layer.kernels(interpret=jax.default_backend() == "cpu")
+    raise ValueError(f"unknown layers {name!r} (jnp, pallas or auto)")
+
+
+def step(params, state: EngineState, idx, limit, *, graph, cfg, choose, attention, layers=None, n: int):
     """`n` frames for the rows of slots `idx` [B] in one scan, row j making at most `limit[j]` of them (a live
     text stream stops before the frame that would read text it does not have yet; padding rows aimed past the
     last slot have 0). Only those rows are read and written: a row past its limit keeps its state, and the cache
@@ -198,7 +218,7 @@ def step(params, state: EngineState, idx, limit, *, graph, cfg, choose, attentio
         rows, cache, k, codes = carry
         active = t < limit
         new_rows, cache, frame = frame_step(talker, cfg, rows, cache, idx, settings, k, row0 + k, choose,
-                                            attention)
+                                            attention, layers)
         new_rows = jax.tree.map(lambda a, b: jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, b),
                                 new_rows, rows)
         codes = codes.at[idx, k].set(jnp.where((new_rows.done | ~active)[:, None], -1, frame), mode="drop")
@@ -211,12 +231,12 @@ def step(params, state: EngineState, idx, limit, *, graph, cfg, choose, attentio
 
 
 def first(params, codec_params, state: EngineState, codec_state, idx, live, fresh, decode, *, graph, cfg, codec_cfg,
-          choose, attention):
+          choose, attention, layers=None):
     """Newcomers' first frame and its audio in one program, so their first chunk is ready before the longer
     step of the playing streams that is queued behind it. Row j decodes its frame where `decode[j]` (its
     schedule starts with a one-frame chunk) and the frame is valid; `fresh[j]` starts its codec state at zero."""
     state, (frames, valid) = step(params, state, idx, live.astype(jnp.int32), graph=graph, cfg=cfg, choose=choose,
-                                  attention=attention, n=1)
+                                  attention=attention, layers=layers, n=1)
     count = (decode & valid[0]).astype(jnp.int32)
     audio, codec_state = decode_frames(codec_params, codec_state, idx, fresh, jnp.moveaxis(frames, 0, 1), count,
                                        cfg=codec_cfg)
@@ -236,6 +256,11 @@ def codec(params, state: codec_streaming.StreamState, ring, idx, fresh, start, c
 def decode_frames(params, state: codec_streaming.StreamState, idx, fresh, codes, count, *, cfg):
     """The streaming codec for the slots `idx` [B]: row j decodes its first `count[j]` frames of `codes[j]`,
     from a zero state where `fresh[j]` (a new stream). Only those slots' state is touched."""
+    with jax.named_scope("codec"):  # names its kernels in profiles (bench/kernels.py)
+        return _decode_frames(params, state, idx, fresh, codes, count, cfg=cfg)
+
+
+def _decode_frames(params, state, idx, fresh, codes, count, *, cfg):
     rows = take_rows(state, idx)
     rows = jax.tree.map(lambda a: jnp.where(fresh.reshape((-1,) + (1,) * (a.ndim - 1)), jnp.zeros_like(a), a), rows)
     audio, rows = codec_streaming.decode_step(params, cfg, rows, codes, count)

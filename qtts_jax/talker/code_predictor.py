@@ -67,6 +67,10 @@ class CodePredictor(nnx.Module):
     ) -> tuple[jax.Array, jax.Array]:
         """Codes 1..15 (int32 [groups]) of one sequence's frame from the talker's hidden state and its code0's
         embedding (the talker's codec table), and the float32 logits [groups, vocab] they came from."""
+        with jax.named_scope("code_predictor"):  # names its kernels in profiles (bench/kernels.py)
+            return self._predict(past_hidden, code0_embedding, key, p, choose)
+
+    def _predict(self, past_hidden, code0_embedding, key, p, choose):
         c = self.stack.cfg
         groups, vocab = self.heads.shape[0], self.heads.shape[-1]
         capacity = groups + 1
@@ -88,3 +92,36 @@ class CodePredictor(nnx.Module):
 
         _, (rest, rest_logits) = jax.lax.scan(step, (first, cache), jnp.arange(1, groups), unroll=self.unrolled_groups)
         return jnp.concatenate([first[None], rest]), jnp.concatenate([logits0[None], rest_logits])
+
+    def predict_rows(self, past_hidden, code0_embedding, keys, p: sampling.SamplingParams, choose, layers):
+        """`predict` for B rows at once, codes [B, groups], each row's arithmetic its own: the decoder stack runs as
+        `forward_rows_fused` over `layers` on a cache of the rows' own, one position per call (the 2-position
+        prefill as two calls: the same causal arithmetic). past_hidden, code0_embedding [B, H]; keys [B, 2]; `p`
+        and `choose` per row, as `predict`'s."""
+        with jax.named_scope("code_predictor"):
+            c = self.stack.cfg
+            groups, vocab = self.heads.shape[0], self.heads.shape[-1]
+            b = past_hidden.shape[0]
+            gumbel = jax.vmap(lambda k: jax.vmap(lambda k: sampling.noise(k, vocab))(jax.random.split(k, groups)))(keys)
+            shape = (c.num_layers, b, c.num_kv_heads, groups + 1, c.head_dim)
+            dtype = past_hidden.dtype
+            slots, key_valid = jnp.arange(b), jnp.ones((b, groups + 1), bool)
+            heads, table = self.heads[...], self.embedding[...]
+            pick = jax.vmap(choose)
+
+            def forward(x, at, cache):
+                where = jnp.full(b, at, jnp.int32)
+                return self.stack.forward_rows_fused(self._project(x), where, cache, slots, where, key_valid, layers)
+
+            _, cache = forward(past_hidden, 0, KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+            h, cache = forward(code0_embedding, 1, cache)
+            first = pick((h @ heads[0]).astype(jnp.float32), gumbel[:, 0], p)
+
+            def step(carry, j):
+                code, cache = carry
+                h, cache = forward(table[j - 1][code], j + 1, cache)
+                nxt = pick((h @ heads[j]).astype(jnp.float32), gumbel[:, j], p)
+                return (nxt, cache), nxt
+
+            _, rest = jax.lax.scan(step, (first, cache), jnp.arange(1, groups))
+            return jnp.concatenate([first[:, None], rest.T], axis=1)

@@ -61,6 +61,10 @@ class Talker(nnx.Module):
         hidden state that chose `code0` and code0's embedding in this talker's codec table."""
         return self.predictor.predict(hidden, self.codec_embedding[...][code0], key, p, choose)
 
+    def predict_rows(self, hidden, code0, keys, p, choose, layers):
+        """`predict` for B rows at once through the fused layers `layers` (`CodePredictor.predict_rows`)."""
+        return self.predictor.predict_rows(hidden, self.codec_embedding[...][code0], keys, p, choose, layers)
+
     def forward(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Teacher forcing over a whole sequence x [T, H] (left-padded; valid [T] marks real rows): float32 logits
         [T, 3072] of every position and the final-normed hidden states [T, H] (what training reads; the engine's
@@ -89,9 +93,15 @@ class Talker(nnx.Module):
         positions: jax.Array,
         key_valid: jax.Array,
         attention=transformer.gather_rows_attention,
+        layers=None,
     ) -> tuple[jax.Array, jax.Array, KVCache]:
         """One input vector per sequence, x [B, H], for B sequences in a shared slot-major cache: sequence b is
-        slot `slots[b]`, written at cache row `rows[b]` with RoPE `positions[b]` (see `DecoderStack.forward_rows`)."""
-        h, cache = self.stack.forward_rows(x, positions, cache, slots, rows, key_valid, attention)
-        return (h @ self.codec_head[...]).astype(jnp.float32), h, cache
+        slot `slots[b]`, written at cache row `rows[b]` with RoPE `positions[b]` (see `DecoderStack.forward_rows`;
+        with `layers`, its fused form `forward_rows_fused`, which leaves `attention` unused)."""
+        with jax.named_scope("talker"):  # names its kernels in profiles (bench/kernels.py)
+            if layers is None:
+                h, cache = self.stack.forward_rows(x, positions, cache, slots, rows, key_valid, attention)
+            else:
+                h, cache = self.stack.forward_rows_fused(x, positions, cache, slots, rows, key_valid, layers)
+            return (h @ self.codec_head[...]).astype(jnp.float32), h, cache
 

@@ -219,3 +219,33 @@ class DecoderStack(nnx.Module):
             return attention(q, cache.k, cache.v, i, slots, rows + 1, mask, scale=scale), cache
 
         return self.layers_scan(x, cos, sin, cache, attend)
+
+    def forward_rows_fused(self, x, positions, cache: KVCache, slots, rows, key_valid, layers) -> tuple[jax.Array,
+                                                                                                       KVCache]:
+        """`forward_rows` with each layer as four calls of `layers` (`kernels.layer.LayerKernels`: the Pallas
+        kernels, or their references): each call reads the stack's weights whole with the layer's index, so no
+        layer's weights are sliced out and copied. The same arguments and results; `key_valid` must hold at each
+        row's `rows[b]` (the new token always attends itself)."""
+        cfg, w = self.cfg, self.layers
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        heads = dict(heads=cfg.num_heads, kv_heads=cfg.num_kv_heads)
+        eps = cfg.rms_norm_eps
+
+        def layer(i, carry):
+            h, k, v = carry
+            qkv = layers.qkv_rope(h, w.ln1[...], w.wqkv[...], w.q_norm[...], w.k_norm[...], cos, sin, i, eps=eps,
+                                  **heads)
+            out, k, v = layers.attend(qkv, k, v, i, slots, rows, key_valid, scale=cfg.head_dim**-0.5, **heads)
+            h = layers.project_residual(out, w.wo[...], i, h)
+            h = layers.project_residual(layers.norm_gate_up(h, w.ln2[...], w.gate_up[...], i, eps=eps), w.down[...],
+                                        i, h)
+            return h, k, v
+
+        carry = (x, cache.k, cache.v)
+        if self.unrolled:
+            for i in range(cfg.num_layers):
+                carry = layer(jnp.int32(i), carry)
+        else:
+            carry = jax.lax.fori_loop(0, cfg.num_layers, layer, carry)
+        h, k, v = carry
+        return rms_norm(h, self.norm[...], eps), KVCache(k, v)
