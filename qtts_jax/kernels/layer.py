@@ -348,12 +348,13 @@ class LayerKernels(NamedTuple):
     attend: Callable
     project_residual: Callable
     norm_gate_up: Callable
+    rows_multiple: int  # rows the caller pads to once, so that no call pads its own
 
 
-REFERENCES = LayerKernels(qkv_rope_ref, attend_ref, project_residual_ref, norm_gate_up_ref)
+REFERENCES = LayerKernels(qkv_rope_ref, attend_ref, project_residual_ref, norm_gate_up_ref, 1)
 
 
 def kernels(*, interpret: bool = False) -> LayerKernels:
     """The Pallas kernels (`interpret`: run by the HLO interpreter, for tests on a CPU)."""
     return LayerKernels(*(partial(f, interpret=interpret) for f in (qkv_rope, attend, project_residual,
-                                                                      norm_gate_up)))
+                                                                      norm_gate_up)), _rows_block(1))

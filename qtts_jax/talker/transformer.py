@@ -227,6 +227,12 @@ class DecoderStack(nnx.Module):
         layer's weights are sliced out and copied. The same arguments and results; `key_valid` must hold at each
         row's `rows[b]` (the new token always attends itself)."""
         cfg, w = self.cfg, self.layers
+        # rows padded once to the kernels' multiple (padding rows aimed past the last slot write nothing), not by
+        # every call
+        b, extra = x.shape[0], -x.shape[0] % layers.rows_multiple
+        x, positions, rows, key_valid = (jnp.pad(a, ((0, extra),) + ((0, 0),) * (a.ndim - 1))
+                                         for a in (x, positions, rows, key_valid))
+        slots = jnp.pad(slots, (0, extra), constant_values=cache.k.shape[1])
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
         heads = dict(heads=cfg.num_heads, kv_heads=cfg.num_kv_heads)
         eps = cfg.rms_norm_eps
@@ -248,4 +254,4 @@ class DecoderStack(nnx.Module):
         else:
             carry = jax.lax.fori_loop(0, cfg.num_layers, layer, carry)
         h, k, v = carry
-        return rms_norm(h, self.norm[...], eps), KVCache(k, v)
+        return rms_norm(h[:b], self.norm[...], eps), KVCache(k, v)
