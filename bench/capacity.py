@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -311,6 +312,9 @@ def main() -> None:
                         'from the compilation cache)')
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests at the start of each condition")
     p.add_argument("--max-frames", type=int, default=48)
+    p.add_argument("--seeded-ends", action="store_true",
+                   help="each request ends at a frame drawn from its seed and prompt length inside the step (2 to "
+                        "--max-frames), unforeseeable as real speech's end (QTTS_SEEDED_ENDS on the servers)")
     p.add_argument("--restart", action="store_true", help="stop and start each server once more; time that start")
     p.add_argument("--compile-cache", help="the servers' compilation cache (default: a fresh one under --out, so "
                                            "the first start is cold; 'default' for the user's cache; 'off')")
@@ -322,9 +326,12 @@ def main() -> None:
     p.add_argument("--out", required=True, help="directory: records per condition, server logs, summary.json, "
                                                 "table.md")
     args = p.parse_args()
+    if args.seeded_ends:
+        os.environ["QTTS_SEEDED_ENDS"] = "1"  # the servers' environment
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"model": args.model, "dtype": args.dtype, "context": args.context, "max_frames": args.max_frames,
+              "seeded_ends": args.seeded_ends,
               "frames_per_step": args.frames_per_step, "slots_asked": args.slots,
               "contract": vars(Contract(args.contract_ttfa_ms)), "servers": {}}
     batched = {"closed": numbers(args.loads), "open-poisson": numbers(args.rates)}

@@ -62,16 +62,27 @@ def row_settings(req: Request, prompt_len: int, trailing: jax.Array) -> RowSetti
     )
 
 
-def frame_code0(cfg: ModelConfig, state: RowState, s: RowSettings, k: jax.Array, choose=sampling.choose):
+SEEDED_END = 0x7E0D  # folded into a row's key to draw where a seeded end falls (`frame_code0`)
+
+
+def frame_code0(cfg: ModelConfig, state: RowState, s: RowSettings, k: jax.Array, choose=sampling.choose,
+                seeded_ends: bool = False):
     """Code0 of frame k of ONE row, whether the row is now done, and the key its code predictor draws with.
 
     `choose` picks a token from processed logits (the jnp reference or the Pallas kernel's row form).
+    `seeded_ends` (benchmarks on random weights, which rarely end on their own) ends the row at a frame drawn
+    from its key and its prompt's length, between 2 and its cap, inside the program, as an end-of-speech token
+    would: nothing on the host knows it in advance, and a load that sends one seed still gets varied ends.
     """
     logits = sampling.repetition_penalty(state.logits, state.seen, s.penalty)
     logits = sampling.talker_mask(logits, k, cfg.codec.eos)
     key_talker, key_predictor = jax.random.split(jax.random.fold_in(s.key, k))
     token = choose(logits, sampling.noise(key_talker, logits.shape[-1]), s.talker)
     done = state.done | (k >= s.max_frames)
+    if seeded_ends:
+        key = jax.random.fold_in(jax.random.fold_in(s.key, SEEDED_END), s.position0)
+        end = jax.random.randint(key, (), 2, jnp.maximum(s.max_frames, 2) + 1)
+        done = done | (k >= end)
     token = jnp.where(done, cfg.codec.eos, token)
     return token, done | (token == cfg.codec.eos), key_predictor
 
@@ -79,18 +90,20 @@ def frame_code0(cfg: ModelConfig, state: RowState, s: RowSettings, k: jax.Array,
 def frame_step(
     talker: Talker, cfg: ModelConfig, state: RowState, cache: KVCache, slots: jax.Array, s: RowSettings,
     k: jax.Array, row: jax.Array, choose=sampling.choose, attention=transformer.gather_rows_attention, layers=None,
+    seeded_ends: bool = False,
 ):
     """Advance B rows by one frame each: row b is slot `slots[b]` of `cache`, at frame k[b], written at cache
     row `row[b]`. Returns (state, cache, frame codes [B, 16]). `choose` picks tokens and `attention` reads the
     cache (the jnp references by default, or the Pallas kernels of the same signatures); `layers`
-    (`kernels.layer.LayerKernels`) runs the talker's and the code predictor's layers fused instead.
+    (`kernels.layer.LayerKernels`) runs the talker's and the code predictor's layers fused instead; `seeded_ends`
+    as `frame_code0`'s.
 
     Code0 is chosen per row (`vmap`), then the code predictor makes codes 1..15 (per row, or batched through
     `layers`), and the talker step that follows is one batched call against the shared cache. Nothing mixes
     rows, so a row's codes do not depend on the batch.
     """
     choose = partial(choose, warps=sampling.Warps.of(s.talker, s.predictor))  # outside the vmap: one for the batch
-    token, done, keys = jax.vmap(partial(frame_code0, cfg, choose=choose))(state, s, k)
+    token, done, keys = jax.vmap(partial(frame_code0, cfg, choose=choose, seeded_ends=seeded_ends))(state, s, k)
     if layers is None:
         rest = jax.vmap(lambda *a: talker.predict(*a, choose)[0])(state.hidden, token, keys, s.predictor)
     else:

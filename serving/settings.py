@@ -45,6 +45,7 @@ class Settings:
     # for the GIL while the event loop runs Python (the interpreter's default is 5; serve_alone says why 0.1)
     switch_interval_ms: float = 0.1
     warmup: bool = True
+    seeded_ends: bool = False  # benchmarks on random weights: streams end at a seeded frame (EngineConfig)
     voices_dir: str = "voices"  # Base models: registered voices, one file each, reloaded at start-up
     max_voices: int = 1000
     max_voice_upload_bytes: int = 16 * 1024 * 1024
@@ -88,7 +89,8 @@ class Settings:
                             lead_s=self.lead_ms / 1000, max_step_s=self.max_step_ms / 1000,
                             cap_iteration=self.cap_iteration, max_prefill=self.max_prefill, max_first=self.max_first,
                             guard_newcomers=self.newcomer_guard, codec_dtype=self.codec_dtype,
-                            margin_quantile=self.margin_quantile, hold_first=self.hold_first)
+                            margin_quantile=self.margin_quantile, hold_first=self.hold_first,
+                            seeded_ends=self.seeded_ends)
 
     def admission(self) -> AdmissionConfig:
         return AdmissionConfig(ttfa_target_s=self.ttfa_target_ms / 1000, starvation_s=self.starvation_ms / 1000,

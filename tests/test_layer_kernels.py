@@ -102,3 +102,17 @@ def test_engine_with_the_fused_layers_generates_the_same_codes(tiny_model):
     reqs = [Request("Four kernels a layer.", speaker="ryan", max_frames=6, **GREEDY),
             Request("Seeded beside it.", speaker="eric", seed=5, max_frames=4)]
     assert_same_codes(run_small(tiny_model, reqs, layers="pallas"), run_small(tiny_model, reqs, layers="jnp"))
+
+
+def test_seeded_ends_stop_each_stream_at_a_frame_of_its_own_that_only_the_program_draws(tiny_model):
+    """With `seeded_ends`, a stream ends between frame 2 and its cap, at a frame its seed and prompt decide: the
+    same alone as beside others, different across prompts, and never known to the host before it happens."""
+    reqs = [Request(text, speaker="ryan", seed=3, max_frames=16)
+            for text in ("One.", "A longer second prompt here.", "Three words now.", "And the fourth, longest of all.")]
+    together = run_small(tiny_model, reqs, seeded_ends=True, slots=4)
+    lengths = [len(stream.codes) for stream, _ in together]
+    assert all(2 <= n <= 16 for n in lengths) and len(set(lengths)) > 1, lengths
+    assert all(stream.job.frames_cap == 16 for stream, _ in together)  # the host still plans with the cap
+    alone = run_small(tiny_model, reqs[1:2], seeded_ends=True, slots=4)
+    assert_same_codes(alone, together[1:2])
+    assert max(len(s.codes) for s, _ in run_small(tiny_model, reqs, slots=4)) == 16  # without: to the cap

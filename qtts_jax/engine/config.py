@@ -46,6 +46,9 @@ class EngineConfig:
     # also write and read the cache, so `attention` goes unused), "jnp" (XLA's fusions of the model's code), or
     # "auto": the kernels on GPU, XLA elsewhere.
     layers: str = "auto"
+    # Benchmarks on random weights, which rarely emit end-of-speech: each stream ends at a frame drawn from its seed
+    # inside the step program (`generate.frame_code0`), which the scheduler cannot foresee, as real speech ends.
+    seeded_ends: bool = False
     cached_voices: int = 64  # ICL voices whose primed codec state stays on the device (LRU)
     # Live-batch ladder of the step and the codec: `min_batch` times powers of 4 up to `slots`, or explicit
     # sizes. Each rung compiles the step and the codec at every size (minutes at 256 rows on the H200), and

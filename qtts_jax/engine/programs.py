@@ -203,7 +203,8 @@ def layer_kernels(name: str):
     raise ValueError(f"unknown layers {name!r} (jnp, pallas or auto)")
 
 
-def step(params, state: EngineState, idx, limit, *, graph, cfg, choose, attention, layers=None, n: int):
+def step(params, state: EngineState, idx, limit, *, graph, cfg, choose, attention, layers=None, seeded_ends=False,
+         n: int):
     """`n` frames for the rows of slots `idx` [B] in one scan, row j making at most `limit[j]` of them (a live
     text stream stops before the frame that would read text it does not have yet; padding rows aimed past the
     last slot have 0). Only those rows are read and written: a row past its limit keeps its state, and the cache
@@ -218,7 +219,7 @@ def step(params, state: EngineState, idx, limit, *, graph, cfg, choose, attentio
         rows, cache, k, codes = carry
         active = t < limit
         new_rows, cache, frame = frame_step(talker, cfg, rows, cache, idx, settings, k, row0 + k, choose,
-                                            attention, layers)
+                                            attention, layers, seeded_ends)
         new_rows = jax.tree.map(lambda a, b: jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, b),
                                 new_rows, rows)
         codes = codes.at[idx, k].set(jnp.where((new_rows.done | ~active)[:, None], -1, frame), mode="drop")
@@ -231,12 +232,12 @@ def step(params, state: EngineState, idx, limit, *, graph, cfg, choose, attentio
 
 
 def first(params, codec_params, state: EngineState, codec_state, idx, live, fresh, decode, *, graph, cfg, codec_cfg,
-          choose, attention, layers=None):
+          choose, attention, layers=None, seeded_ends=False):
     """Newcomers' first frame and its audio in one program, so their first chunk is ready before the longer
     step of the playing streams that is queued behind it. Row j decodes its frame where `decode[j]` (its
     schedule starts with a one-frame chunk) and the frame is valid; `fresh[j]` starts its codec state at zero."""
     state, (frames, valid) = step(params, state, idx, live.astype(jnp.int32), graph=graph, cfg=cfg, choose=choose,
-                                  attention=attention, layers=layers, n=1)
+                                  attention=attention, layers=layers, seeded_ends=seeded_ends, n=1)
     count = (decode & valid[0]).astype(jnp.int32)
     audio, codec_state = decode_frames(codec_params, codec_state, idx, fresh, jnp.moveaxis(frames, 0, 1), count,
                                        cfg=codec_cfg)

@@ -143,13 +143,14 @@ class Runner:
         layers = programs.layer_kernels(config.layers)
         self._jit_insert = jax.jit(partial(programs.insert, graph=model.graph, cfg=cfg), donate_argnums=(1,))
         self._jit_step = jax.jit(_writing_into(partial(programs.step, graph=model.graph, cfg=cfg, choose=choose,
-                                                       attention=attention, layers=layers), "step"),
+                                                       attention=attention, layers=layers,
+                                                       seeded_ends=config.seeded_ends), "step"),
                                  donate_argnums=(1,), donate_argnames="into", static_argnames="n")
         self._jit_codec = jax.jit(_writing_into(partial(programs.codec, cfg=codec_cfg), "codec"),
                                   donate_argnums=(1,), donate_argnames="into", static_argnames="n")
         self._jit_first = jax.jit(_writing_into(partial(programs.first, graph=model.graph, cfg=cfg,
                                                         codec_cfg=codec_cfg, choose=choose, attention=attention,
-                                                        layers=layers),
+                                                        layers=layers, seeded_ends=config.seeded_ends),
                                                 "first"),
                                   donate_argnums=(2, 3), donate_argnames="into")
         self._codec_one = jax.jit(
