@@ -72,9 +72,7 @@ def _late_text(cond: dict) -> str:
     n = cond.get("admitted_after_refusal", 0)
     if not n:
         return ""
-    why = f" ({cond['refusal_reason']})" if cond.get("refusal_reason") else ""
-    return (f"{n} of {cond['requests']} were admitted only after a refusal{why} and its Retry-After wait, which "
-            "counts in their TTFA")
+    return f"{n} of {cond['requests']} waited out a refusal's Retry-After first, and that wait is in their TTFA"
 
 
 def _p95_why(cond: dict, name: str, verdict: str, target: float) -> str:
@@ -217,7 +215,7 @@ def batching_text(summary: dict) -> str:
     if ladder[0] > both[0]:
         lines.append(f"The batched server's step is compiled for {ladder[0]} rows only (its ladder of batch sizes "
                      f"starts at {EngineConfig.min_batch} rows or its slots: on a GPU fewer rows cost no less), so "
-                     f"{both[0]:g} stream{'s' if both[0] != 1 else ''} pay for {ladder[0] - both[0]:g} empty "
+                     f"{both[0]:g} stream{'s pay' if both[0] != 1 else ' pays'} for {ladder[0] - both[0]:g} empty "
                      f"row{'s' if ladder[0] - both[0] != 1 else ''}.")
     gain = made["batched"][full] / made["serial"][full]
     machine = (summary.get("provenance") or {}).get("machine") or {}
