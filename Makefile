@@ -16,6 +16,11 @@ $(PY):
 
 # Installs are stamped: a target reinstalls only when pyproject.toml (or the reference pins) changed.
 # The package is editable, so code changes never need one.
+# A bigger install satisfies a smaller one. `make synth` after `make test` uses the .dev stamp (it holds the package),
+# so it installs nothing. $(call stamp,OWN OTHERS...): the first of these stamps that exists, else OWN's.
+stamp = $(or $(firstword $(wildcard $(addprefix $(VENV)/.,$(1)))),$(VENV)/.$(firstword $(1)))
+CORE := $(call stamp,core dev fleet study lab cuda)
+STUDY := $(call stamp,study dev fleet lab)
 $(VENV)/.core: pyproject.toml | $(PY)
 	$(INSTALL) -e .
 	touch $@
@@ -69,12 +74,12 @@ test-fleet: $(VENV)/.fleet  ## the fleet's tests on CPU replicas (installs the f
 
 # MODEL=DIR|tiny-random; without MAX_FRAMES a real model ends on its own and random weights (which rarely end)
 # stop after the CLI's 24 frames (1.9 s)
-synth: $(VENV)/.core  ## one file: TEXT="..." OUT=runs/hello.wav [MODEL=DIR] [MAX_FRAMES=N] [VOICE=serena]
+synth: $(CORE)  ## one file: TEXT="..." OUT=runs/hello.wav [MODEL=DIR] [MAX_FRAMES=N] [VOICE=serena]
 	$(VENV)/bin/qtts-jax synth --model $(or $(MODEL),tiny-random) --text "$(or $(TEXT),Hello from qtts-jax.)" \
 		--out $(or $(OUT),runs/hello.wav) $(if $(MAX_FRAMES),--max-frames $(MAX_FRAMES)) $(if $(VOICE),--speaker $(VOICE))
 
 # Speech server (OpenAI-compatible HTTP + WebSocket, the page at /); MODEL=DIR|tiny-random, PORT, SLOTS, HOST, DTYPE
-serve: $(VENV)/.core  ## the speech server and its page: http://127.0.0.1:8000/ [MODEL=DIR] [SLOTS=8|auto] [PORT] [DTYPE]
+serve: $(CORE)  ## the speech server and its page: http://127.0.0.1:8000/ [MODEL=DIR] [SLOTS=8|auto] [PORT] [DTYPE]
 	$(VENV)/bin/qtts-jax serve --model $(or $(MODEL),tiny-random) --host $(or $(HOST),127.0.0.1) --port $(or $(PORT),8000) \
 		--slots $(or $(SLOTS),8) $(if $(DTYPE),--dtype $(DTYPE))
 
@@ -89,13 +94,13 @@ cluster: $(VENV)/.fleet  ## a Ray Serve fleet: http://127.0.0.1:8000/ [REPLICAS=
 # ~106 ms after the 80 ms before it started playing and every stream starves by construction, which would put
 # the verdict on the 100 ms starvation line and let two runs disagree.
 # PRICE: USD per replica-hour for the fleet's cost (unset: the CLI's default, which the report names as such).
-study: $(VENV)/.study  ## capacity study -> runs/<id>/report.html [URL=http://host:port] [LOADS="1 2 4"] [PRICE=USD/h]
+study: $(STUDY)  ## capacity study -> runs/<id>/report.html [URL=http://host:port] [LOADS="1 2 4"] [PRICE=USD/h]
 	$(PY) -m studies capacity $(if $(URL),--url $(URL),--compare-serialised) $(if $(LOADS),--loads $(LOADS)) \
 		$(if $(REQUESTS),--requests $(REQUESTS)) $(if $(MAX_FRAMES),--max-frames $(MAX_FRAMES)) \
 		$(if $(SLOTS),--slots $(SLOTS)) $(if $(PRICE),--price-per-hour $(PRICE)) --chunk-schedule $(or $(CHUNKS),1)
 
 # One synthesis through a server (a local tiny-random one unless URL=...): listen, waveform, spectrogram, timings
-explore: $(VENV)/.study  ## notebooks/explore_model.py -> runs/<id>/report.html [TEXT=...] [URL=...] [MODEL=DIR]
+explore: $(STUDY)  ## notebooks/explore_model.py -> runs/<id>/report.html [TEXT=...] [URL=...] [MODEL=DIR]
 	$(PY) -m studies explore $(if $(URL),--url $(URL)) $(if $(MODEL),--model $(MODEL)) $(if $(TEXT),--text "$(TEXT)")
 
 # JupyterLab on notebooks/: the jupytext .py files open as notebooks and stay the source (notebooks/jupytext.toml)

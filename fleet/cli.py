@@ -42,8 +42,8 @@ def add_cluster_parser(sub) -> argparse.ArgumentParser:
 def cluster(args) -> int:
     """Run until SIGTERM/SIGINT, then shut the application down (replicas drain their streams first)."""
     if importlib.util.find_spec("ray") is None:
-        print("error: qtts-jax cluster needs the fleet extra: pip install -e '.[fleet]' (or make fleet)",
-              file=sys.stderr)
+        print("error: qtts-jax cluster needs the fleet extra (Ray Serve): pip install -e '.[fleet]', or "
+              "make cluster, which installs it and starts a fleet", file=sys.stderr)
         return 2
     import ray
     from ray import serve

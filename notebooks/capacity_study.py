@@ -26,7 +26,7 @@
 server_url = "http://127.0.0.1:8000"
 mode = "closed"  # closed | open-fixed | open-poisson
 protocol = "http"  # http (streamed POST /v1/audio/speech) | ws (one WebSocket utterance per request)
-loads = [1, 2, 4, 8]  # requests in flight (closed) or requests/s (open)
+loads = [1, 2, 4, 8]  # clients (closed) or requests/s (open)
 requests_per_condition = 60  # 59 or more: fewer cannot bound a p95 from above, so no load can pass
 warmup = 2
 corpus = "voice_agent"
@@ -59,7 +59,8 @@ from studies.corpora import load_corpus
 from studies.plots import capacity_curves, show, ttfa_cdfs
 from studies.records import read_jsonl
 from studies.slo import SLO, Contract
-from studies.verdict import conditions_table, contract_text, fleet_text, machine_text, provenance_table, verdict_text
+from studies.verdict import (batching_text, conditions_table, contract_text, fleet_text, machine_text, provenance_table,
+                             verdict_text)
 
 pd.set_option("display.max_colwidth", None)  # provenance values are long; never cut them to "..."
 out = Path(out_dir)
@@ -84,7 +85,8 @@ display(Markdown(f"{summary['mode']} loop over {summary['protocol']}, {summary['
 # %% [markdown]
 # ## SLO table and verdict
 # TTFA and starvation p95 with their 90% confidence intervals; ✗ the interval is above the target, ? it
-# contains the target (undecided). Streams that underran: valid streams with any stall after their first audio
+# contains the target (undecided). `refused`: requests the server never admitted, even after waiting out its
+# Retry-After twice; `admitted after a refusal`: requests whose wait for that is in their TTFA. Streams that underran: valid streams with any stall after their first audio
 # at zero buffer, with the share's exact binomial (Clopper-Pearson) 90% interval; `zero-underrun` is the
 # contract's verdict.
 
@@ -105,6 +107,8 @@ for server in summary["servers"]:
 
 # %%
 show(capacity_curves(summary), out / "curves.png")
+if batching := batching_text(summary):
+    display(Markdown(batching))
 
 # %% [markdown]
 # ## TTFA distribution per server

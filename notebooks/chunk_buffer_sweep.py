@@ -19,7 +19,7 @@
 # %% tags=["parameters"]
 server_url = "http://127.0.0.1:8000"
 mode = "closed"
-load = 1  # requests in flight (closed) or requests/s (open)
+load = 1  # clients (closed) or requests/s (open)
 first_chunks = [1, 2, 4, 8]  # frames (80 ms each)
 buffers_ms = [0, 100, 200, 400]
 requests_per_condition = 20

@@ -103,12 +103,11 @@ def finetune(args) -> int:
         with _Progress() as progress:
             # the model's talker weights become the training state: one copy on the device (the codec stays)
             run = train.train(model.talker, model.cfg, model.tokenizer, examples, settings, args.out / "checkpoints",
-                              args.resume, progress, release=True)
+                              args.resume, progress, release=True,
+                              on_resume=lambda step: print(f"resumed from step {step}", file=sys.stderr))
     except train.ResumeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if run.resumed_from is not None:
-        print(f"resumed from step {run.resumed_from}", file=sys.stderr)
     curve = train.write_curve(run.curve, args.out)
     # every example was trained with its own reference's x-vector; the speaker row holds their mean
     xvector = sum(e.xvector for e in examples) / len(examples)

@@ -8,6 +8,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -20,6 +21,9 @@ from serving.cli import add_serve_parser, serve
 
 DEFAULT_VOICE = VOICE_ALIASES["alloy"]  # the server's default voice on CustomVoice models, so synth sounds the same
 RANDOM_MAX_FRAMES = 24  # random weights rarely reach EOS: without a cap a short text runs ~16 s of noise
+# --out's extension -> the format synth writes, by the server's encoders (.ogg holds Opus, as the server sends it)
+OUT_FORMATS = {".wav": "wav", ".mp3": "mp3", ".flac": "flac", ".opus": "opus", ".ogg": "opus", ".aac": "aac",
+               ".pcm": "pcm"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,7 +55,9 @@ def _parser() -> argparse.ArgumentParser:
                         f"which rarely end, stop after {RANDOM_MAX_FRAMES} = {RANDOM_MAX_FRAMES * 0.08:.2f} s)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="weights dtype (default float32; bfloat16 halves memory)")
-    s.add_argument("--out", default="speech.wav", help="output .wav (default speech.wav)")
+    s.add_argument("--out", default="speech.wav",
+                   help=f"output file; its extension names the format ({', '.join(OUT_FORMATS)}; .pcm: raw s16le "
+                        "24 kHz mono) (default speech.wav)")
     s.add_argument("--codes-out", help="also save the codes [frames, 16] as .npy (default: not saved)")
     i = sub.add_parser("info", help="print what a checkpoint is (kind, size, speakers, languages)")
     i.add_argument("--model", default="tiny-random",
@@ -79,9 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         return cluster(args)
     if args.command == "finetune":
         return finetune(args)
+    if args.command == "synth" and Path(args.out).suffix.lower() not in OUT_FORMATS:
+        print(f"error: --out: {args.out!r} does not end in a format synth writes ({', '.join(OUT_FORMATS)})",
+              file=sys.stderr)
+        return 2
     import jax.numpy as jnp
 
-    from qtts_jax.io.audio import write_wav
     from qtts_jax.model import load_model
 
     try:
@@ -121,9 +130,23 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, RequestError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    write_wav(args.out, result.audio, result.sample_rate)
+    write_audio(Path(args.out), result.audio)
     if args.codes_out:
         np.save(args.codes_out, result.codes)
     seconds = len(result.audio) / result.sample_rate
     print(f"wrote {args.out}: {result.frames} frames, {seconds:.2f} s of audio in {elapsed:.2f} s")
     return 0
+
+
+def write_audio(path: Path, audio: np.ndarray) -> None:
+    """24 kHz model audio as the file `path`'s extension names (`OUT_FORMATS`)."""
+    from qtts_jax.io.audio import write_wav
+    from qtts_jax.codec.config import SAMPLE_RATE
+    from serving.audio_out import whole
+
+    fmt = OUT_FORMATS[path.suffix.lower()]
+    if fmt == "wav":
+        write_wav(path, audio, SAMPLE_RATE)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(whole(fmt, audio))

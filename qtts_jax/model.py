@@ -15,7 +15,7 @@ from qtts_jax.codec import decoder as codec_decoder
 from qtts_jax.codec.decoder import CodecDecoder
 from qtts_jax.codec.config import SAMPLE_RATE, CodecConfig
 from qtts_jax.codec.weights import load_codec_decoder, random_codec_decoder
-from qtts_jax.config import ModelConfig, SamplingDefaults, load_config
+from qtts_jax.config import ModelConfig, SamplingDefaults, load_config, read_json
 from qtts_jax.generate import Generator
 from qtts_jax.prompt import build_prompt
 from qtts_jax.io.reference_audio import AudioLimits, ReferenceAudio, load_reference_audio, prepare_reference
@@ -27,6 +27,9 @@ from qtts_jax.talker.weights import load_talker, random_talker
 log = logging.getLogger(__name__)
 
 PRESETS = ("tiny-random", "tiny-random-base", "0.6b", "1.7b", "0.6b-base", "1.7b-base")
+# A config.json key our exports add when the weights came from random ones (a model fine-tuned from a preset): its
+# audio is noise too, and tools that cap noise (synth's frame cap) must know. Other loaders ignore the key.
+NOISE_KEY = "qtts_jax_random_weights"
 
 
 @dataclasses.dataclass
@@ -149,7 +152,7 @@ def load_model(path_or_preset: str | Path, dtype=jnp.float32, seed: int = 0) -> 
         codec_cfg=codec_cfg,
         codec=load_codec_decoder(codec_dir, codec_cfg),
         tokenizer=TextTokenizer.from_directory(directory),
-        is_noise=False,
+        is_noise=bool(read_json(directory / "config.json").get(NOISE_KEY)),
         voice_encoders=VoiceEncoders.load(directory, codec_cfg) if cfg.model_type == "base" else None,
     )
 

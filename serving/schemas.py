@@ -356,7 +356,7 @@ def build_job(opts: dict, *, engine, **kw) -> Job:
 
 def speech_options(body: Any, *, model, max_input_chars: int, max_ref_audio_bytes: int) -> dict:
     """The speech body's checked options, its dialect folded in: `text` -> `input`, `voice_id` -> `voice`, and
-    (for bodies that use `text`, as the Rust server's clients send) `voice` defaults to `alloy` on CustomVoice."""
+    on CustomVoice a missing `voice` is the default one (vivian in vLLM-Omni's dialect, as there; else alloy)."""
     opts = parse_options(body, speech_fields(max_input_chars, max_ref_audio_bytes), required=False)
     for alias, name in (("text", "input"), ("voice_id", "voice")):
         if alias in opts:
@@ -383,12 +383,14 @@ def speech_options(body: Any, *, model, max_input_chars: int, max_ref_audio_byte
             raise bad("ref_audio", f"cloning a voice needs a Base checkpoint; this server runs a "
                                    f"{model.cfg.model_type} model", "unsupported")
     if "voice" not in opts and "ref_audio" not in opts:
-        if opts.get("_dialect") == "rust" and model.cfg.model_type == "custom_voice":
+        # optional on CustomVoice, as vLLM-Omni's clients expect: its dialect gets its default speaker, any other
+        # body the server's default voice (alloy), the one synth and the page use
+        if opts.get("_dialect") == "omni" and "vivian" in model.cfg.speakers:
+            opts["voice"] = "vivian"
+        elif model.cfg.model_type == "custom_voice":
             opts["voice"] = "alloy"
-        elif opts.get("_dialect") == "omni" and "vivian" in model.cfg.speakers:
-            opts["voice"] = "vivian"  # vLLM-Omni's default speaker
         else:
-            raise bad("voice", "is required", "missing_field")
+            raise bad("voice", f"is required: a {model.cfg.model_type} model has no default voice", "missing_field")
     return opts
 
 

@@ -16,10 +16,11 @@ from studies.sweep import sweep
 
 
 def unit(mode: str, load: float | None = None) -> str:
-    """The load's unit, singular for a load of exactly 1 in flight."""
+    """The load's unit, singular for a load of exactly 1 client. A closed loop's load is its clients, each offering
+    one stream at a time: what is offered, not what is in flight (a refused client is waiting, not playing)."""
     if mode != "closed":
         return "requests/s"
-    return "stream in flight" if load == 1 else "streams in flight"
+    return "client" if load == 1 else "clients"
 
 
 def assess(conditions: list[dict], slo: SLO, slots: int | None, contract: Contract = Contract()) -> dict:
@@ -60,8 +61,7 @@ def status(capacity: float, stop: dict | None) -> str:
 
 
 def capacity_text(capacity: float, capacity_status: str, stop: dict | None, mode: str) -> str:
-    """A capacity as a planner should read it: "at least 2 streams in flight", "1 stream in flight (load 2
-    fails)", "undecided (load 1 is undecided)", "none (load 1 fails)"."""
+    """A capacity as a planner should read it: "at least 2 clients", "1 client (load 2 fails)", "undecided (load 1 is undecided)", "none (load 1 fails)"."""
     at = f"load {stop['load']:g} {'fails' if stop['overall'] == 'fail' else 'is undecided'}" if stop else ""
     if capacity_status == "undecided":
         return f"undecided ({at})"

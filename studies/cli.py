@@ -43,11 +43,12 @@ def _parser(prog: str = "python -m studies") -> argparse.ArgumentParser:
     c.add_argument("--slots", type=int, default=2, help="local server: concurrent streams it batches")
     c.add_argument("--model", default="tiny-random", help="local server: checkpoint directory or tiny-random")
     c.add_argument("--mode", default="closed", choices=["closed", "open-fixed", "open-poisson"],
-                   help="closed: LOAD streams in flight; open-*: LOAD requests/s, evenly spaced or Poisson")
+                   help="closed: LOAD clients, each offering one stream at a time and waiting out a refusal's Retry-After; "
+                        "open-*: LOAD requests/s, evenly spaced or Poisson")
     c.add_argument("--protocol", default="http", choices=["http", "ws"],
                    help="http: streamed POST /v1/audio/speech; ws: one WebSocket utterance per request")
     c.add_argument("--loads", type=float, nargs="+", default=[1, 2, 4], metavar="LOAD",
-                   help="loads to sweep: streams in flight (closed) or requests/s (open)")
+                   help="loads to sweep: clients (closed) or requests/s (open)")
     c.add_argument("--requests", type=int, default=60,
                    help="measured requests per load; 59 or more bound a p95 from above, so fewer can never pass")
     c.add_argument("--warmup", type=int, default=2, help="unmeasured requests at the start of each load")
@@ -154,7 +155,7 @@ def capacity(args) -> int:
     from studies.report import new_run_dir, run_notebook
     from studies.server import local_server
     from studies.slo import SLO, Contract
-    from studies.verdict import contract_text, last_line, machine_text, verdict_text
+    from studies.verdict import batching_text, contract_text, last_line, machine_text, verdict_text
 
     if args.compare_url and args.compare_serialised:
         print("error: give --compare-url or --compare-serialised, not both", file=sys.stderr)
@@ -192,8 +193,9 @@ def capacity(args) -> int:
     for server in summary["servers"]:
         print(verdict_text(server, summary).replace("**", ""), end="\n\n")
         print(contract_text(server, summary).replace("**", ""), end="\n\n")
-    if warning := machine_text(summary):
-        print(warning.replace("**", ""), end="\n\n")
+    for text in (batching_text(summary), machine_text(summary)):
+        if text:
+            print(text.replace("**", ""), end="\n\n")
     print(last_line(summary, report))
     return 0
 

@@ -1,8 +1,10 @@
 """Load generation against a speech server's public API, closed or open loop, over HTTP or WebSocket.
 
-Closed loop keeps `concurrency` requests in flight (each client sends its next request when one ends);
-open loop sends at a fixed or Poisson rate whatever the server does, which is how real callers arrive
-and the only way to see queueing grow. Every request becomes a `RequestRecord` with its chunk arrivals.
+Closed loop runs `concurrency` clients, each with one request at a time: the load is what they offer, not what is
+in flight. A refused client behaves like a real one: it waits the Retry-After the server sent (plus jitter, so
+refused clients do not return together) and sends the same request again. Open loop sends at a fixed or Poisson
+rate whatever the server does, which is how real callers arrive and the only way to see queueing grow. Every
+request becomes a `RequestRecord` with its chunk arrivals.
 
 Protocols: `http` is `POST /v1/audio/speech` streaming raw PCM; `ws` opens one WebSocket per request on
 `/v1/audio/speech/stream` (session.update, input_text.append, input_text.commit) and reads the binary PCM
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import gc
 import json
+import random
 import time
 import uuid
 
@@ -209,6 +213,56 @@ async def speak_ws(session: aiohttp.ClientSession, url: str, record: RequestReco
     return record
 
 
+# Sends of one request a closed-loop client makes before it gives up on a server that keeps refusing it
+SENDS = 3
+JITTER = 0.5  # a refused client waits Retry-After times 1 to 1 + JITTER
+
+
+def refusal_wait(record: RequestRecord) -> float | None:
+    """Seconds a refused request was told to wait (Retry-After of a 429 or 503); None if it was not refused so."""
+    if record.status not in (429, 503) or record.retry_after is None:
+        return None
+    try:
+        return max(float(record.retry_after), 0.0)
+    except ValueError:
+        return None
+
+
+def refusal_message(error: str | None) -> str | None:
+    """The server's words from a refusal's error text: the JSON `error.message` over HTTP, the text after the code
+    over the WebSocket."""
+    if not error:
+        return None
+    head, _, rest = error.partition(": ")
+    if head.startswith("HTTP"):
+        try:
+            return str(json.loads(rest)["error"]["message"])
+        except (ValueError, KeyError, TypeError):
+            return rest or head
+    return rest or head
+
+
+async def speak_until_admitted(session: aiohttp.ClientSession, url: str, record: RequestRecord, options: dict,
+                               t0: float, timeout_s: float, protocol: str, rng: random.Random,
+                               sends: int = SENDS) -> RequestRecord:
+    """`speak` a copy of `record`, sent again after each refusal that carries a Retry-After, up to `sends` times.
+    Returns the last send's record, but with the first's `send_s`: the listener waited all along, so the wait
+    counts in its time to first audio. `refusals` counts the refused sends, `refusal` says why the first was."""
+    first_send, refusals, why = None, 0, None
+    while True:
+        sent = await speak(session, url, copy.deepcopy(record), options, t0, timeout_s, protocol=protocol)
+        first_send = sent.send_s if first_send is None else first_send
+        wait = refusal_wait(sent)
+        if wait is not None:
+            refusals += 1
+            why = why or refusal_message(sent.error)
+        if wait is None or refusals >= sends:
+            break
+        await asyncio.sleep(wait * (1 + JITTER * rng.random()))
+    sent.send_s, sent.refusals, sent.refusal = first_send, refusals, why
+    return sent
+
+
 def _record(mode, load, i, prompts, warmup) -> RequestRecord:
     k = i % len(prompts)
     return RequestRecord(request_id=f"study-{uuid.uuid4().hex[:12]}", condition=condition_name(mode, load),
@@ -217,19 +271,21 @@ def _record(mode, load, i, prompts, warmup) -> RequestRecord:
 
 async def closed_loop(url: str, concurrency: int, requests: int, prompts: list[str], options: dict | None = None,
                       warmup: int = 0, timeout_s: float = 60.0, protocol: str = "http",
-                      on_done=None, t0: float | None = None) -> list[RequestRecord]:
+                      on_done=None, t0: float | None = None, seed: int = 0) -> list[RequestRecord]:
     """`concurrency` clients, each sending its next request as soon as its last one ends, until
-    `warmup + requests` have been sent; the first `warmup` are marked and left out of statistics. Times count from
+    `warmup + requests` have been sent; the first `warmup` are marked and left out of statistics. A refused request
+    is sent again after its Retry-After (`speak_until_admitted`; `seed` seeds the jitter). Times count from
     `t0` (a `time.perf_counter` reading; by default the call's start): a caller that matches the records against
     stamps taken elsewhere on the same clock passes its own zero."""
     _check(concurrency, requests, prompts, warmup, protocol, options)
     total, counter, out = warmup + requests, iter(range(warmup + requests)), []
     t0 = time.perf_counter() if t0 is None else t0
+    rng = random.Random(seed)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         async def client():
             for i in counter:  # a shared iterator: each index is taken by exactly one client
-                out.append(await speak(s, url, _record("closed", concurrency, i, prompts, warmup),
-                                       options or {}, t0, timeout_s, protocol=protocol))
+                out.append(await speak_until_admitted(s, url, _record("closed", concurrency, i, prompts, warmup),
+                                                      options or {}, t0, timeout_s, protocol, rng))
                 if on_done:
                     on_done()
 
@@ -290,12 +346,12 @@ async def run_condition(url: str, mode: str, load: float, requests: int, prompts
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
     _check(1, requests, prompts, warmup, protocol, options)
     if mode == "closed" and load != int(load):
-        raise ValueError(f"closed-loop load is a whole number of requests in flight, got {load}")
+        raise ValueError(f"closed-loop load is a whole number of clients, got {load}")
     await wait_ready(url, timeout_s=timeout_s, idle=True)
     with collector_paused():
         if mode == "closed":
             return await closed_loop(url, int(load), requests, prompts, options, warmup, timeout_s, protocol,
-                                     on_done)
+                                     on_done, seed=seed)
         return await open_loop(url, load, requests, prompts, mode == "open-poisson", options, warmup, seed,
                                timeout_s, protocol, on_done)
 

@@ -31,6 +31,8 @@ class RequestRecord:
     server_queue_ms: float | None = None  # of that, waiting for admission to a slot (the engine's queue)
     server_intake_ms: float | None = None  # before it: the server's handler start to the engine's submit
     retry_after: str | None = None
+    refusals: int = 0  # sends the server refused (429/503) before the last, each followed by a wait of its Retry-After
+    refusal: str | None = None  # why the first refused send was refused (the server's message)
     warmup: bool = False
     protocol: str = "http"  # http (streamed POST) | ws (WebSocket utterance)
     server: str = ""  # which server of a study (its label), so one DataFrame can hold a comparison

@@ -3,7 +3,9 @@ streams that underran with its binomial bounds, throughput."""
 
 from __future__ import annotations
 
+import collections
 import math
+import re
 
 import numpy as np
 
@@ -92,6 +94,24 @@ def first_underrun_at(ages: list[float | None]) -> dict[str, int]:
     return out
 
 
+def refusals(measured: list[RequestRecord]) -> dict:
+    """How the server refused a condition's requests: `refused`, requests it never admitted (their last send
+    refused too) and `refusal_statuses`, their statuses; `admitted_after_refusal`, requests it admitted after
+    refusing an earlier send (their wait counts in their TTFA); `refusal_reason`, the most common reason it gave
+    (numbers aside), as it said it the first time."""
+    refused = [r for r in measured if r.status in (429, 503)]
+    reasons = [r.refusal for r in measured if r.refusal]
+    shapes = collections.Counter(map(_shape, reasons))
+    common = shapes.most_common(1)[0][0] if shapes else None
+    return {"refused": len(refused), "refusal_statuses": sorted({r.status for r in refused}),
+            "admitted_after_refusal": sum(r.ok and r.refusals > 0 for r in measured),
+            "refusal_reason": next((why for why in reasons if _shape(why) == common), None)}
+
+
+def _shape(reason: str) -> str:
+    return re.sub(r"\d+(\.\d+)?", "#", reason)
+
+
 def summarize(records: list[RequestRecord], buffer_ms: float = 0.0) -> dict:
     """One condition's numbers. Warm-up records are ignored; starvation is over valid streams only, at `buffer_ms`.
     `underrun_requests` counts valid streams with any stall after their first audio at zero buffer, whatever
@@ -115,7 +135,7 @@ def summarize(records: list[RequestRecord], buffer_ms: float = 0.0) -> dict:
     return {
         "condition": first.condition, "mode": first.mode, "load": first.load, "buffer_ms": buffer_ms,
         "requests": len(measured), "succeeded": len(ok), "success_rate": len(ok) / len(measured),
-        "rejected_429": sum(r.status == 429 for r in measured),
+        "rejected_429": sum(r.status == 429 for r in measured), **refusals(measured),
         "ttfa_p50_ms": percentile(ttfa_ms, 50), "ttfa_p95_ms": percentile(ttfa_ms, 95),
         "ttfa_p95_ci_ms": percentile_bounds(ttfa_ms), "ttfa_p99_ms": percentile(ttfa_ms, 99),
         "start_p95_ms": percentile(start_ms, 95),

@@ -7,6 +7,7 @@ import math
 
 import pandas as pd
 
+from qtts_jax.engine.config import EngineConfig
 from studies.capacity import capacity_text, unit
 from studies.stats import CONFIDENCE
 
@@ -45,7 +46,8 @@ def conditions_table(server: dict) -> pd.DataFrame:
         v = c["verdict"]
         rows.append({
             "load": f"{c['load']:g}", "requests": c["requests"],
-            "success": f"{c['success_rate']:.1%}{MARK[v['success']]}", "429": c["rejected_429"],
+            "success": f"{c['success_rate']:.1%}{MARK[v['success']]}", "refused": c.get("refused", c["rejected_429"]),
+            "admitted after a refusal": c.get("admitted_after_refusal", 0),
             "TTFA p50 ms": _ms(c["ttfa_p50_ms"]),
             f"TTFA p95 ms [{CI}]": _ci(c["ttfa_p95_ms"], c["ttfa_p95_ci_ms"], v["ttfa"]),
             f"starvation p95 ms [{CI}]": _ci(c["starvation_p95_ms"], c["starvation_p95_ci_ms"], v["starvation"]),
@@ -55,12 +57,31 @@ def conditions_table(server: dict) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("load")
 
 
+def refused_text(cond: dict) -> str:
+    """The requests a load's server refused for good, with their status and its reason: `60 of 60 refused (429:
+    predicted first audio in 653 ms exceeds the 300 ms target)`; empty when it refused none."""
+    if not cond.get("refused"):
+        return ""
+    statuses = ", ".join(map(str, cond["refusal_statuses"]))
+    why = f": {cond['refusal_reason']}" if cond.get("refusal_reason") else ""
+    return f"{cond['refused']} of {cond['requests']} refused ({statuses}{why})"
+
+
+def _late_text(cond: dict) -> str:
+    """Requests admitted only after a refusal: their Retry-After wait is in their TTFA."""
+    n = cond.get("admitted_after_refusal", 0)
+    if not n:
+        return ""
+    return f"{n} of {cond['requests']} waited out a refusal's Retry-After first, and that wait is in their TTFA"
+
+
 def _p95_why(cond: dict, name: str, verdict: str, target: float) -> str:
     """Why a p95 ("ttfa" or "starvation") is not a pass: above the target, unbounded, or undecided."""
     lo, hi = cond[f"{name}_p95_ci_ms"]
     label = "p95 TTFA" if name == "ttfa" else "p95 starvation"
+    late = f" ({_late_text(cond)})" if name == "ttfa" and _late_text(cond) else ""
     if verdict == "fail":
-        return f"{label} is above {target:g} ms (its {CI} starts at {_ms(lo)} ms)"
+        return f"{label} is above {target:g} ms (its {CI} starts at {_ms(lo)} ms){late}"
     if math.isinf(hi):
         return (f"{label} cannot be bounded from {cond['succeeded']} valid streams (59 are needed to bound a p95 "
                 "from above)")
@@ -83,7 +104,11 @@ def verdict_text(server: dict, summary: dict) -> str:
         why = []
         for name, verdict in stop["slos"].items():
             if name == "success":
-                why.append(f"{cond['success_rate']:.1%} of streams succeeded (SLO ≥ {slo['min_success_rate']:.0%})")
+                refused = refused_text(cond)
+                why.append((f"{refused}: " if refused else "")
+                           + f"{cond['success_rate']:.1%} of streams succeeded (SLO ≥ {slo['min_success_rate']:.0%})")
+                continue
+            if not cond["succeeded"]:  # no audio to time: the refusals or failures above are the reason
                 continue
             target = slo["ttfa_p95_ms"] if name == "ttfa" else slo["starvation_p95_ms"]
             why.append(_p95_why(cond, name, verdict, target))
@@ -99,7 +124,7 @@ def verdict_text(server: dict, summary: dict) -> str:
                      f"{max(summary['loads']):g}; sweep higher loads to find its limit.")
     if "slot count" in server["limited_by"]:
         lines.append(f"The safe capacity is the server's {server['slots']} slot"
-                     f"{'s' if server['slots'] != 1 else ''}: more streams in flight wait for a slot, so a server "
+                     f"{'s' if server['slots'] != 1 else ''}: more clients wait for a slot, so a server "
                      "with more slots (if it keeps up) may carry more.")
     return "\n\n".join(lines)
 
@@ -121,7 +146,8 @@ def contract_text(server: dict, summary: dict) -> str:
         lines[0] += "."
     if stop:
         cond = next(c for c in server["conditions"] if c["load"] == stop["load"])
-        why = [_contract_why(cond, name, verdict, target) for name, verdict in stop["slos"].items()]
+        why = [_contract_why(cond, name, verdict, target) for name, verdict in stop["slos"].items()
+               if name == "success" or cond["succeeded"]]  # no audio to time: the failures are the reason
         what = "breaks" if stop["overall"] == "fail" else "is undecided on"
         lines.append(f"Load {stop['load']:g} {what} the zero-underrun contract: " + "; ".join(why) + ".")
     if summary["buffer_ms"]:
@@ -133,7 +159,9 @@ def contract_text(server: dict, summary: dict) -> str:
 def _contract_why(cond: dict, name: str, verdict: str, target: float) -> str:
     """Why a load misses one criterion of the contract: a failed request, a stream that stalled, or its TTFA."""
     if name == "success":
-        return f"{cond['success_rate']:.1%} of requests succeeded (the contract needs every one, a 429 included)"
+        refused = refused_text(cond)
+        return ((f"{refused}: " if refused else "")
+                + f"{cond['success_rate']:.1%} of requests succeeded (the contract needs every one, a 429 included)")
     if name == "underruns":
         lo, hi = cond["underrun_share_ci"]
         at = cond.get("first_underrun_at")  # summaries written before it lack it
@@ -164,6 +192,44 @@ def fleet_text(server: dict, summary: dict) -> str:
             + (" (the placeholder default: pass `--price-per-hour` for your accelerator's price)"
                if summary.get("price_is_default") else "") + ":\n\n"
             "| policy | replicas | $/hour | $/month |\n|---|---|---|---|\n" + rows)
+
+
+def batching_text(summary: dict) -> str:
+    """Markdown: whether batching paid, where a study compared a batched server with a serialised one it started
+    (`make study`): the audio each made per second at load 1 and with every slot busy, and why. Empty otherwise."""
+    about = (summary.get("provenance") or {}).get("servers") or {}
+    serialised = {label for label, s in about.items() if (s.get("config") or {}).get("serialised")}
+    serial = next((s for s in summary["servers"] if s["label"] in serialised), None)
+    batched = next((s for s in summary["servers"] if s["label"] not in serialised and (s.get("slots") or 0) > 1), None)
+    if serial is None or batched is None or summary["mode"] != "closed":
+        return ""
+    made = {name: {c["load"]: c["audio_s_per_s"] for c in s["conditions"]} for name, s in
+            (("batched", batched), ("serial", serial))}
+    slots, both = batched["slots"], sorted(set(made["batched"]) & set(made["serial"]))
+    full = max((load for load in both if load <= slots), default=None)
+    if full is None:
+        return ""
+    lines = [f"**Batching on this machine.** At load {both[0]:g} the serialised server made "
+             f"{made['serial'][both[0]]:.2f} s of audio per second, the batched one {made['batched'][both[0]]:.2f}."]
+    ladder = EngineConfig(slots=slots).ladder
+    if ladder[0] > both[0]:
+        lines.append(f"The batched server's step is compiled for {ladder[0]} rows only (its ladder of batch sizes "
+                     f"starts at {EngineConfig.min_batch} rows or its slots: on a GPU fewer rows cost no less), so "
+                     f"{both[0]:g} stream{'s pay' if both[0] != 1 else ' pays'} for {ladder[0] - both[0]:g} empty "
+                     f"row{'s' if ladder[0] - both[0] != 1 else ''}.")
+    gain = made["batched"][full] / made["serial"][full]
+    machine = (summary.get("provenance") or {}).get("machine") or {}
+    where = f"{machine.get('cpu_count', '?')} CPU cores" + (" and no GPU" if not machine.get("gpus") else "")
+    lines.append(f"At load {full:g}, with {'every slot' if full == slots else f'{full:g} of its {slots} slots'} "
+                 f"busy, the batched server made {made['batched'][full]:.2f} against {made['serial'][full]:.2f}: ")
+    if gain >= 1.1:
+        lines[-1] += f"batching pays, {gain:.2f}× the audio per second."
+    else:
+        lines[-1] += (f"batching does not pay ({gain:.2f}×). On {where} a step's cost grows with its rows, since the "
+                      "same cores do every row's arithmetic: a step of two rows costs about two steps of one. On a "
+                      f"GPU a step of fewer than {EngineConfig.min_batch} rows costs about one row's (launch "
+                      "overhead: why the ladder starts there), and batching pays.")
+    return " ".join(lines)
 
 
 def machine_text(summary: dict) -> str:

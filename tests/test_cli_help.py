@@ -159,3 +159,17 @@ def test_every_flag_of_every_command_has_help():
                 yield f"{name} {'/'.join(action.option_strings) or action.dest}"
 
     assert not [*missing(_parser(), "qtts-jax"), *missing(study_parser(), "qtts-jax study")]
+
+
+def test_cluster_without_the_fleet_extra_names_a_make_target_that_exists(capsys, monkeypatch):
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
+    assert main(["cluster"]) == 2
+    err = capsys.readouterr().err
+    named = re.findall(r"\bmake ([a-z-]+)", err)
+    targets = re.findall(r"^([a-z-]+):", (Path(__file__).parents[1] / "Makefile").read_text(), re.M)
+    assert named and set(named) <= set(targets), (named, err)

@@ -81,6 +81,20 @@ def test_synth_defaults_to_tiny_random_the_servers_voice_and_a_short_cap(tmp_pat
     assert "noise" in caplog.text
 
 
+def test_synth_writes_the_format_its_out_extension_names(tmp_path, capsys):
+    import av
+
+    out = tmp_path / "e.mp3"
+    assert cli.main(["synth", "--text", "Hello", "--max-frames", "4", "--out", str(out)]) == 0
+    with av.open(str(out)) as f:
+        assert f.format.name == "mp3"
+        samples = sum(frame.samples for frame in f.decode(audio=0))
+    assert samples >= 4 * 1920  # the encoder may pad its last frame
+    capsys.readouterr()
+    assert cli.main(["synth", "--text", "Hello", "--out", str(tmp_path / "e.mp4")]) == 2
+    assert "--out: " in capsys.readouterr().err and not (tmp_path / "e.mp4").exists()
+
+
 def test_same_seed_same_audio_different_seed_different(tiny_model):
     model = tiny_model
     req = Request("Seeded sampling.", speaker="aiden", seed=7, max_frames=6)

@@ -61,6 +61,17 @@ def test_a_bad_line_is_refused_naming_line_and_field(tmp_path, clips, tiny_base_
     assert f"train.jsonl:3: {field}:" in str(err.value) and says in str(err.value)
 
 
+def test_every_bad_line_is_named_at_once(tmp_path, clips, tiny_base_model):
+    (tmp_path / "junk.wav").write_bytes(b"RIFF not really a wave file")
+    jsonl = write_jsonl(tmp_path / "train.jsonl", [
+        {**GOOD, "audio": "junk.wav"}, GOOD, '{"audio": "a.wav"', {"audio": "a.wav", "ref_audio": "ref.wav"}])
+    with pytest.raises(DataError) as err:
+        data.prepare(jsonl, tiny_base_model.voice_encoders)
+    assert [(p.line, p.field) for p in err.value.problems] == [(1, "audio"), (3, "json"), (4, "text")]
+    assert str(err.value).splitlines()[0] == "3 bad lines:"
+    assert all(f"train.jsonl:{n}: " in str(err.value) for n in (1, 3, 4))
+
+
 def test_missing_jsonl_is_refused(tmp_path, tiny_base_model):
     with pytest.raises(DataError, match="cannot be read"):
         data.prepare(tmp_path / "absent.jsonl", tiny_base_model.voice_encoders)

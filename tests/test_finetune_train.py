@@ -18,7 +18,7 @@ import pytest
 import soundfile as sf
 from flax import nnx
 
-from qtts_cli.main import main
+from qtts_cli.main import RANDOM_MAX_FRAMES, main
 from qtts_jax import nn, xla_flags
 from qtts_jax.finetune import train
 from qtts_jax.finetune.data import Example
@@ -196,18 +196,26 @@ def test_finetune_learns_and_its_export_serves_the_new_speaker(dataset, tmp_path
 
     model = load_model(out / "model")
     assert model.cfg.model_type == "custom_voice" and sorted(model.cfg.speakers) == ["nova"]
+    assert model.is_noise and model.info()["noise"]  # trained from random weights: still noise, and flagged
     (result,) = model.generate(Request(text="hello", speaker="Nova", max_frames=4))
     assert result.frames > 0 and len(result.audio) == result.frames * 1920
 
+    # synth caps the noise as on the preset it came from
     wav = tmp_path / "nova.wav"
+    capsys.readouterr()
     assert main(["synth", "--model", str(out / "model"), "--speaker", "nova", "--text", "hello",
-                 "--max-frames", "4", "--out", str(wav)]) == 0
-    assert sf.info(wav).samplerate == RATE
+                 "--out", str(wav)]) == 0
+    assert f"max frames: {RANDOM_MAX_FRAMES}" in capsys.readouterr().err
+    assert sf.info(wav).samplerate == RATE and sf.info(wav).frames == RANDOM_MAX_FRAMES * 1920
 
-    # the same --out again without --resume is refused; with it, the finished run has nothing left to do
-    assert main(["finetune", "--model", "tiny-random-base", "--data", str(dataset), "--speaker", "Nova",
-                 "--out", str(out), "--steps", "20"]) == 2
+    # the same --out again without --resume is refused; with it, the run goes on and says so before its progress
+    args = ["finetune", "--model", "tiny-random-base", "--data", str(dataset), "--speaker", "Nova",
+            "--out", str(out), "--lr", "1e-3", "--accumulate", "2", "--checkpoint-every", "10", "--steps", "22"]
+    assert main(args) == 2
     assert "--resume" in capsys.readouterr().err
+    assert main([*args, "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "resumed from step 20" in err and err.index("resumed from step 20") < err.index("/22")
 
 
 def test_bad_data_stops_before_training(dataset, tmp_path, capsys):

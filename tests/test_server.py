@@ -148,6 +148,17 @@ async def test_streamed_pcm_and_wav_equal_offline_generate(client, offline):
     assert_same_audio(pcm(data[44:]), expected)
 
 
+async def test_a_body_without_voice_speaks_the_default_voice(client, offline):
+    """`voice` is optional on CustomVoice, as in vLLM-Omni's API: a body without one gets alloy's speaker."""
+    from serving.aliases import DEFAULT
+
+    expected, _ = offline("No voice given.", voice=DEFAULT["alloy"], seed=3, max_frames=8)
+    r = await client.post("/v1/audio/speech", json={"input": "No voice given.", "seed": 3, "max_frames": 8,
+                                                    "response_format": "pcm", "stream": False})
+    assert r.status == 200, await r.text()
+    assert_same_audio(pcm(await r.read()), expected)
+
+
 async def test_whole_file_wav_and_sse(client, offline):
     import soundfile as sf
 

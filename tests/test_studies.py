@@ -523,6 +523,45 @@ async def test_closed_loop_times_count_from_the_zero_its_caller_gives(aiohttp_se
     assert all(r.send_s >= own[-1].end_s for r in given)  # both of its sends came after the first loop ended
 
 
+@pytest.mark.asyncio
+async def test_a_refused_client_waits_its_retry_after_and_sends_again_and_the_summary_names_the_refusals(
+        aiohttp_server):
+    """A closed-loop client is a client: refused, it waits the Retry-After (and some jitter) and sends the same
+    request again, its wait counted in its TTFA; the summary tells refusals from other failures, with the reason."""
+    from aiohttp import web
+
+    from studies.load import SENDS, closed_loop
+
+    sends = {}
+    message = "predicted first audio in {} ms exceeds the 300 ms target"
+
+    async def speech(request):
+        text = (await request.json())["input"]
+        sends.setdefault(text, []).append(time.perf_counter())
+        if text == "never" or len(sends[text]) == 1:
+            error = {"error": {"message": message.format(600 + len(sends[text])), "code": "overloaded"}}
+            return web.json_response(error, status=429, headers={"Retry-After": "0.2"})
+        resp = web.StreamResponse(headers={"X-Sample-Rate": "24000", "X-Channels": "1", "X-Sample-Format": "s16le"})
+        await resp.prepare(request)
+        await resp.write(np.zeros(1920, "<i2").tobytes())
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/audio/speech", speech)
+    server = await aiohttp_server(app)
+    late, never = await closed_loop(str(server.make_url("")).rstrip("/"), 2, 2, ["late", "never"])
+    assert len(sends["late"]) == 2 and len(sends["never"]) == SENDS
+    gaps = np.diff(sends["never"])
+    assert all(0.2 <= g < 0.2 * 1.5 + 0.1 for g in gaps)  # the Retry-After, and up to half again
+    assert late.ok and late.refusals == 1 and late.ttfa_s >= 0.2  # the listener waited through the refusal
+    assert not never.ok and never.status == 429 and never.refusals == SENDS
+    assert late.refusal == message.format(601)
+    c = summarize([late, never])
+    assert (c["refused"], c["refusal_statuses"], c["admitted_after_refusal"]) == (1, [429], 1)
+    assert c["refusal_reason"] == message.format(601)  # the most common reason, numbers aside, as first said
+
+
 def test_a_condition_is_measured_with_the_clients_garbage_collector_off_and_it_is_back_on_after(monkeypatch):
     """A full collection pass held the client for 60-110 ms late in a long run: chunks read that late would count
     as the server's stalls, so no pass may run while a condition is measured."""

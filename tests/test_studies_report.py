@@ -26,7 +26,7 @@ from studies.progress import bar  # noqa: E402
 from studies.records import RequestRecord  # noqa: E402
 from studies.slo import SLO, Contract  # noqa: E402
 from studies.stats import share_bounds  # noqa: E402
-from studies.verdict import (conditions_table, contract_text, fleet_text, last_line, machine_text,  # noqa: E402
+from studies.verdict import (batching_text, conditions_table, contract_text, fleet_text, last_line, machine_text,  # noqa: E402
                              provenance_table, verdict_text)
 
 
@@ -76,18 +76,18 @@ def test_verdict_text_is_generated_from_the_same_numbers_as_the_table():
     assert list(table.index) == ["1", "2", "4"] and list(table["verdict"]) == ["pass", "pass", "undecided"]
     assert table.loc["4", "TTFA p95 ms [90% CI]"] == "325 [200, 450] ?"
     text = verdict_text(batched, s)
-    assert "Safe capacity per replica (batched): at least 2 streams in flight (load 4 is undecided)**" in text
+    assert "Safe capacity per replica (batched): at least 2 clients (load 4 is undecided)**" in text
     assert "Load 4 is undecided: p95 TTFA is undecided: its 90% CI [200, 450] ms contains the 300 ms target" in text
     assert "No tested load" not in text and "lower bound" not in text
     text = verdict_text(serial, s)
-    assert "(serialised): 1 stream in flight (load 2 fails)**" in text  # singular for one
+    assert "(serialised): 1 client (load 2 fails)**" in text  # singular for one
     assert "Load 2 fails: p95 TTFA is above 300 ms (its 90% CI starts at 400 ms)" in text
     assert "The safe capacity is the server's 1 slot:" in text
     over = server("over", [cond(1), cond(2), cond(4, ttfa_ci=(900, 1500))], slots=1)
     assert over["safe_capacity"] == 2 and over["limited_by"] == []  # queueing for the one slot was still fast enough
     top = server("top", [cond(1), cond(2), cond(4)], slots=8)
     assert "may carry more than 4; sweep higher loads" in verdict_text(top, summary(top))
-    assert "(top): at least 4 streams in flight (every load tried passed)**" in verdict_text(top, summary(top))
+    assert "(top): at least 4 clients (every load tried passed)**" in verdict_text(top, summary(top))
     few = server("few", [cond(1, ttfa_ci=(80, math.inf))], slots=8)
     assert "cannot be bounded from 60 valid streams" in verdict_text(few, summary(few, loads=(1,)))
     assert conditions_table(few).loc["1", "TTFA p95 ms [90% CI]"].endswith("[80, ∞] ?")
@@ -106,7 +106,7 @@ def test_the_zero_underrun_contract_has_its_columns_and_its_capacity_beside_the_
                                                               "0/60 [0.0%, 4.9%]"]
     s = summary(batched)
     text = contract_text(batched, s)
-    assert ("**Zero-underrun capacity per replica (batched): 1 stream in flight (load 2 fails)** (every request "
+    assert ("**Zero-underrun capacity per replica (batched): 1 client (load 2 fails)** (every request "
             "succeeded") in text
     assert "from 0 underruns in 60 streams at 1, with 95% confidence at most 4.9% of its streams underrun" in text
     assert ("Load 2 breaks the zero-underrun contract: 1 of 60 streams stalled after their first audio "
@@ -114,7 +114,7 @@ def test_the_zero_underrun_contract_has_its_columns_and_its_capacity_beside_the_
     del batched["conditions"][1]["first_underrun_at"]  # a summary written before the study recorded it
     assert "1 of 60 streams stalled after their first audio (share 1.7%, 90% CI [0.1%, 7.7%])" in contract_text(
         batched, summary(batched))
-    assert "Safe capacity per replica (batched): at least 4 streams in flight" in verdict_text(batched, s)  # unchanged
+    assert "Safe capacity per replica (batched): at least 4 clients" in verdict_text(batched, s)  # unchanged
     slow = server("slow", [cond(1, success=59 / 60)], slots=4)  # default TTFA bounds (80, 120) straddle 100 ms
     text = contract_text(slow, summary(slow, loads=(1,)))
     assert "**Zero-underrun capacity per replica (slow): none (load 1 fails)**." in text
@@ -123,10 +123,49 @@ def test_the_zero_underrun_contract_has_its_columns_and_its_capacity_beside_the_
     assert "zero buffer" in contract_text(slow, {**summary(slow, loads=(1,)), "buffer_ms": 200.0})
 
 
+def test_a_load_of_refusals_says_so_never_just_no_valid_streams():
+    reason = "predicted first audio in 653 ms exceeds the 300 ms target"
+    refused = {**cond(4, ttfa_ci=(-math.inf, math.inf), starv_ci=(-math.inf, math.inf), success=0.0),
+               "refused": 60, "refusal_statuses": [429], "admitted_after_refusal": 0, "refusal_reason": reason}
+    late = {**cond(4, ttfa_ci=(900, 1500)), "refused": 0, "refusal_statuses": [], "admitted_after_refusal": 31,
+            "refusal_reason": reason}
+    for load4, says in ((refused, f"Load 4 fails: 60 of 60 refused (429: {reason}): 0.0% of streams succeeded"),
+                        (late, "p95 TTFA is above 300 ms (its 90% CI starts at 900 ms) (31 of 60 waited out a "
+                               "refusal's Retry-After first, and that wait is in their TTFA)")):
+        s = server("batched", [cond(1), cond(2), load4], slots=2)
+        text = verdict_text(s, summary(s)) + contract_text(s, summary(s))
+        assert says in text and "valid streams" not in text
+        assert conditions_table(s).loc["4", ["refused", "admitted after a refusal"]].tolist() == [
+            load4["refused"], load4["admitted_after_refusal"]]
+    assert "60 of 60 refused (429: " in contract_text(s := server("b", [refused], 2), summary(s, loads=(4,)))
+
+
+def test_a_study_of_batched_and_serialised_servers_says_whether_batching_paid_and_why():
+    def made(server, *rates):  # audio seconds per second at loads 1, 2
+        for c, rate in zip(server["conditions"], rates):
+            c["audio_s_per_s"] = rate
+        return server
+
+    def study(batched, serial):
+        s = summary(batched, serial)
+        s["provenance"] = {"machine": {"cpu_count": 2, "gpus": []}, "servers": {
+            "batched": {"config": {"serialised": False}}, "serialised": {"config": {"serialised": True}}}}
+        return s
+
+    batched, serial = server("batched", [cond(1), cond(2)], slots=2), server("serialised", [cond(1), cond(2)], 1)
+    text = batching_text(study(made(batched, 5.0, 9.0), made(serial, 7.8, 7.9)))
+    assert "At load 1 the serialised server made 7.80 s of audio per second, the batched one 5.00." in text
+    assert "compiled for 2 rows only" in text and "1 stream pays for 1 empty row" in text
+    assert "At load 2, with every slot busy, the batched server made 9.00 against 7.90: batching pays, 1.14×" in text
+    text = batching_text(study(made(batched, 5.0, 8.0), made(serial, 7.8, 7.9)))
+    assert "batching does not pay (1.01×). On 2 CPU cores and no GPU a step's cost grows with its rows" in text
+    assert batching_text(summary(batched, serial)) == ""  # no serialised server started by the study
+
+
 def test_every_server_gets_a_fleet_or_the_reason_it_has_none():
     s = summary(server("a", [cond(1), cond(2)], 4), server("b", [cond(1, success=0.5)], 1))
     a, b = (fleet_text(x, s) for x in s["servers"])
-    assert "**a**: target 100 streams in flight at 2 per replica" in a
+    assert "**a**: target 100 clients at 2 per replica" in a
     assert "| 40% headroom: ceil(target / safe × 1.4) | 70 | 70.00 | 51100 |" in a
     assert "**b: no fleet size**" in b and "no load met every SLO" in b
     assert "placeholder" not in a
@@ -148,7 +187,7 @@ def test_an_undecided_lowest_load_reads_undecided_never_zero():
     assert "capacity is unknown, not zero" in fleet_text(batched, s)
     line = last_line(s, "runs/x/report.html")
     assert line == ("batched: safe capacity undecided (load 1 is undecided), zero-underrun capacity undecided (load 1 "
-                    "is undecided); serialised: safe capacity 1 stream in flight (load 2 fails), zero-underrun "
+                    "is undecided); serialised: safe capacity 1 client (load 2 fails), zero-underrun "
                     "capacity undecided (load 1 is undecided); report: runs/x/report.html")
     fails = server("fails", [cond(1, success=0.5)], slots=1)
     assert "(fails): none (load 1 fails)**" in verdict_text(fails, summary(fails, loads=(1,)))
@@ -199,7 +238,7 @@ def test_capacity_figure_has_units_integer_ticks_a_colour_per_server_and_an_slo_
                                                "audio seconds per wall second (s/s)"]
     for ax in axes:
         assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "4"]
-        assert ax.get_xlabel() == "load (streams in flight)"
+        assert ax.get_xlabel() == "load (clients)"
     legend = [t.get_text() for t in axes[0].get_legend().get_texts()]
     assert "SLO: p95 ≤ 300 ms" in legend and "a p95 (90% CI)" in legend and "b p50" in legend
     lines = {ln.get_label(): to_rgba(ln.get_color()) for ln in axes[2].get_lines()}

@@ -1,8 +1,8 @@
 """The training data: a JSONL of ``{"audio", "text", "ref_audio"}`` lines, checked, then encoded.
 
 Every line is checked before anything is encoded or trained (valid JSON, the three fields, a non-empty text,
-files that exist and decode, clips of 1-30 s), so a bad line stops the run at once with a `DataError` naming its
-line and field. Each ``audio`` becomes its 16-codebook 12 Hz codes (our speech-tokenizer encoder) and each
+files that exist and decode, clips of 1-30 s), so bad lines stop the run at once with a `DataError` naming each
+line and its field. Each ``audio`` becomes its 16-codebook 12 Hz codes (our speech-tokenizer encoder) and each
 ``ref_audio`` the speaker encoder's x-vector, as the official ``prepare_data.py`` and its dataset compute them.
 Both are cached beside the JSONL (``<name>.cache/``), keyed by the file's path, size and mtime and by the
 encoders' fingerprint, so a second run (or a resumed one) encodes nothing again.
@@ -34,6 +34,18 @@ class DataError(ValueError):
     def __init__(self, path: Path, line: int, field: str, message: str):
         super().__init__(f"{path}:{line}: {field}: {message}")
         self.line, self.field = line, field
+        self.problems = [self]
+
+    @classmethod
+    def every(cls, problems: list[DataError]) -> DataError:
+        """One error for all the bad lines, so a file is fixed in one pass: a line of the message each.
+        `line` and `field` are the first's."""
+        if len(problems) == 1:
+            return problems[0]
+        err = cls.__new__(cls)
+        ValueError.__init__(err, f"{len(problems)} bad lines:\n" + "\n".join(map(str, problems)))
+        err.line, err.field, err.problems = problems[0].line, problems[0].field, problems
+        return err
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,32 +64,46 @@ class Example:
 
 
 def read_jsonl(path: Path) -> list[Line]:
-    """Parse and check every line's shape; relative audio paths are read from the JSONL's folder."""
-    path = Path(path)
+    """Parse and check every line's shape; relative audio paths are read from the JSONL's folder. Every bad line
+    is named, each with its first problem."""
+    lines, problems = _read(Path(path))
+    if problems:
+        raise DataError.every(problems)
+    return lines
+
+
+def _read(path: Path) -> tuple[list[Line], list[DataError]]:
+    """The good lines and a problem per bad one."""
     try:
         raw = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise DataError(path, 0, "data", f"cannot be read: {exc}") from None
-    lines = []
+    lines, problems = [], []
     for number, text in enumerate(raw, 1):
-        if not text.strip():
-            continue
-        try:
-            item = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise DataError(path, number, "json", f"not valid JSON ({exc.msg} at column {exc.colno})") from None
-        if not isinstance(item, dict):
-            raise DataError(path, number, "json", "each line must be a JSON object")
-        for field in FIELDS:
-            if not isinstance(item.get(field), str):
-                raise DataError(path, number, field, "missing or not a string")
-        if not item["text"].strip():
-            raise DataError(path, number, "text", "must not be empty")
-        files = {field: _file(path, number, field, item[field]) for field in ("audio", "ref_audio")}
-        lines.append(Line(number, files["audio"], item["text"], files["ref_audio"]))
-    if not lines:
+        if text.strip():
+            try:
+                lines.append(_line(path, number, text))
+            except DataError as exc:
+                problems.append(exc)
+    if not lines and not problems:
         raise DataError(path, 0, "data", "has no training lines")
-    return lines
+    return lines, problems
+
+
+def _line(path: Path, number: int, text: str) -> Line:
+    try:
+        item = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataError(path, number, "json", f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(item, dict):
+        raise DataError(path, number, "json", "each line must be a JSON object")
+    for field in FIELDS:
+        if not isinstance(item.get(field), str):
+            raise DataError(path, number, field, "missing or not a string")
+    if not item["text"].strip():
+        raise DataError(path, number, "text", "must not be empty")
+    files = {field: _file(path, number, field, item[field]) for field in ("audio", "ref_audio")}
+    return Line(number, files["audio"], item["text"], files["ref_audio"])
 
 
 def _file(jsonl: Path, number: int, field: str, value: str) -> Path:
@@ -123,9 +149,9 @@ def prepare(jsonl: Path, encoders: VoiceEncoders) -> list[Example]:
 
     Files missing from the cache are decoded and checked first (fields, existence, 1-30 s) and only then
     encoded, so a bad line late in a long file is reported before minutes of encoding; a cached file was
-    checked when it was encoded."""
+    checked when it was encoded. Every bad line is reported at once, each with its first problem."""
     jsonl = Path(jsonl)
-    lines = read_jsonl(jsonl)
+    lines, problems = _read(jsonl)
     cache = Cache(jsonl, encoders.fingerprint())
     what = {"audio": "codes", "ref_audio": "xvector"}
     todo = {}
@@ -133,8 +159,14 @@ def prepare(jsonl: Path, encoders: VoiceEncoders) -> list[Example]:
         for field in what:
             path = cache.path(getattr(line, field), what[field])
             if path not in todo and not path.is_file():
-                load_clip(jsonl, line, field)
+                try:
+                    load_clip(jsonl, line, field)
+                except DataError as exc:
+                    problems.append(exc)
+                    break
                 todo[path] = (line, field)
+    if problems:
+        raise DataError.every(sorted(problems, key=lambda e: e.line))
     for path, (line, field) in todo.items():
         samples = load_clip(jsonl, line, field).samples
         if field == "audio":

@@ -7,7 +7,8 @@ included) written through the same name table that loads it (`weights.name_table
 into row 3000 of the talker's codec embedding (the row ``spk_id`` names, so choosing the speaker feeds exactly
 the embedding the training fed in the speaker slot); ``speaker_encoder.*`` dropped. Everything else (speech
 tokenizer, text tokenizer, generation config) comes from the source directory; a random preset is written out
-in full (its speech tokenizer's decoder only: the export is a CustomVoice model, which never encodes audio). The
+in full (its speech tokenizer's decoder only: the export is a CustomVoice model, which never encodes audio), its
+config marked as random weights (`model.NOISE_KEY`), so the fine-tuned model is flagged as noise too. The
 directory is built under a temporary name and renamed into place, so a crash never leaves half an export.
 """
 
@@ -25,7 +26,7 @@ from qtts_jax.io.checkpoint import read_safetensors, table_tensors, write_safete
 from qtts_jax.codec.config import CodecConfig
 from qtts_jax.codec.decoder import CodecDecoder
 from qtts_jax.codec.weights import codec_decoder_tensors
-from qtts_jax.model import PRESETS
+from qtts_jax.model import NOISE_KEY, PRESETS
 from qtts_jax.talker import Talker
 from qtts_jax.talker.weights import name_table
 
@@ -50,6 +51,7 @@ def export(talker: Talker, source: str | Path, speaker: str, xvector: np.ndarray
         tensors = {k: v for k, v in read_safetensors(source, "model").items() if not k.startswith("speaker_encoder.")}
     else:
         config, codec_dict = presets.preset_configs(str(source))
+        config[NOISE_KEY] = True  # trained from random weights: still noise, and `load_model` says so
         tmp.mkdir(parents=True)
         presets.write_tiny_tokenizer(tmp)
         codec_dict.pop("encoder_config", None)

@@ -105,9 +105,10 @@ class Run:
 
 def train(talker: Talker, cfg: ModelConfig, tok: TextTokenizer, examples: list[Example], settings: Settings,
           checkpoint_dir: Path, resume: bool = False, on_step: Callable[[int, int, dict], None] = lambda *a: None,
-          release: bool = False) -> Run:
+          release: bool = False, on_resume: Callable[[int], None] = lambda step: None) -> Run:
     """Train a copy of ``talker`` (its `nnx.Param` state, in fp32; the module itself is left alone) on
-    ``examples``; ``on_step(step, total, losses)`` after every step. With ``settings.lora``, only adapters train
+    ``examples``; ``on_resume(step)`` once a checkpoint is restored, before any step (so its message comes before a
+progress bar); ``on_step(step, total, losses)`` after every step. With ``settings.lora``, only adapters train
     (the state and the checkpoints hold them alone) and the returned talker has them merged.
 
     ``release``: hand ``talker``'s weights over to the training state instead (donated: the module's arrays are
@@ -133,6 +134,7 @@ def train(talker: Talker, cfg: ModelConfig, tok: TextTokenizer, examples: list[E
                 f"{k} ({saved['run'].get(k)!r}, now {identity[k]!r})" for k in changed))
         state, meta = ckpt.restore(resumed, state)
         done, curve = resumed, meta["curve"]
+        on_resume(resumed)
     try:
         for step in range(done, total):
             idx = batch_indices(len(examples), settings.batch, settings.seed, step)
