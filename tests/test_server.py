@@ -308,7 +308,6 @@ BAD = [
     ({"input": "   ", "voice": "ryan"}, "input"),
     ({"input": "x" * 4097, "voice": "ryan"}, "input"),
     ({"input": 5, "voice": "ryan"}, "input"),
-    ({"input": "hi"}, "voice"),
     ({"input": "hi", "voice": "nobody"}, "voice"),
     ({"input": "hi", "voice": {"name": "ryan"}}, "voice"),
     ({"input": "hi", "voice": "ryan", "response_format": "aiff"}, "response_format"),
