@@ -27,6 +27,14 @@ SMALL = EngineConfig(slots=2, context=128, prompt_buckets=(64,), max_trailing=32
 
 GREEDY = dict(greedy=True, subtalker_greedy=True)
 
+# The keys of conftest's `keys_file`, one of each role, and a speak key capped at one stream.
+ADMIN_KEY, SPEAK_KEY, CAPPED_KEY, SCRAPE_KEY = ("admin-key-of-the-tests", "speak-key-of-the-tests",
+                                                "capped-key-of-the-tests", "scrape-key-of-the-tests")
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
 
 class Collector:
     """An `on_chunk` callback that keeps every chunk."""
