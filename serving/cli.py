@@ -85,7 +85,7 @@ def add_server_flags(s: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--api-keys-file", metavar="FILE",
                    help="several keys, one 'KEY ROLE [MAX_STREAMS]' a line; ROLE speak, admin (speak and change "
                         "voices, read /metrics) or metrics; MAX_STREAMS caps the key's concurrent streams "
-                        "(QTTS_API_KEYS_FILE)")
+                        "(QTTS_API_KEYS_FILE; default none)")
     s.add_argument("--public-metrics", type=_on_off, metavar="{on,off}",
                    help="on: /metrics needs no key even where keys are on (a scraper on a private network); off: an "
                         "admin or metrics key (QTTS_PUBLIC_METRICS; default off)")
