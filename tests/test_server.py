@@ -23,8 +23,8 @@ from qtts_jax.request import Request
 from serving.app import ENGINE, METRICS, SCHEDULER, Settings, create_app, drain
 from serving.schemas import ApiError
 from studies.load import server_timing
-from support import (ADMIN_KEY, CAPPED_KEY, SCRAPE_KEY, SMALL, SPEAK_KEY, app_client, assert_same_audio, bearer, pcm,
-                     wait_ready)
+from support import (ADMIN_KEY, CAPPED_KEY, SCRAPE_KEY, SMALL, SPEAK_KEY, app_client, assert_same_audio, bearer,
+                     hostile_credentials, pcm, wait_ready)
 
 # test_clients' and test_hardening's (2 slots; its programs come from the compilation cache). The chunk schedule and
 # multi-frame steps are test_engine's; with a server in front, test_server_voices'.
@@ -581,6 +581,20 @@ async def test_websocket_takes_its_key_as_a_header_or_a_browsers_subprotocol(key
         ws = await keyed.ws_connect("/v1/audio/speech/stream", **kw)
         assert ws.protocol == answer and (await ws.receive_json())["type"] == "session.created"
         await ws.close()
+
+
+async def test_credentials_are_ignored_where_keys_are_off(client):
+    """A server without keys (on loopback) serves whatever credentials come: the hostile ones test_hardening sends
+    to a server with keys, but for those aiohttp's client will not send (a NUL) or no request may have (a header
+    longer than 16 KiB: test_hardening's server refuses it)."""
+    from multidict import CIMultiDict
+
+    for lines in hostile_credentials(SPEAK_KEY):
+        if any(len(value) > 16384 or b"\x00" in value for _, value in lines):
+            continue
+        headers = CIMultiDict((name.decode(), value.decode("latin-1")) for name, value in lines)
+        r = await client.get("/v1/models", headers=headers)
+        assert r.status == 200 and "WWW-Authenticate" not in r.headers, (lines, r.status)
 
 
 async def test_a_keys_stream_cap_refuses_one_more_with_429_and_retry_after(keyed):
