@@ -242,9 +242,14 @@ async def voices(request):
 
 
 async def metrics(request):
-    m = request.app[METRICS]
+    return web.Response(body=exposition(request.app), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def exposition(app) -> bytes:
+    """The app's Prometheus metrics as text (what /metrics answers; a fleet replica hands it to the front)."""
+    m = app[METRICS]
     m.collect_steps()
-    return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return generate_latest(m.registry)
 
 
 async def openapi(request):
