@@ -14,6 +14,7 @@ import dataclasses
 import os
 
 from qtts_jax import xla_flags
+from serving import auth
 from serving.settings import Settings
 
 # Ray Serve's replicas and handles report ongoing requests every 10 s by default: too slow to follow live streams.
@@ -84,6 +85,7 @@ def build(settings: Settings, fleet: FleetConfig = FleetConfig(), engine_factory
     from fleet.replica import Replica
     from fleet.router import StreamRouter
 
+    auth.keyring(settings)  # keys missing where the fleet listens, or a malformed keys file: refused before Ray
     slots = settings.slots if isinstance(settings.slots, int) else 256
     scaling = fleet.autoscaling(settings)
     engine = serve.deployment(
@@ -114,4 +116,6 @@ def from_env(args: dict | None = None):
     fleet = FleetConfig(replicas=env("REPLICAS", int, 1), min_replicas=env("MIN_REPLICAS", int),
                         max_replicas=env("MAX_REPLICAS", int), safe_capacity=env("SAFE_CAPACITY"),
                         headroom=env("HEADROOM", float, 0.4), gpus=env("GPUS_PER_REPLICA", float, 0.0))
-    return build(Settings.from_env(), fleet)
+    # the cluster's ingress listens on every interface: keys (QTTS_API_KEY or a keys file, from a Kubernetes secret)
+    # or QTTS_API_KEY=none are required unless QTTS_HOST says otherwise
+    return build(Settings.from_env(**({} if os.environ.get("QTTS_HOST") else {"host": "0.0.0.0"})), fleet)

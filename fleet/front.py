@@ -4,7 +4,10 @@
 audio costs one hop, not a Ray message per chunk (on 2 CPU cores the front spent as much CPU as the engine's replica
 relaying them); other requests go through the handle.
 
-It decides nothing about a request itself, except where it goes and what a dead replica's stream ends with:
+It decides nothing about a request itself, except whether its API key lets it in, where it goes and what a dead
+replica's stream ends with:
+- the key is checked here as each replica checks it (serving/auth.py, the same keys), before any body is read or
+  replica is asked, and a key's stream cap counts its streams across the whole fleet;
 - a speech request refused by a replica (429, or 503 while that replica warms up or drains) is tried on the others
   (the router excludes those already tried); the client gets the refusal only when every replica refused it;
 - a replica that dies before answering is skipped the same way; one that dies mid-stream ends an SSE stream with an
@@ -31,6 +34,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from fleet import router
 from fleet.relay import LoopLag
 from fleet.replica import request_headers, response_headers
+from serving import auth
 from serving.errors import ApiError
 from serving.schemas import base64_chars
 from serving.settings import Settings
@@ -50,6 +54,7 @@ class Front:
 
     async def __init__(self, engine, settings: Settings, deployment: str):
         self.deployment = deployment
+        self.keys = auth.keyring(settings)
         # what a speech body may hold (a Base model's inline ref_audio): larger is the server's 413 to give
         self.max_body = settings.max_body_bytes + base64_chars(settings.max_voice_upload_bytes)
         # the handle's first call starts its router; the copies `options` makes after it share that one router
@@ -83,29 +88,31 @@ class Front:
 
     async def http(self, scope, receive, send) -> None:
         path, method = scope["path"], scope["method"]
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
         try:
+            key = self.keys.check(method, path, [v for k, v in headers if k == "authorization"])
             body = await _body(receive, self.max_body)
+            if (method, path) == ("POST", "/v1/audio/speech"):  # its stream counts against the key's cap
+                with self.keys.stream(key):
+                    return await self.stream(method, _full(scope), headers, body, receive, send)
         except ApiError as err:
-            return await _json(send, err.status, err.body())
+            return await _json(send, err.status, err.body(), err.headers())
         if path in ("/ready", "/health") and method == "GET":
             return await self.readiness(send, path)
         if path == "/metrics" and method == "GET":
             return await self.metrics(send)
-        full = path + (f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else "")
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+        full = _full(scope)
         if (method, path) == ("POST", "/v1/audio/voices") or (method == "DELETE" and path.startswith(VOICE_PATH)):
             return await self.everywhere(method, full, headers, body, send)
-        if not (path == "/v1/audio/speech" and method == "POST"):
-            gen = self.calls["http"].remote(method, full, headers, body, route={"stream": False, "exclude": []})
-            try:
-                head = await gen.__anext__()
-            except GONE as exc:
-                return await _no_replica(send, exc)
-            try:
-                return await self._relay(gen, head, send)
-            finally:
-                gen.cancel()
-        return await self.stream(method, full, headers, body, receive, send)
+        gen = self.calls["http"].remote(method, full, headers, body, route={"stream": False, "exclude": []})
+        try:
+            head = await gen.__anext__()
+        except GONE as exc:
+            return await _no_replica(send, exc)
+        try:
+            return await self._relay(gen, head, send)
+        finally:
+            gen.cancel()
 
     async def everywhere(self, method: str, full: str, headers: list, body: bytes, send) -> None:
         """A change to the voice registry (Base models), made on every replica in turn, so that a voice registered
@@ -232,7 +239,7 @@ class Front:
             return await _json(send, 200, {"status": "ready", "slots": slots, "active": active, "queued": queued,
                                            "compiling": compiling, "replicas": replicas})
         return await _json(send, 503, {"status": "warming" if not stats else "draining", "replicas": replicas},
-                           retry_after=5)
+                           {"Retry-After": "5"})
 
     async def metrics(self, send) -> None:
         """Every replica's Prometheus metrics, each sample labelled with its `replica`."""
@@ -248,20 +255,31 @@ class Front:
         of its ongoing requests) and reached directly; its messages both ways, in order."""
         if (await receive())["type"] != "websocket.connect":
             return
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+        try:
+            key = self.keys.check("GET", scope["path"], [v for k, v in headers if k == "authorization"],
+                                  [v for k, v in headers if k == "sec-websocket-protocol"])
+            with self.keys.stream(key):
+                return await self.session(scope, receive, send, headers)
+        except ApiError as err:
+            return await _deny(scope, send, err)
+
+    async def session(self, scope, receive, send, headers: list) -> None:
         sid = uuid.uuid4().hex
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
-                   if k.lower() in (b"user-agent", b"x-request-id")]
+        # the replica checks the key too: the client's Authorization header and subprotocols go on to it
+        headers = [(k, v) for k, v in headers if k in ("user-agent", "x-request-id", "authorization")]
         lease, where = self.calls["lease"].remote(route={"stream": True, "id": sid, "session": True}), None
         try:
             where = await lease.__anext__()
             ws = await self.client.ws_connect(where["address"] + scope["path"], headers=headers, autoping=True,
-                                              max_msg_size=0)
+                                              max_msg_size=0, protocols=scope.get("subprotocols") or ())
         except UNREACHED as exc:
             lease.cancel()
             log.warning("no replica for a WebSocket session: %r", exc)
             return await send({"type": "websocket.close", "code": 1013})
         replica = where["replica"]
-        await send({"type": "websocket.accept", "headers": [(b"x-replica", replica.encode())]})
+        await send({"type": "websocket.accept", "headers": [(b"x-replica", replica.encode())],
+                    "subprotocol": ws.protocol})
         self.lag.opened(replica)
         pump = asyncio.ensure_future(_client_to_replica(ws, receive))
         try:
@@ -329,8 +347,25 @@ async def _disconnected(receive) -> None:
 
 
 async def _no_replica(send, exc: BaseException) -> None:
-    await _json(send, 503, ApiError(503, "no_replica", f"no replica answered: {exc}", retry_after=1).body(),
-                retry_after=1)
+    err = ApiError(503, "no_replica", f"no replica answered: {exc}", retry_after=1)
+    await _json(send, 503, err.body(), err.headers())
+
+
+async def _deny(scope, send, err: ApiError) -> None:
+    """A WebSocket refused before its upgrade: the JSON error as an HTTP response where the server can send one
+    (ASGI's websocket.http.response), else a close with 1008 (policy violation)."""
+    if "websocket.http.response" not in scope.get("extensions", {}):
+        return await send({"type": "websocket.close", "code": 1008})
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in err.headers().items()]
+    await send({"type": "websocket.http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "websocket.http.response.body", "body": body, "more_body": False})
+
+
+def _full(scope) -> str:
+    """The request's path and query, as the replica's server is asked for it."""
+    return scope["path"] + (f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else "")
 
 
 async def _body(receive, limit: int) -> bytes:
@@ -351,13 +386,12 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _json(send, status: int, obj: dict, retry_after: int | None = None) -> None:
-    await _send_whole(send, status, json.dumps(obj).encode(), b"application/json", retry_after)
+async def _json(send, status: int, obj: dict, headers: dict[str, str] | None = None) -> None:
+    await _send_whole(send, status, json.dumps(obj).encode(), b"application/json", headers)
 
 
-async def _send_whole(send, status: int, body: bytes, ctype: bytes, retry_after: int | None = None) -> None:
+async def _send_whole(send, status: int, body: bytes, ctype: bytes, extra: dict[str, str] | None = None) -> None:
     headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
-    if retry_after is not None:
-        headers.append((b"retry-after", str(retry_after).encode()))
+    headers += [(k.lower().encode(), v.encode()) for k, v in (extra or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})

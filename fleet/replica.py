@@ -113,10 +113,12 @@ class Replica:
                 "relay_late_p99_ms": round(late[int(0.99 * (len(late) - 1))] * 1e3, 2) if late else None,
                 "routes": [t.request_id for t in tracks] + [i for i in self.sessions if i]}
 
-    async def metrics_text(self, route: dict | None = None) -> str:
-        """The server's own /metrics (the front labels each replica's samples)."""
-        async with self.client.get("http://replica/metrics") as r:
-            return await r.text()
+    def metrics_text(self, route: dict | None = None) -> str:
+        """The server's own metrics (the front labels each replica's samples), read from its app: the front has
+        checked the scraper's key."""
+        from serving.routes import exposition
+
+        return exposition(self.app).decode()
 
     __call__ = stats  # the handle's plain call (the front's first, which starts the router every call shares)
 

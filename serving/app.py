@@ -16,7 +16,7 @@ import time
 import weakref
 from pathlib import Path
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
@@ -24,11 +24,11 @@ from qtts_jax.engine import compile_cache, sizing
 from serving.bridge import AsyncEngine
 from qtts_jax.engine import Engine
 from qtts_jax.request import Request
-from serving import aliases, page, routes, ws
+from serving import aliases, auth, page, routes, ws
 from serving.collector import freeze_startup
 from serving.connections import Runner
 from serving.errors import ApiError
-from serving.keys import (ALIASES, BRIDGE, ENGINE, METRICS, MODEL, REQUEST_ID, SCHEDULER, SERVED_NAMES, SETTINGS,
+from serving.keys import (ALIASES, API_KEYS, BRIDGE, ENGINE, METRICS, MODEL, REQUEST_ID, SCHEDULER, SERVED_NAMES, SETTINGS,
                           SOCKETS, VOICE_WARMUP, VOICES, WARMUP_ERROR, WARMUP_TASK)
 from serving.metrics import Metrics
 from serving.scheduler import Scheduler
@@ -40,16 +40,14 @@ log = logging.getLogger("serving")
 
 
 def json_error(err: ApiError, request_id: str | None = None) -> web.Response:
-    headers = {}
-    if err.retry_after is not None:
-        headers["Retry-After"] = str(int(err.retry_after))
+    headers = err.headers()
     if request_id:
         headers["X-Request-Id"] = request_id
     return web.json_response(err.body(), status=err.status, headers=headers)
 
 
 def _outcome(status: int) -> str:
-    return {400: "bad_request", 404: "not_found", 405: "bad_method", 409: "conflict", 413: "too_large", 429: "rejected",
+    return {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "bad_method", 409: "conflict", 413: "too_large", 429: "rejected",
             503: "unavailable"}.get(status, "error" if status >= 500 else "client_error")
 
 
@@ -94,8 +92,23 @@ async def error_middleware(request: web.Request, handler):
         return json_error(ApiError(500, "internal_error", "internal server error"), request.get(REQUEST_ID))
 
 
+@web.middleware
+async def key_middleware(request: web.Request, handler):
+    """The request's API key, checked before its handler reads a byte of it (serving/auth.py); a speech request
+    or WebSocket session counts against its key's stream cap while it runs."""
+    keyring, headers = request.app[API_KEYS], request.headers
+    protocols = headers.getall(hdrs.SEC_WEBSOCKET_PROTOCOL, []) if request.path == auth.SOCKET else []
+    key = keyring.check(request.method, request.path, headers.getall(hdrs.AUTHORIZATION, []), protocols)
+    if (request.method, request.path) not in auth.STREAMS:
+        return await handler(request)
+    with keyring.stream(key):
+        return await handler(request)
+
+
 def create_app(settings: Settings = Settings(), model=None, engine: Engine | None = None) -> web.Application:
-    """The server. Pass an already built (and possibly warmed) `engine` to share one between apps (tests)."""
+    """The server. Pass an already built (and possibly warmed) `engine` to share one between apps (tests).
+    Raises ValueError when the API keys are missing or malformed (serving/auth.py), before loading anything."""
+    keyring = auth.keyring(settings)
     if engine is None:
         if model is None:
             import jax.numpy as jnp
@@ -108,9 +121,10 @@ def create_app(settings: Settings = Settings(), model=None, engine: Engine | Non
         log.info("slots: %d (%s)", slots, fit.describe())
         settings = dataclasses.replace(settings, slots=slots)
         engine = Engine(model, settings.engine_config())
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware],
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware, key_middleware],
                           handler_args={"max_field_size": 16384})
     app[SETTINGS] = settings
+    app[API_KEYS] = keyring
     app[MODEL] = engine.model
     app[SERVED_NAMES] = served_names(engine.model)
     cfg = engine.model.cfg
@@ -260,7 +274,7 @@ def run(settings: Settings, engine: Engine | None = None) -> int:
         try:
             app = create_app(settings, engine=engine)
             serve_alone(app)
-        except (sizing.SlotsDoNotFit, ValueError) as exc:  # ValueError: the voice aliases name no voice, a setting
+        except (sizing.SlotsDoNotFit, ValueError) as exc:  # ValueError: the keys, the voice aliases, a setting
             log.error("not starting: %s", exc)
             return 2
         runner = Runner(app, header_timeout_s=settings.header_timeout_s, idle_timeout_s=settings.idle_timeout_s,

@@ -78,6 +78,17 @@ def add_server_flags(s: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--voice-aliases", metavar="NAME=VOICE,...|FILE|none",
                    help="OpenAI voice names (alloy, ash, …) -> this model's voices, over the default table "
                         "(README); a JSON file of them, or none (QTTS_VOICE_ALIASES; default: the table)")
+    s.add_argument("--api-key", metavar="KEY|none",
+                   help="the key every /v1 request and WebSocket must present (Authorization: Bearer KEY), with the "
+                        "admin role; none: no keys, a gateway in front checks them (QTTS_API_KEY; default: none "
+                        "needed on 127.0.0.1, elsewhere the server refuses to start without a key or none)")
+    s.add_argument("--api-keys-file", metavar="FILE",
+                   help="several keys, one 'KEY ROLE [MAX_STREAMS]' a line; ROLE speak, admin (speak and change "
+                        "voices, read /metrics) or metrics; MAX_STREAMS caps the key's concurrent streams "
+                        "(QTTS_API_KEYS_FILE; default none)")
+    s.add_argument("--public-metrics", type=_on_off, metavar="{on,off}",
+                   help="on: /metrics needs no key even where keys are on (a scraper on a private network); off: an "
+                        "admin or metrics key (QTTS_PUBLIC_METRICS; default off)")
     s.add_argument("--compile-cache", metavar="DIR|off",
                    help="persistent XLA compilation cache, so a restart skips compiling (QTTS_COMPILE_CACHE; "
                         "default $XDG_CACHE_HOME/qtts-jax/xla, else ~/.cache/qtts-jax/xla)")
@@ -126,7 +137,7 @@ def settings_from_args(args):
             "max_prefill", "max_first", "dtype", "codec_dtype", "ttfa_target_ms", "newcomer_guard", "margin_quantile",
             "hold_first", "starvation_ms", "max_queue", "max_input_chars", "drain_timeout_s", "voices_dir")
     keys += ("compile_cache", "header_timeout_s", "idle_timeout_s", "max_connections", "voice_aliases",
-             "switch_interval_ms")
+             "switch_interval_ms", "api_key", "api_keys_file", "public_metrics")
     return Settings.from_env(**{k: getattr(args, k) for k in keys})
 
 

@@ -81,8 +81,7 @@ class _Connection(RequestHandler):
         body = json.dumps(err.body()).encode()
         head = [f"HTTP/1.1 {err.status} {HTTPStatus(err.status).phrase}", "Content-Type: application/json",
                 f"Content-Length: {len(body)}", "Connection: close"]
-        if err.retry_after is not None:
-            head.append(f"Retry-After: {int(err.retry_after)}")
+        head += [f"{name}: {value}" for name, value in err.headers().items()]
         if self.transport is not None:
             self.transport.write("\r\n".join(head).encode() + b"\r\n\r\n" + body)
         self.force_close()

@@ -24,8 +24,18 @@ class ApiError(Exception):
             err["retry_after"] = self.retry_after
         return {"error": err}
 
+    def headers(self) -> dict[str, str]:
+        """The headers its status calls for: Retry-After when a wait is known, WWW-Authenticate on a 401 (RFC 9110
+        requires one)."""
+        headers = {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(int(self.retry_after))
+        if self.status == 401:
+            headers["WWW-Authenticate"] = 'Bearer realm="qtts-jax"'
+        return headers
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
                 408: "invalid_request_error", 409: "invalid_request_error",
                 413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 

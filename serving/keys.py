@@ -8,6 +8,7 @@ import weakref
 
 from aiohttp import web
 
+from serving.auth import Keyring
 from serving.bridge import AsyncEngine
 from qtts_jax.engine import Engine
 from serving.metrics import Metrics
@@ -27,6 +28,7 @@ WARMUP_TASK = web.AppKey("warmup_task", asyncio.Task)
 WARMUP_ERROR = web.AppKey("warmup_error", list)
 VOICES = web.AppKey("voices", VoiceStore)  # set only for Base models
 VOICE_WARMUP = web.AppKey("voice_warmup", list)  # the background encoder compilation, once started
+API_KEYS = web.AppKey("api_keys", Keyring)  # the keys requests must present (none: every path is open)
 ALIASES = web.AppKey("aliases", dict)  # OpenAI voice name -> speaker (CustomVoice) or registered voice (Base)
 
 REQUEST_ID = web.RequestKey("request_id", str)  # set by the speech route, echoed on its error responses

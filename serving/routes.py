@@ -18,11 +18,11 @@ import numpy as np
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from serving import script, voice_routes
+from serving import auth, script, voice_routes
 from serving.audio_encoders import CONTENT_TYPES, SAMPLE_FORMATS
 from serving.audio_out import StreamOut, awhole
 from serving.errors import ApiError
-from serving.keys import (ALIASES, ENGINE, METRICS, MODEL, REQUEST_ID, SCHEDULER, SERVED_NAMES, SETTINGS, VOICES,
+from serving.keys import (ALIASES, API_KEYS, ENGINE, METRICS, MODEL, REQUEST_ID, SCHEDULER, SERVED_NAMES, SETTINGS, VOICES,
                           WARMUP_ERROR)
 from serving.schemas import (OPENAI_MODEL_ALIASES, SpeechParams, base64_chars, parse_speech, read_json,
                              speech_options, speech_schema)
@@ -242,9 +242,14 @@ async def voices(request):
 
 
 async def metrics(request):
-    m = request.app[METRICS]
+    return web.Response(body=exposition(request.app), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def exposition(app) -> bytes:
+    """The app's Prometheus metrics as text (what /metrics answers; a fleet replica hands it to the front)."""
+    m = app[METRICS]
     m.collect_steps()
-    return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return generate_latest(m.registry)
 
 
 async def openapi(request):
@@ -260,7 +265,7 @@ def openapi_document(app) -> dict:
     audio = {ct: {"schema": {"type": "string", "format": "binary"}} for ct in sorted(set(CONTENT_TYPES.values()))}
     audio["text/event-stream"] = {"schema": {"type": "string"}}
     simple = {"200": {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}}
-    return {
+    doc = {
         "openapi": "3.0.3",
         "info": {"title": "qtts-jax speech server", "version": "0.1.0"},
         "paths": {
@@ -290,6 +295,17 @@ def openapi_document(app) -> dict:
                 "description": "Prometheus text", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         },
     }
+    keyring = app[API_KEYS]
+    if keyring.on:  # the operations that need a key say so, with the answers a key's absence or role gets
+        doc["components"] = {"securitySchemes": {"bearer": {
+            "type": "http", "scheme": "bearer", "description": "An API key: Authorization: Bearer KEY (a "
+            f"browser's WebSocket: the subprotocol {auth.KEY_PROTOCOL}KEY)"}}}
+        for path, item in doc["paths"].items():
+            for method, op in item.items():
+                if method != "parameters" and auth.needs(method.upper(), path, keyring.public_metrics):
+                    op["security"] = [{"bearer": []}]
+                    op["responses"].update({"401": err, "403": err})
+    return doc
 
 
 def setup(app: web.Application) -> None:

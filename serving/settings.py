@@ -57,6 +57,10 @@ class Settings:
     # OpenAI voice names -> this model's voices: "" (the default table), "a=b,c=d" over it, a JSON file, or "none"
     voice_aliases: str = ""
     inline_voice_cache: int = 32  # Base models: voices cloned from a request's ref_audio, kept by content hash
+    # API keys (serving/auth.py): one admin key, or "none" (a gateway in front checks them); a keys file of several
+    api_key: str = dataclasses.field(default="", repr=False)
+    api_keys_file: str = ""
+    public_metrics: bool = False  # /metrics without a key, where keys are on
 
     @classmethod
     def from_env(cls, **overrides) -> "Settings":

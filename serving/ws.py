@@ -2,7 +2,8 @@
 message: vLLM-Omni's (`session.config`, `input.text`, ...: serving/omni_ws.py) or ours, below. Ours greets with
 `session.created` once the client's first message shows it is ours, or after 0.25 s of silence (a client may
 wait for the greeting before it speaks); a client whose first message comes later than that and is vLLM-Omni's
-is still served as one, after that stray greeting.
+is still served as one, after that stray greeting. Where the server checks keys, the socket's comes before the
+upgrade: `Authorization: Bearer KEY`, or from a browser the subprotocol `qtts-key.KEY` (serving/auth.py).
 
 Client -> server (JSON text messages):
   {"type": "session.update", "session": {voice, language, instructions, seed, temperature, top_k, top_p,
@@ -45,9 +46,9 @@ import logging
 import time
 import uuid
 
-from aiohttp import WSMsgType, web
+from aiohttp import WSMsgType, hdrs, web
 
-from serving import omni_ws, script, ssml
+from serving import auth, omni_ws, script, ssml
 from serving.audio_encoders import SAMPLE_RATE
 from serving.audio_out import StreamOut, output_rate
 from serving.errors import ApiError, bad
@@ -309,7 +310,9 @@ async def speech_socket(request: web.Request) -> web.WebSocketResponse:
     settings = app[SETTINGS]
     # a Base model's vLLM-Omni session.config may carry a base64 ref_audio as large as a registration's recording
     limit = settings.ws_max_message_bytes + (base64_chars(settings.max_voice_upload_bytes) if VOICES in app else 0)
-    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=limit)
+    # a browser's key rides in a subprotocol, and its handshake fails unless one of its offers is answered
+    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=limit,
+                               protocols=auth.subprotocols(request.headers.getall(hdrs.SEC_WEBSOCKET_PROTOCOL, [])))
     await ws.prepare(request)
     app[SOCKETS].add(ws)
     first = asyncio.ensure_future(ws.receive())  # awaited below whatever happens, or cancelled in `finally`

@@ -13,6 +13,8 @@ import wave
 
 import numpy as np
 
+from studies.load import key_headers
+
 
 @dataclasses.dataclass(frozen=True)
 class Synthesis:
@@ -25,7 +27,7 @@ class Synthesis:
 def synthesize(url: str, text: str, voice: str = "ryan", timeout_s: float = 120.0, **options) -> Synthesis:
     """POSTs a non-streamed WAV request; raises RuntimeError with the server's error message on failure."""
     body = json.dumps({"input": text, "voice": voice, "response_format": "wav", "stream": False, **options}).encode()
-    req = urllib.request.Request(f"{url}/v1/audio/speech", body, {"Content-Type": "application/json"})
+    req = urllib.request.Request(f"{url}/v1/audio/speech", body, {"Content-Type": "application/json", **key_headers()})
     t0 = time.perf_counter()
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:

@@ -20,6 +20,7 @@ import contextlib
 import copy
 import gc
 import json
+import os
 import random
 import time
 import uuid
@@ -42,6 +43,12 @@ WS_ERROR_STATUS = {"queue_full": 429, "overloaded": 429, "rate_limited": 429, "t
 
 def condition_name(mode: str, load: float) -> str:
     return f"{mode}:{load:g}"
+
+
+def key_headers() -> dict[str, str]:
+    """The API key a server that checks keys wants (QTTS_API_KEY, the variable the server takes its own from)."""
+    key = os.environ.get("QTTS_API_KEY", "")
+    return {"Authorization": f"Bearer {key}"} if key and key != "none" else {}
 
 
 async def wait_ready(url: str, timeout_s: float = 180.0, idle: bool = False) -> dict:
@@ -281,7 +288,7 @@ async def closed_loop(url: str, concurrency: int, requests: int, prompts: list[s
     total, counter, out = warmup + requests, iter(range(warmup + requests)), []
     t0 = time.perf_counter() if t0 is None else t0
     rng = random.Random(seed)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=key_headers()) as s:
         async def client():
             for i in counter:  # a shared iterator: each index is taken by exactly one client
                 out.append(await speak_until_admitted(s, url, _record("closed", concurrency, i, prompts, warmup),
@@ -312,7 +319,7 @@ async def open_loop(url: str, rate: float, requests: int, prompts: list[str], po
     offsets = arrival_times(rate, warmup + requests, poisson, seed)
     t0 = time.perf_counter()
     tasks = []
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=key_headers()) as s:
         for i, at in enumerate(offsets):
             delay = at - (time.perf_counter() - t0)
             if delay > 0:

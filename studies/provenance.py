@@ -15,6 +15,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from studies.load import key_headers
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("qtts-jax", "jax", "jaxlib", "numpy", "aiohttp", "pandas", "matplotlib", "papermill", "nbconvert")
 
@@ -125,7 +127,7 @@ class MachineLoad:
 
 
 def _get(url: str, timeout_s: float = 10.0):
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=key_headers()), timeout=timeout_s) as resp:
         return json.loads(resp.read())
 
 

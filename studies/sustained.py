@@ -31,7 +31,7 @@ import numpy as np
 
 from studies.corpora import load_corpus
 from studies.gpu import GpuSampler
-from studies.load import speak, wait_ready
+from studies.load import key_headers, speak, wait_ready
 from studies.records import RequestRecord
 from studies.stats import percentile
 from studies.sweep import run_sync
@@ -143,7 +143,7 @@ async def record_golden(url: str, items, options: dict, timeout_s: float, worklo
     items = _as_items(workload, items)
     out = []
     await wait_ready(url, timeout_s, idle=True)
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(headers=key_headers()) as s:
         for k, turns in enumerate(items):
             for attempt in range(retries + 1):  # a refusal (429/503) is retried: a golden needs the audio, not speed
                 it = await run_item(s, url, workload, k, turns, options, time.perf_counter(), timeout_s, "golden",
@@ -212,7 +212,7 @@ async def sustained_pass(url: str, concurrency: int, items, options: dict, golde
     queued: list[tuple[float, float]] = []
     sampler_gpu = GpuSampler(enabled=gpu, gpu_ids=gpu_ids)
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=key_headers()) as s:
         async def worker(w: int):
             nonlocal mismatches, warming, start, stop
             n = 0

@@ -136,6 +136,17 @@ def codec_checkpoint(reference_codec, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def keys_file(tmp_path_factory) -> str:
+    """A keys file (`--api-keys-file`) with support.py's keys: admin, speak, speak capped at one stream, metrics."""
+    from support import ADMIN_KEY, CAPPED_KEY, SCRAPE_KEY, SPEAK_KEY
+
+    path = tmp_path_factory.mktemp("keys") / "keys.txt"
+    path.write_text(f"# the tests' keys\n{ADMIN_KEY} admin\n{SPEAK_KEY} speak\n\n{CAPPED_KEY} speak 1\n"
+                    f"{SCRAPE_KEY} metrics\n")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny_model():
     """`tiny-random` (CustomVoice), loaded once per session. Tests must not change it."""
     from qtts_jax.model import load_model

@@ -27,6 +27,33 @@ SMALL = EngineConfig(slots=2, context=128, prompt_buckets=(64,), max_trailing=32
 
 GREEDY = dict(greedy=True, subtalker_greedy=True)
 
+# The keys of conftest's `keys_file`, one of each role, and a speak key capped at one stream.
+ADMIN_KEY, SPEAK_KEY, CAPPED_KEY, SCRAPE_KEY = ("admin-key-of-the-tests", "speak-key-of-the-tests",
+                                                "capped-key-of-the-tests", "scrape-key-of-the-tests")
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def hostile_credentials(key: str) -> list[list[tuple[bytes, bytes]]]:
+    """Header lines that do not present `key` (or any key) properly: missing, empty, wrong, near misses, huge,
+    non-ASCII and control bytes, other schemes, and repeated or doubled credentials (which one would count?)."""
+    k = key.encode()
+    auth, proto = b"Authorization", b"Sec-WebSocket-Protocol"
+    return [[], [(auth, b"")], [(auth, b"Bearer")], [(auth, b"Bearer ")], [(auth, k)], [(auth, b"Basic " + k)],
+            [(auth, b"Bearer " + k[:-1])], [(auth, b"Bearer " + k + b"x")], [(auth, b"Bearer x" + k)],
+            [(auth, b"Bearer " + k + b" " + k)], [(auth, b"Bearer " + k.upper())], [(auth, b"Bearer " + b"k" * 12_000)],
+            [(auth, b"Bearer " + b"k" * 20_000)], [(auth, "Bearer ключ-ключ-ключ-ключ".encode())],
+            [(auth, b"Bearer " + k + "é".encode())], [(auth, b"Bearer " + k + b"\xff\xfe")],
+            [(auth, b"Bearer " + k[:4] + b"\x00" + k[4:])],
+            [(auth, b"Bearer " + k), (auth, b"Bearer wrong-key-of-the-tests")],
+            [(auth, b"Bearer wrong-key-of-the-tests"), (auth, b"Bearer " + k)], [(auth, b"Bearer " + k)] * 2,
+            [(proto, b"qtts-key.")],
+            [(proto, b"qtts-key." + k[:-1])], [(proto, b"qtts-key." + k + b", qtts-key." + k)],
+            [(proto, b"qtts-key." + k), (proto, b"qtts-key.wrong-key-of-the-tests")], [(proto, b"qtts, " + k)],
+            [(proto, b"qtts-key.wrong-key-of-the-tests, qtts")], [(proto, "qtts-key.ключ".encode())]]
+
 
 class Collector:
     """An `on_chunk` callback that keeps every chunk."""

@@ -107,6 +107,20 @@ def test_switch_interval_flag_takes_a_positive_number_of_milliseconds(monkeypatc
             parser.parse_args(["--switch-interval-ms", bad])
 
 
+def test_key_flags_and_variables_reach_the_settings_and_the_key_is_never_shown(monkeypatch):
+    from serving.cli import settings_from_args
+
+    parser = _serve_parser()
+    monkeypatch.setenv("QTTS_API_KEY", "key-from-the-environment")
+    monkeypatch.setenv("QTTS_PUBLIC_METRICS", "on")
+    settings = settings_from_args(parser.parse_args(["--api-keys-file", "keys.txt"]))
+    assert (settings.api_key, settings.api_keys_file, settings.public_metrics) == (
+        "key-from-the-environment", "keys.txt", True)
+    assert "key-from-the-environment" not in repr(settings)  # what a log line of the settings would show
+    settings = settings_from_args(parser.parse_args(["--api-key", "none", "--public-metrics", "off"]))
+    assert (settings.api_key, settings.public_metrics) == ("none", False)
+
+
 def test_hold_first_flag_is_on_or_off_and_reaches_the_engine(capsys, monkeypatch):
     from serving.cli import settings_from_args
 

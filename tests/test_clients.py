@@ -3,7 +3,8 @@
 `OpenAITTSService` with its default voice, a client written to the batched Rust server's README (urllib,
 `text`/`language`, `x-rtf`, `/health`), and clients of vLLM-Omni's speech API written to its documented shape
 (REST fields with their meaning, its WebSocket protocol on our path, our open-loop generator sending
-`non_streaming_mode`). tiny-random's audio is noise, so lengths, rates and events are checked here; the
+`non_streaming_mode`). The server checks API keys, and each client sends its speak key the way it does for any
+server that wants one (`api_key=`, an Authorization header). tiny-random's audio is noise, so lengths, rates and events are checked here; the
 time-stretch's pitch and duration on real waveforms are test_audio_out's.
 
 One small engine and one server for the module keep it fast. tiny-random's random weights rarely end on their
@@ -33,11 +34,12 @@ from aiohttp import web
 from qtts_jax.engine import Engine
 from serving.app import METRICS, SCHEDULER, Settings, create_app
 from studies.load import open_loop
-from support import SMALL, assert_same_audio, pcm
+from support import SCRAPE_KEY, SMALL, SPEAK_KEY, assert_same_audio, bearer, pcm
 
 CONFIG = SMALL  # test_hardening's too: its programs come from the compilation cache
 FRAME = 1920  # samples per 80 ms frame at 24 kHz
 FRAMES = 10
+KEY = bearer(SPEAK_KEY)  # what the clients that take headers, not an api_key, send
 HF_ID = "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice"  # tiny-random is a 1.7B-shaped CustomVoice model
 
 
@@ -76,16 +78,17 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model):
+def server(tiny_model, keys_file):
     engine = Engine(tiny_model, CONFIG)
     engine.warmup()
-    live = Live(engine, Settings(slots=CONFIG.slots, context=CONFIG.context, ttfa_target_ms=5000, warmup=False))
+    live = Live(engine, Settings(slots=CONFIG.slots, context=CONFIG.context, ttfa_target_ms=5000, warmup=False,
+                                 api_keys_file=keys_file))
     yield live
     live.close()
 
 
 def sdk(server, cls=openai.OpenAI):
-    return cls(base_url=server.url + "/v1", api_key="unused-locally", max_retries=0)
+    return cls(base_url=server.url + "/v1", api_key=SPEAK_KEY, max_retries=0)
 
 
 def decode(fmt: str, data: bytes) -> tuple[np.ndarray, int]:
@@ -174,7 +177,8 @@ def test_openai_sdk_async_models_and_voices(server):
         await client.close()
 
     asyncio.run(go())
-    listed = json.loads(urllib.request.urlopen(server.url + "/v1/audio/voices").read())
+    listed = json.loads(urllib.request.urlopen(urllib.request.Request(server.url + "/v1/audio/voices",
+                                                                      headers=KEY)).read())
     aliases = {a["id"]: a["voice"] for a in listed["aliases"]}
     assert {"alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse"} <= set(aliases)
     assert set(aliases.values()) <= {v["id"] for v in listed["voices"]}
@@ -204,7 +208,7 @@ def test_pipecat_openai_tts_service_with_its_default_voice(server):
 
     async def go():
         before, after = Tap(), Tap()
-        tts = OpenAITTSService(api_key="unused-locally", base_url=server.url + "/v1")
+        tts = OpenAITTSService(api_key=SPEAK_KEY, base_url=server.url + "/v1")
         task = PipelineTask(Pipeline([before, tts, after]), params=PipelineParams(audio_out_sample_rate=24000))
         await task.queue_frames([TTSSpeakFrame("Hi."), EndFrame()])
         await PipelineRunner(handle_sigint=False).run(task)
@@ -223,7 +227,7 @@ def test_client_written_to_the_rust_servers_readme(server):
     `/health` with queue_depth and max_batch."""
     def post(body: dict):
         req = urllib.request.Request(server.url + "/v1/audio/speech", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **KEY})
         return urllib.request.urlopen(req, timeout=120)
 
     health = json.loads(urllib.request.urlopen(server.url + "/health").read())
@@ -249,8 +253,9 @@ def test_metrics_end_to_end_sizes_model_label_build_info_and_unrouted(server):
     sdk(server).audio.speech.create(model="tts-1", voice="alloy", input="Measured.", response_format="pcm",
                                     extra_body={"max_frames": 4})
     with pytest.raises(urllib.error.HTTPError):
-        urllib.request.urlopen(server.url + "/v1/no/such/path")
-    text = urllib.request.urlopen(server.url + "/metrics").read().decode()
+        urllib.request.urlopen(urllib.request.Request(server.url + "/v1/no/such/path", headers=KEY))
+    text = urllib.request.urlopen(urllib.request.Request(server.url + "/metrics", headers=bearer(SCRAPE_KEY))).read()
+    text = text.decode()
     registry = server.app[METRICS].registry
     labels = {"model": "tiny-random", "endpoint": "/v1/audio/speech"}
     assert registry.get_sample_value("qtts_request_duration_seconds_count", labels) >= 1
@@ -287,7 +292,7 @@ def test_voice_aliases_default_override_file_env_and_bad_targets(server, tmp_pat
 
 def post(server, body: dict):
     req = urllib.request.Request(server.url + "/v1/audio/speech", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **KEY})
     return urllib.request.urlopen(req, timeout=120)
 
 
@@ -346,7 +351,8 @@ def test_vllm_omni_refusals_name_the_field(server):
     assert refused(server, {**base, "sample_rate": 11025})["param"] == "sample_rate"
     assert refused(server, {**base, "response_format": "ulaw", "sample_rate": 16000})["param"] == "sample_rate"
     assert refused(server, {**base, "speed": 5})["param"] == "speed"
-    assert json.loads(urllib.request.urlopen(f"{server.url}/v1/models/{HF_ID}").read())["id"] == HF_ID
+    model = urllib.request.urlopen(urllib.request.Request(f"{server.url}/v1/models/{HF_ID}", headers=KEY))
+    assert json.loads(model.read())["id"] == HF_ID
 
 
 async def _events(ws, until: str):
@@ -369,7 +375,7 @@ def test_vllm_omni_websocket_client(server):
     bad messages are error events and the socket goes on; stream_audio false is one WAV per sentence;
     sentence splitting starts audio before input.done; session.close closes with 1000."""
     async def go():
-        async with aiohttp.ClientSession() as http, http.ws_connect(
+        async with aiohttp.ClientSession(headers=KEY) as http, http.ws_connect(
                 server.url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
             await ws.send_json({"type": "session.config", "model": HF_ID, "voice": "vivian",
                                 "response_format": "pcm", "stream_audio": True, "max_new_tokens": 7,
@@ -416,7 +422,7 @@ def test_our_websocket_takes_rate_speed_and_ulaw(server):
     """Our protocol still greets first, and its session takes the same output choices (8 kHz μ-law here) and
     vLLM-Omni's sentence splitting."""
     async def go():
-        async with aiohttp.ClientSession() as http, http.ws_connect(
+        async with aiohttp.ClientSession(headers=KEY) as http, http.ws_connect(
                 server.url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
             assert (await ws.receive_json())["type"] == "session.created"
             await ws.send_json({"type": "session.update", "session": {"voice": "ryan", "max_frames": 6,
@@ -444,9 +450,10 @@ def test_our_websocket_takes_rate_speed_and_ulaw(server):
     asyncio.run(go())
 
 
-def test_open_loop_generator_sending_non_streaming_mode_all_succeed(server):
+def test_open_loop_generator_sending_non_streaming_mode_all_succeed(server, monkeypatch):
     """The field's benchmark sends vLLM-Omni's non_streaming_mode with every request: our open-loop generator
-    doing so gets every request served, every stream valid."""
+    doing so gets every request served, every stream valid (with the key QTTS_API_KEY gives it)."""
+    monkeypatch.setenv("QTTS_API_KEY", SPEAK_KEY)
     records = asyncio.run(open_loop(server.url, rate=1.0, requests=4, prompts=["Open loop one.", "And two."],
                                     options={"voice": "ryan", "non_streaming_mode": False, "max_new_tokens": 4,
                                              "stream_format": "audio"}))  # a rate a 2-core CPU carries
@@ -487,7 +494,7 @@ def test_live_text_on_vllm_omni_websocket_is_one_stream_that_starts_before_input
     the same sentence (one audio.start / audio.done), and with the same seed and layout the audio is the
     buffered whole text's."""
     async def go():
-        async with aiohttp.ClientSession() as http, http.ws_connect(
+        async with aiohttp.ClientSession(headers=KEY) as http, http.ws_connect(
                 server.url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
             config = {"type": "session.config", "voice": "ryan", "response_format": "pcm", "stream_audio": True,
                       "max_new_tokens": 31, "non_streaming_mode": False, "seed": 1}
@@ -516,7 +523,7 @@ def test_live_text_on_our_websocket_starts_before_commit_and_joins_one_utterance
     utterance and the next text opens another; text beyond the engine's trailing text buffer (SMALL: 32 ids)
     is spoken as the next utterance, none of it lost."""
     async def go():
-        async with aiohttp.ClientSession() as http, http.ws_connect(
+        async with aiohttp.ClientSession(headers=KEY) as http, http.ws_connect(
                 server.url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
             await ws.send_json({"type": "session.update", "session": {"voice": "ryan", "max_frames": 30, "seed": 1,
                                                                       "split_granularity": "live"}})

@@ -1,5 +1,6 @@
-"""The Ray Serve fleet (fleet/) on CPU: tiny-random replicas of 2 slots behind the front, in one local Ray instance.
-Its own job (`make test-fleet`, marked `fleet`): it needs the fleet extra and a few minutes of Ray."""
+"""The Ray Serve fleet (fleet/) on CPU: tiny-random replicas of 2 slots behind the front, in one local Ray instance,
+checking API keys (the requests send an admin key). Its own job (`make test-fleet`, marked `fleet`): it needs the
+fleet extra and a few minutes of Ray."""
 
 from __future__ import annotations
 
@@ -23,11 +24,13 @@ from fleet.app import RAY_ENV, FleetConfig, build  # noqa: E402
 from serving.settings import Settings  # noqa: E402
 from studies.load import wait_ready  # noqa: E402
 from studies.sweep import run_sync  # noqa: E402
+from support import ADMIN_KEY, CAPPED_KEY, SPEAK_KEY, bearer  # noqa: E402
 
 pytestmark = pytest.mark.fleet
 
 FRAME_BYTES = 1920 * 2  # one 80 ms frame of s16le PCM
 APP = "qtts"
+KEY = bearer(ADMIN_KEY)
 
 
 def _router():
@@ -139,10 +142,10 @@ def _replicas(url: str, count: int, timeout_s: float = 240) -> list[str]:
     raise TimeoutError(f"/ready never listed {count} replicas (last: {r.json()})")
 
 
-def _speech(url: str, frames: int, **extra) -> requests.Response:
+def _speech(url: str, frames: int, headers: dict = KEY, **extra) -> requests.Response:
     body = {"input": "Hello there.", "voice": "ryan", "response_format": "pcm", "stream": True,
             "max_frames": frames, "chunk_schedule": [1], **extra}
-    return requests.post(f"{url}/v1/audio/speech", json=body, stream=True, timeout=120)
+    return requests.post(f"{url}/v1/audio/speech", json=body, stream=True, timeout=120, headers=headers)
 
 
 class Stream(threading.Thread):
@@ -181,7 +184,7 @@ class Stream(threading.Thread):
 
 def _counted(url: str, endpoint: str, outcome: str) -> dict[str, float]:
     """Requests of `endpoint` that ended in `outcome` on each replica (the fleet's /metrics, labelled by replica)."""
-    text = requests.get(f"{url}/metrics", timeout=10).text
+    text = requests.get(f"{url}/metrics", timeout=10, headers=KEY).text
     pattern = rf'qtts_requests_total\{{endpoint="{endpoint}",outcome="{outcome}",replica="(\w+)"\}} (\S+)'
     return {m[0]: float(m[1]) for m in re.findall(pattern, text)}
 
@@ -196,9 +199,10 @@ def _kill(replica: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def fleet_of_two(url):
-    """Two replicas whose admission takes a stream only when idle (a 1 ms TTFA target): a busy replica refuses."""
-    settings = _settings(ttfa_target_ms=1)
+def fleet_of_two(url, keys_file):
+    """Two replicas whose admission takes a stream only when idle (a 1 ms TTFA target): a busy replica refuses.
+    They and the front check keys."""
+    settings = _settings(ttfa_target_ms=1, api_keys_file=keys_file)
     # one replica first: it compiles into the shared compilation cache, and the second loads from it in seconds
     # (two compiling at once on two cores take about as long as one after the other)
     _deploy(url, settings, FleetConfig(replicas=1, stats_period_s=0.2))
@@ -220,10 +224,10 @@ def test_the_fleet_serves_the_servers_api(fleet_of_two):
     events = [json.loads(line[6:]) for line in sse.iter_lines() if line.startswith(b"data: ")]
     assert events[-1]["type"] == "speech.audio.done" and events[-1]["frames"] == 3
     assert sum(len(base64.b64decode(e["audio"])) for e in events[:-1]) == 3 * FRAME_BYTES
-    bad = requests.post(f"{url}/v1/audio/speech", json={"input": "", "voice": "ryan"}, timeout=30)
+    bad = requests.post(f"{url}/v1/audio/speech", json={"input": "", "voice": "ryan"}, timeout=30, headers=KEY)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "input" and bad.headers["X-Replica"] in ids
-    assert requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] == "tiny-random"
-    assert set(_rejected(url)) <= set(ids) and all(f'replica="{i}"' in requests.get(f"{url}/metrics").text
+    assert requests.get(f"{url}/v1/models", timeout=10, headers=KEY).json()["data"][0]["id"] == "tiny-random"
+    assert set(_rejected(url)) <= set(ids) and all(f'replica="{i}"' in requests.get(f"{url}/metrics", headers=KEY).text
                                                     for i in ids)
     # the front reported its event loop's lateness to the replicas whose streams it relayed
     served = {r.headers["X-Replica"], sse.headers["X-Replica"]}
@@ -237,10 +241,51 @@ def test_the_fleet_serves_the_servers_api(fleet_of_two):
     assert all(e["relay_late_p99_ms"] >= 0 and e["margin_ms"] > 0 for e in entries)
     # a voice registration goes to every replica (these CustomVoice ones each refuse it, naming the model)
     before = _counted(url, "/v1/audio/voices", "bad_request")
-    r = requests.post(f"{url}/v1/audio/voices", json={"name": "x", "audio": "AAAA"}, timeout=30)
+    r = requests.post(f"{url}/v1/audio/voices", json={"name": "x", "audio": "AAAA"}, timeout=30, headers=KEY)
     assert r.status_code == 400 and r.json()["error"]["param"] == "model" and r.headers["X-Replica"] in ids
     after = _counted(url, "/v1/audio/voices", "bad_request")
     assert {i: after.get(i, 0) - before.get(i, 0) for i in ids} == {i: 1 for i in ids}
+
+
+def test_the_front_and_every_replica_check_the_keys(fleet_of_two):
+    """The front refuses a missing or wrong key (401) and a speak key's voice change (403) before asking any
+    replica (no X-Replica), caps a key's streams across the fleet (429), and takes a browser's key as a WebSocket
+    subprotocol; a replica asked without a key refuses too."""
+    import asyncio
+
+    import aiohttp
+
+    url = fleet_of_two
+    for headers in ({}, bearer("wrong-key-of-the-tests")):
+        r = requests.post(f"{url}/v1/audio/speech", json={"input": "Hi.", "voice": "ryan"}, headers=headers)
+        assert (r.status_code, r.json()["error"]["code"]) == (401, "invalid_api_key") and "X-Replica" not in r.headers
+        assert r.headers["WWW-Authenticate"].startswith("Bearer")
+    r = requests.delete(f"{url}/v1/audio/voices/ryan", headers=bearer(SPEAK_KEY))
+    assert (r.status_code, r.json()["error"]["code"]) == (403, "insufficient_role") and "X-Replica" not in r.headers
+    assert requests.get(f"{url}/metrics", headers=bearer(SPEAK_KEY)).status_code == 403
+    first = _speech(url, 40, headers=bearer(CAPPED_KEY))  # a key capped at one stream: its second is refused
+    r = requests.post(f"{url}/v1/audio/speech", json={"input": "Hi.", "voice": "ryan"}, headers=bearer(CAPPED_KEY))
+    assert (r.status_code, r.headers["Retry-After"]) == (429, "1") and "X-Replica" not in r.headers
+    first.close()
+
+    async def sockets():
+        async with aiohttp.ClientSession() as s:
+            with pytest.raises(aiohttp.WSServerHandshakeError):
+                await s.ws_connect(f"{url}/v1/audio/speech/stream")
+            async with s.ws_connect(f"{url}/v1/audio/speech/stream",
+                                    protocols=("qtts", f"qtts-key.{SPEAK_KEY}")) as ws:
+                return ws.protocol, (await ws.receive_json())["type"]
+
+    assert asyncio.run(sockets()) == ("qtts", "session.created")
+    handle = serve.get_deployment_handle("Engine", APP).options(method_name="http", stream=True)
+
+    async def replica_asked_directly():
+        gen = handle.remote("GET", "/v1/models", [], b"", route={"stream": False, "exclude": []})
+        head = await gen.__anext__()
+        gen.cancel()
+        return head["status"]
+
+    assert asyncio.run(replica_asked_directly()) == 401
 
 
 def _ready_entries(url: str) -> list[dict]:
@@ -253,7 +298,7 @@ def test_websocket_session_through_the_fleet(fleet_of_two):
     import aiohttp
 
     async def session():
-        async with aiohttp.ClientSession() as s, s.ws_connect(f"{fleet_of_two}/v1/audio/speech/stream") as ws:
+        async with aiohttp.ClientSession(headers=KEY) as s, s.ws_connect(f"{fleet_of_two}/v1/audio/speech/stream") as ws:
             for msg in ({"type": "session.update", "session": {"voice": "ryan", "max_frames": 3}},
                         {"type": "input_text.append", "text": "Hello there."}, {"type": "input_text.commit"}):
                 await ws.send_str(json.dumps(msg))
@@ -302,7 +347,7 @@ async def _session_cut_by_a_kill(url: str) -> tuple[str, int, list[dict], int]:
     bytes, the events and the close code the client got."""
     import aiohttp
 
-    async with aiohttp.ClientSession() as s, s.ws_connect(f"{url}/v1/audio/speech/stream") as ws:
+    async with aiohttp.ClientSession(headers=KEY) as s, s.ws_connect(f"{url}/v1/audio/speech/stream") as ws:
         victim = ws._response.headers["X-Replica"]
         for msg in ({"type": "session.update", "session": {"voice": "ryan", "max_frames": 200}},
                     {"type": "input_text.append", "text": "Hello there."}, {"type": "input_text.commit"}):
@@ -376,7 +421,7 @@ def test_scale_down_during_streams_cuts_none(url):
 
     async def session():  # every message up front: none can reach a replica once it drains
         seen, audio, scaled = [], 0, []
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(headers=KEY) as s:
             async with s.ws_connect(f"{url}/v1/audio/speech/stream") as idle:  # the first replica's second request
                 assert idle._response.headers["X-Replica"] == first
                 (second,) = set(await asyncio.to_thread(_replicas, url, 2)) - {first}

@@ -1,6 +1,8 @@
 """Hostile clients against a Base server on a real socket, run by `serving.connections.Runner` as `qtts-jax serve`
 runs it: a regression test for each defect of issue 10, then a fuzz suite (hypothesis, >= 1000 cases a run)
-over speech, voices and the WebSocket that asserts no 5xx, no hang and a healthy server afterwards.
+over speech, voices and the WebSocket that asserts no 5xx, no hang and a healthy server afterwards. The server
+checks API keys: the fuzz speaks with an admin key, and hostile credentials on every guarded route get nothing
+past the key check (test_server runs them against a server without keys).
 
 One engine (tiny-random-base, the smallest configuration) and one server for the module keep it fast; the
 server has short connection timeouts and a small connection cap so that those can be tested too.
@@ -32,9 +34,10 @@ from qtts_jax.engine import Engine
 from qtts_jax.request import VoicePrompt
 from serving import ws as ws_mod
 from serving.app import ENGINE, SCHEDULER, Settings, create_app
+from serving.auth import SOCKET
 from serving.connections import Runner
 from serving.voices import Voice, VoiceStore
-from support import SMALL
+from support import ADMIN_KEY, SMALL, SPEAK_KEY, bearer, hostile_credentials
 
 CONFIG = SMALL  # test_clients' too: its programs come from the compilation cache
 VOICE = "house"  # an x-vector voice stored before start-up, so no test compiles the voice encoders
@@ -43,7 +46,7 @@ CASE_TIMEOUT_S = 30.0  # one case longer than this is a hang
 # hostile Content-Disposition headers are the point here, not a problem
 pytestmark = [pytest.mark.filterwarnings("ignore::aiohttp.multipart.BadContentDispositionHeader"),
               pytest.mark.filterwarnings("ignore::aiohttp.multipart.BadContentDispositionParam")]
-CASES = {"speech": 0, "voices": 0, "websocket": 0}  # generated fuzz cases run, by endpoint
+CASES = {"speech": 0, "voices": 0, "websocket": 0, "credentials": 0}  # generated fuzz cases run, by endpoint
 STATUSES: dict[str, set[int]] = {}  # status classes seen, by endpoint
 
 
@@ -54,9 +57,10 @@ def fuzz(examples: int):
 class Served:
     """The app on 127.0.0.1 in a thread of its own; `run` drives client coroutines on this thread's loop."""
 
-    def __init__(self, engine: Engine, voices_dir: pathlib.Path):
+    def __init__(self, engine: Engine, voices_dir: pathlib.Path, keys_file: str):
         self.settings = Settings(slots=CONFIG.slots, context=CONFIG.context, ttfa_target_ms=5000, warmup=False,
                                  voices_dir=str(voices_dir), warm_voice_encoders=False, max_input_chars=512,
+                                 api_keys_file=keys_file,
                                  ws_max_messages_per_s=10_000, header_timeout_s=HEADER_TIMEOUT_S,
                                  idle_timeout_s=IDLE_TIMEOUT_S, max_connections=MAX_CONNECTIONS)
         self.engine = engine
@@ -84,7 +88,7 @@ class Served:
 
     async def _session(self) -> aiohttp.ClientSession:
         # a connection per request: the server's idle timeout never races a pooled connection
-        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True), headers=bearer(ADMIN_KEY))
 
     def run(self, coro, timeout: float = CASE_TIMEOUT_S):
         """Run a client coroutine; one that takes longer than `timeout` fails the test as a hang."""
@@ -113,7 +117,7 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_base_model):
+def served(tmp_path_factory, tiny_base_model, keys_file):
     model = tiny_base_model
     engine = Engine(model, CONFIG)
     engine.warmup()
@@ -121,7 +125,7 @@ def served(tmp_path_factory, tiny_base_model):
     xvector = np.random.default_rng(0).standard_normal(model.cfg.talker.hidden_size).astype(np.float32)
     VoiceStore(voices_dir, model.voice_encoders.fingerprint()).save(
         Voice(VOICE, VoicePrompt(xvector=xvector), {"mode": "xvector"}))
-    s = Served(engine, voices_dir)
+    s = Served(engine, voices_dir, keys_file)
     for _ in range(600):
         if s.run(s.request("GET", "/ready"))[0] == 200:
             break
@@ -743,6 +747,86 @@ def test_fuzz_websocket(served, caplog):
 
     case()
     after_fuzz(served, "websocket", before, examples, caplog)
+
+
+async def raw_request(served: Served, method: str, path: str, lines: list[tuple[bytes, bytes]], body: bytes = b"",
+                      content_type: bytes = b"application/json") -> tuple[int, dict, bytes]:
+    """A request written byte for byte (any header bytes, repeated headers; the WebSocket's upgrade on SOCKET):
+    its status, headers (lower-case names) and body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+    head = [f"{method} {path} HTTP/1.1".encode(), b"Host: x"]
+    if path == SOCKET:
+        head += [b"Upgrade: websocket", b"Connection: Upgrade", b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==",
+                 b"Sec-WebSocket-Version: 13"]
+    else:
+        head += [b"Connection: close", b"Content-Type: " + content_type, b"Content-Length: %d" % len(body)]
+    writer.write(b"\r\n".join(head + [name + b": " + value for name, value in lines]) + b"\r\n\r\n" + body)
+    try:
+        status_line, *header_lines = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        headers = {name.lower(): value for name, _, value in (line.partition(": ") for line in header_lines)}
+        status = int(status_line.split(" ")[1])
+        data = b"" if status == 101 else await reader.readexactly(int(headers.get("content-length", 0)))
+        return status, headers, data
+    finally:
+        writer.close()
+
+
+GUARDED = [("POST", "/v1/audio/speech", json.dumps({"input": "Let me in.", "voice": VOICE, "max_frames": 2}).encode(),
+            b"application/json"),
+           ("POST", "/v1/audio/voices", multipart([field("name", b"intruder"),
+                                                   field("audio", wav(1.5), "Content-Type: audio/wav")]),
+            MULTIPART["Content-Type"].encode()),
+           ("DELETE", f"/v1/audio/voices/{VOICE}", b"", b"application/json"),
+           ("GET", "/v1/models", b"", b"application/json"), ("GET", "/v1/audio/voices", b"", b"application/json"),
+           ("GET", "/metrics", b"", b"application/json"), ("GET", SOCKET, b"", b"")]
+HEADER_NAMES = st.sampled_from([b"Authorization", b"authorization", b"AUTHORIZATION", b"Sec-WebSocket-Protocol"])
+HEADER_VALUES = st.one_of(st.binary(max_size=80), st.binary(max_size=40).map(lambda v: b"Bearer " + v),
+                          hostile_text(40).map(lambda t: ("Bearer " + t).encode("utf-8", "surrogatepass")),
+                          st.binary(max_size=40).map(lambda v: b"qtts-key." + v)).filter(
+    lambda v: b"\r" not in v and b"\n" not in v)
+CREDENTIALS = st.one_of(st.sampled_from(hostile_credentials(SPEAK_KEY)),
+                        st.lists(st.tuples(HEADER_NAMES, HEADER_VALUES), max_size=3))
+
+
+def test_fuzz_credentials(served, caplog, monkeypatch):
+    """Missing, wrong, empty, huge, non-ASCII and repeated credentials on every guarded route and the WebSocket's
+    upgrade: a 401 naming invalid_api_key (or aiohttp's 400 for a header it cannot read), never audio, an upgrade,
+    a 403 (which would mean a key was found), a change to the voices, or engine work. A speak key's voice change is
+    a 403, and a key in a subprotocol counts on the WebSocket only."""
+    before, examples = CASES["credentials"], 400
+    prepared, real = [], served.app[ENGINE].prepare
+    monkeypatch.setattr(served.app[ENGINE], "prepare", lambda req, *a: prepared.append(req) or real(req, *a))
+
+    def attempt(route, lines) -> tuple[int, dict, dict]:
+        """The status, headers and JSON error of a refused request."""
+        method, path, body, ctype = route
+        status, headers, data = served.run(raw_request(served, method, path, lines, body, ctype))
+        count("credentials", status)
+        return status, headers, error(status, data)
+
+    @fuzz(examples)
+    @given(route=st.sampled_from(GUARDED), lines=CREDENTIALS)
+    def case(route, lines):
+        status, headers, err = attempt(route, lines)
+        assert status in (400, 401), (route[:2], lines, status, err)
+        if status == 401:
+            assert err["code"] == "invalid_api_key" and headers["www-authenticate"].startswith("Bearer"), err
+        else:
+            assert err["param"] == "headers", err
+
+    case()
+    speak, sub = [(b"Authorization", b"Bearer " + SPEAK_KEY.encode())], [(b"Sec-WebSocket-Protocol",
+                                                                          b"qtts-key." + SPEAK_KEY.encode())]
+    for route in GUARDED:
+        if route[0] in ("POST", "DELETE") and "voices" in route[1] or route[1] == "/metrics":
+            status, _, err = attempt(route, speak)
+            assert (status, err["code"]) == (403, "insufficient_role"), (route[:2], err)
+        if route[1] != SOCKET:
+            assert attempt(route, sub)[0] == 401, route[:2]
+    assert prepared == []  # nothing reached the engine
+    voices = json.loads(served.run(served.request("GET", "/v1/audio/voices"))[1])["voices"]
+    assert [v["id"] for v in voices] == [VOICE]  # nothing registered, nothing deleted
+    after_fuzz(served, "credentials", before, examples, caplog)
 
 
 def test_the_speech_field_table_is_shared_read_only_and_per_limits():

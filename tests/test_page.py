@@ -1,7 +1,8 @@
 """The page at `/` and the API docs at `/docs`, in headless Chromium (Debian's chromium and chromedriver, driven by
 selenium) against a tiny-random server on loopback: the page loads the server's voices, speaks, plays the stream
 as it arrives without running dry, offers the WAV, and shows the error of a bad request; `/docs` renders every
-operation of `/openapi.json`; nothing reaches past the server.
+operation of `/openapi.json`; nothing reaches past the server. The server checks API keys: the page asks for one
+and keeps it for the tab.
 
 Without chromium the browser tests skip with the reason, except in CI (CI=true), where they must run:
 `make browser` (part of `make test`) installs it as root.
@@ -22,16 +23,18 @@ import soundfile as sf
 
 from serving.page import CSP, FILES
 from studies.server import local_server
+from support import ADMIN_KEY, SPEAK_KEY, bearer
 
-JSON = {"Content-Type": "application/json"}
+JSON = {"Content-Type": "application/json", **bearer(ADMIN_KEY)}
 FRAMES = 24  # the page caps random weights at 24 frames (1.92 s), as `qtts-jax synth` does
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
-    """A `qtts-jax serve` subprocess, as a user starts one; its programs come from the compilation cache that
-    test_studies_server's server of the same configuration filled."""
-    with local_server(slots=2, context=256, log_path=tmp_path_factory.mktemp("page") / "serve.log") as u:
+def url(tmp_path_factory, keys_file):
+    """A `qtts-jax serve` subprocess with keys, as a user starts one; its programs come from the compilation cache
+    that test_studies_server's server of the same configuration filled."""
+    with local_server(slots=2, context=256, log_path=tmp_path_factory.mktemp("page") / "serve.log",
+                      extra_args=("--api-keys-file", keys_file)) as u:
         body = json.dumps({"input": "Warm.", "voice": "alloy", "response_format": "pcm", "stream": False, "max_frames": 4}).encode()
         urllib.request.urlopen(urllib.request.Request(u + "/v1/audio/speech", body, JSON), timeout=60).read()  # a first
         yield u  # request after start-up does work once that would otherwise land in the page's first stream
@@ -99,13 +102,56 @@ def _wait(browser, script: str, timeout_s: float = 60.0):
         time.sleep(0.05)
 
 
+def _open(browser, url: str, key: str = ADMIN_KEY) -> None:
+    """The page, ready to speak: given `key` if it asks for one (an admin key: the tests register voices too)."""
+    browser.get(url + "/")
+    if _wait(browser, "window.qttsPage && ['idle', 'key'].includes(window.qttsPage.phase) && window.qttsPage.phase")\
+            == "key":
+        _use_key(browser, key)
+        _wait(browser, "window.qttsPage.phase === 'idle'")
+        browser.get_log("browser")  # reading empties it: the 401 that asked for the key is no test's error
+
+
+def _use_key(browser, key: str) -> None:
+    browser.find_element("id", "api-key").send_keys(key)
+    browser.find_element("id", "key-submit").click()
+
+
+def test_the_page_asks_for_the_key_and_keeps_it_for_the_tab_only(url, browser):
+    """A server with keys: the page asks, asks again after a wrong key, loads the voices with a right one, keeps
+    it over a reload (sessionStorage), and a new tab asks again."""
+    browser.get(url + "/")
+    browser.execute_script("sessionStorage.clear()")
+    browser.get(url + "/")
+    _wait(browser, "window.qttsPage.phase === 'key'")
+    assert browser.find_element("id", "api-key").is_displayed() and "needs an API key" in _text(browser, "status")
+    _use_key(browser, "wrong-key-of-the-tests")
+    _wait(browser, "window.qttsPage.phase === 'key' && document.getElementById('status').textContent.includes("
+                   "'refused')")
+    _use_key(browser, SPEAK_KEY)
+    _wait(browser, "window.qttsPage.phase === 'idle'")
+    assert "ryan" in browser.execute_script("return [...document.getElementById('voice').options].map(o => o.value)")
+    assert not browser.find_element("id", "key").is_displayed()
+    browser.refresh()
+    _wait(browser, "window.qttsPage && window.qttsPage.phase === 'idle'")
+    assert browser.execute_script("return sessionStorage.getItem('qtts-api-key')") == SPEAK_KEY
+    assert browser.execute_script("return localStorage.length") == 0  # nothing kept beyond the tab
+    first = browser.current_window_handle
+    browser.switch_to.new_window("tab")
+    browser.get(url + "/")
+    _wait(browser, "window.qttsPage && window.qttsPage.phase === 'key'")
+    browser.close()
+    browser.switch_to.window(first)
+    browser.execute_script("sessionStorage.clear()")
+    browser.get_log("browser")  # the 401s above were asked for
+
+
 def _text(browser, element_id: str) -> str:
     return browser.execute_script(f"return document.getElementById({element_id!r}).textContent")
 
 
 def test_the_page_speaks_and_plays_the_stream_as_it_arrives(url, browser):
-    browser.get(url + "/")
-    _wait(browser, "window.qttsPage && window.qttsPage.phase === 'idle'")
+    _open(browser, url)
     voices = browser.execute_script("return [...document.getElementById('voice').options].map(o => o.value)")
     assert "alloy" in voices and "serena" in voices and "ryan" in voices  # OpenAI names and the model's speakers
     assert browser.execute_script("return document.getElementById('voice').value") == "alloy"  # the server's default
@@ -141,8 +187,7 @@ def test_the_page_speaks_and_plays_the_stream_as_it_arrives(url, browser):
 def test_the_page_counts_the_stalls_of_a_player_that_ran_dry(url, browser):
     """Zero buffer, and the page's own thread blocked for 0.6 s just after the first chunk: the audio in hand runs
     out while the next chunks wait, so the player stalls and the page says so."""
-    browser.get(url + "/")
-    _wait(browser, "window.qttsPage && window.qttsPage.phase === 'idle'")
+    _open(browser, url)
     _set(browser, "buffer-ms", "0")
     browser.find_element("id", "speak").click()
     _wait(browser, "window.qttsPage.audioS > 0", 30)
@@ -157,8 +202,7 @@ def _set(browser, element_id: str, value: str) -> None:
 
 
 def test_the_page_shows_the_error_of_a_bad_request(url, browser):
-    browser.get(url + "/")
-    _wait(browser, "window.qttsPage && window.qttsPage.phase === 'idle'")
+    _open(browser, url)
     _set(browser, "text", "")  # the server refuses empty input
     browser.find_element("id", "speak").click()
     _wait(browser, "window.qttsPage.phase === 'error'")
@@ -172,8 +216,7 @@ def test_voice_registration_uploads_the_file_and_shows_the_servers_answer(url, b
     refusal (only Base models clone) is shown, as a Base server's answer would be."""
     recording = tmp_path / "me.wav"
     sf.write(recording, 0.1 * np.sin(np.arange(48000) * 0.05), 24000)
-    browser.get(url + "/")
-    _wait(browser, "window.qttsPage && window.qttsPage.phase === 'idle'")
+    _open(browser, url)
     browser.execute_script("document.getElementById('register').hidden = false")
     browser.find_element("id", "reg-name").send_keys("alice")
     browser.find_element("id", "reg-file").send_keys(str(recording))
@@ -182,8 +225,7 @@ def test_voice_registration_uploads_the_file_and_shows_the_servers_answer(url, b
     _wait(browser, "window.qttsPage.error", 30)
     error = browser.find_element("id", "error").text
     assert error.startswith("400: voice cloning needs a Base checkpoint"), error
-    browser.get(url + "/")  # again from the microphone: record about a second, stop, register
-    _wait(browser, "window.qttsPage && window.qttsPage.phase === 'idle'")
+    _open(browser, url)  # again from the microphone: record about a second, stop, register
     browser.execute_script("document.getElementById('register').hidden = false")
     browser.find_element("id", "record").click()
     _wait(browser, "document.getElementById('rec-status').textContent.startsWith('recording')", 10)

@@ -23,7 +23,8 @@ from qtts_jax.request import Request
 from serving.app import ENGINE, METRICS, SCHEDULER, Settings, create_app, drain
 from serving.schemas import ApiError
 from studies.load import server_timing
-from support import SMALL, app_client, assert_same_audio, pcm, wait_ready
+from support import (ADMIN_KEY, CAPPED_KEY, SCRAPE_KEY, SMALL, SPEAK_KEY, app_client, assert_same_audio, bearer,
+                     hostile_credentials, pcm, wait_ready)
 
 # test_clients' and test_hardening's (2 slots; its programs come from the compilation cache). The chunk schedule and
 # multi-frame steps are test_engine's; with a server in front, test_server_voices'.
@@ -525,6 +526,105 @@ async def test_a_request_is_resolved_once_from_validation_to_the_engine(client, 
     assert audio and not events[-1]["cancelled"]
     assert resolved == ["Once over the socket."]
     await ws.close()
+
+
+@pytest_asyncio.fixture
+async def keyed(make_client, keys_file):
+    return await make_client(dataclasses.replace(SETTINGS, api_keys_file=keys_file))
+
+
+def assert_refused(r, status: int, code: str, body: dict) -> None:
+    """A refusal in OpenAI's error shape; a 401 says how to authenticate (RFC 9110)."""
+    assert (r.status, body["error"]["code"], body["error"]["type"], body["error"]["param"]) == (
+        status, code, "invalid_request_error", None), body
+    assert r.headers.get("WWW-Authenticate", "").startswith("Bearer") == (status == 401)
+
+
+async def test_keys_guard_the_api_voice_changes_and_metrics_before_any_work(keyed, monkeypatch):
+    """No key or a wrong one is a 401 on every /v1 route and /metrics, and reaches no engine; a speak key speaks
+    but may not change voices or scrape; the page, /health, /ready and /openapi.json stay open."""
+    prepared = []
+    real = keyed.app[ENGINE].prepare
+    monkeypatch.setattr(keyed.app[ENGINE], "prepare", lambda req, *a: prepared.append(req) or real(req, *a))
+    for path in ("/health", "/ready", "/", "/docs", "/openapi.json"):
+        assert (await keyed.get(path)).status == 200, path
+    speech = {**SPEECH, "input": "Keys.", "max_frames": 2, "response_format": "pcm"}
+    for headers in ({}, bearer("wrong-key-of-the-tests"), {"Authorization": f"Basic {SPEAK_KEY}"},
+                    {"Authorization": SPEAK_KEY}, bearer(SPEAK_KEY[:-1]), bearer(SPEAK_KEY + "x")):
+        for method, path in (("POST", "/v1/audio/speech"), ("GET", "/v1/models"), ("GET", "/v1/audio/voices"),
+                             ("POST", "/v1/audio/voices"), ("DELETE", "/v1/audio/voices/x"), ("GET", "/metrics"),
+                             ("GET", "/v1/no/such/route")):
+            r = await keyed.request(method, path, json=speech, headers=headers)
+            assert_refused(r, 401, "invalid_api_key", await r.json())
+    assert prepared == []
+    r = await keyed.post("/v1/audio/speech", json=speech, headers=bearer(SPEAK_KEY))
+    assert r.status == 200 and len(await r.read()) == 2 * 1920 * 2 and len(prepared) == 1
+    assert (await keyed.get("/v1/models", headers=bearer(SPEAK_KEY))).status == 200
+    for method, path in (("POST", "/v1/audio/voices"), ("DELETE", "/v1/audio/voices/x"), ("GET", "/metrics")):
+        r = await keyed.request(method, path, json={"name": "x", "audio": "AAAA"}, headers=bearer(SPEAK_KEY))
+        assert_refused(r, 403, "insufficient_role", await r.json())
+    # an admin key gets past the key check to the route's own answer (a CustomVoice model registers no voice)
+    r = await keyed.post("/v1/audio/voices", json={"name": "x", "audio": "AAAA"}, headers=bearer(ADMIN_KEY))
+    assert r.status == 400 and (await r.json())["error"]["param"] == "model"
+    assert (await keyed.get("/v1/models", headers=bearer(SCRAPE_KEY))).status == 403  # a scraper's key scrapes only
+    for key in (ADMIN_KEY, SCRAPE_KEY):
+        r = await keyed.get("/metrics", headers=bearer(key))
+        assert r.status == 200 and 'outcome="unauthorized"' in await r.text()
+    doc = await (await keyed.get("/openapi.json")).json()
+    assert doc["paths"]["/v1/audio/speech"]["post"]["security"] == [{"bearer": []}]
+    assert "security" not in doc["paths"]["/health"]["get"] and "401" in doc["paths"]["/metrics"]["get"]["responses"]
+    assert len(prepared) == 1
+
+
+async def test_websocket_takes_its_key_as_a_header_or_a_browsers_subprotocol(keyed):
+    """No key: the upgrade is refused with a 401. A key as Authorization: Bearer, or as the subprotocol
+    qtts-key.KEY, which the server answers (`qtts` when offered beside it) so a browser's handshake completes."""
+    from aiohttp import WSServerHandshakeError
+
+    for kw in ({}, {"protocols": ("qtts",)}, {"protocols": ("qtts-key.wrong-key-of-the-tests",)},
+               {"protocols": (f"qtts-key.{SPEAK_KEY}",), "headers": bearer(SPEAK_KEY)}):  # two keys: which one?
+        with pytest.raises(WSServerHandshakeError) as err:
+            await keyed.ws_connect("/v1/audio/speech/stream", **kw)
+        assert err.value.status == 401, kw
+    for kw, answer in (({"headers": bearer(SPEAK_KEY)}, None), ({"protocols": ("qtts", f"qtts-key.{SPEAK_KEY}")}, "qtts"),
+                       ({"protocols": (f"qtts-key.{SPEAK_KEY}",)}, f"qtts-key.{SPEAK_KEY}")):
+        ws = await keyed.ws_connect("/v1/audio/speech/stream", **kw)
+        assert ws.protocol == answer and (await ws.receive_json())["type"] == "session.created"
+        await ws.close()
+
+
+async def test_credentials_are_ignored_where_keys_are_off(client):
+    """A server without keys (on loopback) serves whatever credentials come: the hostile ones test_hardening sends
+    to a server with keys, but for those aiohttp's client will not send (a NUL) or no request may have (a header
+    longer than 16 KiB: test_hardening's server refuses it)."""
+    from multidict import CIMultiDict
+
+    for lines in hostile_credentials(SPEAK_KEY):
+        if any(len(value) > 16384 or b"\x00" in value for _, value in lines):
+            continue
+        headers = CIMultiDict((name.decode(), value.decode("latin-1")) for name, value in lines)
+        r = await client.get("/v1/models", headers=headers)
+        assert r.status == 200 and "WWW-Authenticate" not in r.headers, (lines, r.status)
+
+
+async def test_a_keys_stream_cap_refuses_one_more_with_429_and_retry_after(keyed):
+    """A key capped at one stream: while its WebSocket session is open, its speech request is a 429 (other keys
+    are not held back), and once the session closes it speaks again."""
+    speech = {**SPEECH, "input": "Capped.", "max_frames": 1, "response_format": "pcm"}
+    ws = await keyed.ws_connect("/v1/audio/speech/stream", headers=bearer(CAPPED_KEY))
+    await ws.receive_json()
+    r = await keyed.post("/v1/audio/speech", json=speech, headers=bearer(CAPPED_KEY))
+    body = await r.json()
+    assert (r.status, body["error"]["code"], body["error"]["type"]) == (429, "too_many_streams", "rate_limit_error")
+    assert r.headers["Retry-After"] == "1"
+    assert (await keyed.post("/v1/audio/speech", json=speech, headers=bearer(SPEAK_KEY))).status == 200
+    await ws.close()
+    for _ in range(100):  # the server sees the close a moment later
+        r = await keyed.post("/v1/audio/speech", json=speech, headers=bearer(CAPPED_KEY))
+        if r.status != 429:
+            break
+        await asyncio.sleep(0.02)
+    assert r.status == 200
 
 
 @pytest.fixture

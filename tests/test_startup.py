@@ -170,6 +170,27 @@ def test_run_refuses_a_switch_interval_that_is_not_positive_before_listening(cap
     assert "listening" not in caplog.text and sys.getswitchinterval() == before
 
 
+def test_run_refuses_to_listen_beyond_loopback_without_a_key_and_names_the_fix(caplog, tmp_path):
+    """Before anything is loaded: no key on 0.0.0.0 (unless `--api-key none`), or a keys file with a bad line,
+    exits 2 with what to do, and the log never shows a key."""
+    caplog.set_level(logging.INFO)
+    assert run(Settings(host="0.0.0.0", compile_cache="off")) == 2
+    assert ("not starting: --host 0.0.0.0 is reachable beyond this machine and no API key is set: give one with "
+            "--api-key KEY (or QTTS_API_KEY), several with --api-keys-file FILE, or --api-key none") in caplog.text
+    keys = tmp_path / "keys.txt"
+    for text, why in (("key-on-line-one-xx admin\nkey-on-line-two-xx admin 0\n", "line 2: MAX_STREAMS must be a"),
+                      ("# a comment\n\nkey-on-line-three-x owner\n", "line 3: role 'owner' is not one of speak,"),
+                      ("key-on-line-one-xx\n", "line 1: expected KEY ROLE [MAX_STREAMS], got 1 fields"),
+                      ("short speak\n", "line 1: a key must be at least 16 characters"),
+                      ("key-on-line-one-xx speak\nkey-on-line-one-xx admin\n", "line 1: this key is given twice")):
+        keys.write_text(text)
+        assert run(Settings(host="0.0.0.0", api_keys_file=str(keys), compile_cache="off")) == 2
+        assert f"not starting: {keys} {why}" in caplog.text
+    assert run(Settings(api_keys_file=str(tmp_path / "missing"), compile_cache="off")) == 2
+    assert "cannot be read (FileNotFoundError)" in caplog.text
+    assert "key-on-line" not in caplog.text and "listening" not in caplog.text
+
+
 def test_run_exits_1_with_the_reason_when_warm_up_fails(caplog):
     caplog.set_level(logging.INFO)
     # a 24-row context leaves a 12-token prompt bucket: the calibration request cannot be prefilled

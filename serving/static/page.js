@@ -19,6 +19,32 @@ let ctx = null;
 let current = null; // AbortController of the request in flight
 let recorder = null;
 let recorded = null; // Blob from the microphone
+// The API key, for a server that checks keys: asked for when the server answers 401, kept in sessionStorage (this
+// tab only, gone when it closes), sent as Authorization: Bearer on every request.
+const KEY_ITEM = "qtts-api-key";
+
+class KeyRefused extends Error {}
+
+function headers(extra = {}) {
+  const key = sessionStorage.getItem(KEY_ITEM);
+  return key ? { ...extra, Authorization: `Bearer ${key}` } : extra;
+}
+
+// fetch with the key; a 401 asks for one (again) and throws
+async function call(url, options = {}) {
+  const r = await fetch(url, { ...options, headers: headers(options.headers) });
+  if (r.status === 401) {
+    askForKey(sessionStorage.getItem(KEY_ITEM) ? "the server refused this key" : "this server needs an API key");
+    throw new KeyRefused(await errorText(r));
+  }
+  return r;
+}
+
+function askForKey(why) {
+  sessionStorage.removeItem(KEY_ITEM);
+  $("key").hidden = false;
+  setPhase("key", why);
+}
 
 async function errorText(response) {
   try {
@@ -30,7 +56,7 @@ async function errorText(response) {
 }
 
 async function getJSON(url) {
-  const r = await fetch(url);
+  const r = await call(url);
   if (!r.ok) throw new Error(await errorText(r));
   return r.json();
 }
@@ -82,9 +108,18 @@ async function load() {
     await loadVoices();
     setPhase("idle");
   } catch (e) {
+    if (e instanceof KeyRefused) return;
     showError(`could not read the server's model and voices: ${e.message}`);
     setPhase("error");
   }
+}
+
+function useKey() {
+  sessionStorage.setItem(KEY_ITEM, $("api-key").value.trim());
+  $("api-key").value = "";
+  $("key").hidden = true;
+  showError("");
+  load();
 }
 
 function wav(chunks, samples) {
@@ -141,7 +176,7 @@ async function speak() {
   let next = 0; // AudioContext time at which the next sample plays
   let start = 0;
   try {
-    const r = await fetch("/v1/audio/speech", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal: abort.signal });
+    const r = await call("/v1/audio/speech", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal: abort.signal });
     if (!r.ok) {
       showError(await errorText(r));
       setPhase("error");
@@ -189,6 +224,7 @@ async function speak() {
       setPhase("stopped");
       return;
     }
+    if (e instanceof KeyRefused) return;
     showError(`the stream broke off: ${e.message}`);
     setPhase("error");
     return;
@@ -244,7 +280,14 @@ async function register() {
   else if (recorded) form.append("audio", recorded, "microphone.webm");
   if ($("reg-transcript").value) form.append("transcript", $("reg-transcript").value);
   $("reg-result").textContent = "registering…";
-  const r = await fetch("/v1/audio/voices", { method: "POST", body: form });
+  let r;
+  try {
+    r = await call("/v1/audio/voices", { method: "POST", body: form });
+  } catch (e) {
+    $("reg-result").textContent = "";
+    if (!(e instanceof KeyRefused)) throw e;
+    return;
+  }
   if (!r.ok) {
     $("reg-result").textContent = "";
     showError(await errorText(r));
@@ -260,4 +303,6 @@ $("speak").addEventListener("click", speak);
 $("stop").addEventListener("click", () => current && current.abort());
 $("record").addEventListener("click", toggleRecording);
 $("reg-submit").addEventListener("click", register);
+$("key-submit").addEventListener("click", useKey);
+$("api-key").addEventListener("keydown", (e) => e.key === "Enter" && useKey());
 load();
