@@ -191,9 +191,10 @@ def attender(name: str):
 
 def layer_kernels(name: str):
     """How the frame step runs the talker's and the code predictor's layers: "pallas" (four fused kernels a layer,
-    `kernels.layer`), "jnp" (XLA's own fusions of the model's code: None), or "auto": the kernels on GPU."""
+    `kernels.layer`), "jnp" (XLA's own fusions of the model's code: None), or "auto": XLA's, until the kernels are
+    measured faster on a GPU (bench/kernels.py, docs/benchmarks.md)."""
     if name == "auto":
-        name = "pallas" if jax.default_backend() == "gpu" else "jnp"
+        name = "jnp"
     if name == "jnp":
         return None
     if name == "pallas":
