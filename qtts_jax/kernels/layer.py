@@ -76,11 +76,23 @@ def _inverse_rms(x_ref, rows, width: int, eps: float, bk: int):
     return lax.rsqrt(ss / width + eps)
 
 
-def _normed_chunk(x_ref, norm_ref, layer, rows, c, inv, dtype, bk: int):
-    """Chunk c of RMSNorm(x) in the reference's order: normalised in fp32, cast, then scaled by the weight."""
-    at = _chunk(c, bk)
-    x = x_ref[rows, at].astype(jnp.float32)
-    return norm_ref[layer, at][None, :] * (x * inv).astype(dtype)
+def _normed_products(x_ref, norm_ref, w_ref, layer, rows, eps: float, cols_a, cols_b, width_a: int):
+    """RMSNorm(x) @ w[layer][:, cols_a] and @ w[layer][:, cols_b], the two products as their output dtype (kept
+    in fp32 registers) and in the reference's order: x normalised in fp32, cast, scaled by the norm's weight."""
+    width, dtype = x_ref.shape[1], x_ref.dtype
+    bk = min(BLOCK_K, width)
+    inv = _inverse_rms(x_ref, rows, width, eps, bk)
+
+    def body(c, acc):
+        a, b = acc
+        at = _chunk(c, bk)
+        x = norm_ref[layer, at][None, :] * (x_ref[rows, at].astype(jnp.float32) * inv).astype(dtype)
+        return (a + pltriton.dot(x, w_ref[layer, at, cols_a]).astype(jnp.float32),
+                b + pltriton.dot(x, w_ref[layer, at, cols_b]).astype(jnp.float32))
+
+    zeros = jnp.zeros((rows.size, width_a), jnp.float32)
+    a, b = lax.fori_loop(0, width // bk, body, (zeros, zeros))
+    return a.astype(dtype).astype(jnp.float32), b.astype(dtype).astype(jnp.float32)
 
 
 # --- norm, q/k/v products, per-head norm and RoPE -------------------------------------------------------------------
@@ -90,22 +102,11 @@ def _qkv_kernel(layer_ref, x_ref, ln_ref, w_ref, qn_ref, kn_ref, cos_ref, sin_re
     i, head = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     rows = _chunk(i, block_m)
-    width, d = x_ref.shape[1], qn_ref.shape[1]
+    d = qn_ref.shape[1]
     half, dtype = d // 2, x_ref.dtype
-    bk = min(BLOCK_K, width)
-    inv = _inverse_rms(x_ref, rows, width, eps, bk)
-    lo_cols, hi_cols = pl.ds(head * d, half), pl.ds(head * d + half, half)
-
-    def body(c, acc):
-        lo, hi = acc
-        x = _normed_chunk(x_ref, ln_ref, layer, rows, c, inv, dtype, bk)
-        at = _chunk(c, bk)
-        return (lo + pltriton.dot(x, w_ref[layer, at, lo_cols]).astype(jnp.float32),
-                hi + pltriton.dot(x, w_ref[layer, at, hi_cols]).astype(jnp.float32))
-
-    zeros = jnp.zeros((block_m, half), jnp.float32)
-    lo, hi = lax.fori_loop(0, width // bk, body, (zeros, zeros))
-    lo, hi = lo.astype(dtype).astype(jnp.float32), hi.astype(dtype).astype(jnp.float32)  # the product's output
+    # the head's two halves as two products, so rotate-half needs no slicing of registers
+    lo, hi = _normed_products(x_ref, ln_ref, w_ref, layer, rows, eps, pl.ds(head * d, half),
+                              pl.ds(head * d + half, half), half)
     # q and k heads: the head's RMSNorm, then rotate-half RoPE; v heads pass through
     is_q, is_qk = head < heads, head < heads + kv_heads
     norm_lo = jnp.where(is_q, qn_ref[layer, pl.ds(0, half)], kn_ref[layer, pl.ds(0, half)])
@@ -293,22 +294,10 @@ def project_residual_ref(a, w, layer, residual, *, interpret: bool = False):
 def _gate_up_kernel(layer_ref, x_ref, ln_ref, w_ref, out_ref, *, eps: float, block_m: int):
     i, j = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
-    width, dtype, f = x_ref.shape[1], x_ref.dtype, out_ref.shape[1]
-    bk, bn = min(BLOCK_K, width), min(BLOCK_N, f)
-    rows = _chunk(i, block_m)
-    inv = _inverse_rms(x_ref, rows, width, eps, bk)
-    gate_cols, up_cols = _chunk(j, bn), pl.ds(f + j * bn, bn)
-
-    def body(c, acc):
-        gate, up = acc
-        x = _normed_chunk(x_ref, ln_ref, layer, rows, c, inv, dtype, bk)
-        at = _chunk(c, bk)
-        return (gate + pltriton.dot(x, w_ref[layer, at, gate_cols]).astype(jnp.float32),
-                up + pltriton.dot(x, w_ref[layer, at, up_cols]).astype(jnp.float32))
-
-    zeros = jnp.zeros((block_m, bn), jnp.float32)
-    gate, up = lax.fori_loop(0, width // bk, body, (zeros, zeros))
-    gate, up = gate.astype(dtype).astype(jnp.float32), up.astype(dtype).astype(jnp.float32)
+    dtype, f = x_ref.dtype, out_ref.shape[1]
+    bn = min(BLOCK_N, f)
+    rows, gate_cols = _chunk(i, block_m), _chunk(j, bn)
+    gate, up = _normed_products(x_ref, ln_ref, w_ref, layer, rows, eps, gate_cols, pl.ds(f + j * bn, bn), bn)
     silu = (gate / (1.0 + jnp.exp(-gate))).astype(dtype).astype(jnp.float32)
     out_ref[rows, gate_cols] = (silu * up).astype(dtype)
 
