@@ -95,7 +95,8 @@ def by_part(events: list[dict], parts: dict[str, str], calls: int) -> dict:
     """Kernels per call and their ms per call, per model part."""
     out: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
     for e in events:
-        op = str(e.get("args", {}).get("hlo_op", ""))
+        args = e.get("args", {})
+        op = str(args.get("hlo_op") or args.get("long_name") or "").lstrip("%").split(" ")[0].split("=")[0]
         entry = out[parts.get(op, "other")]
         entry[0] += e.get("dur", 0)
         entry[1] += 1
