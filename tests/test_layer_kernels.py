@@ -3,6 +3,8 @@ layers, and the engine running its layers through them generates what it generat
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,3 +118,39 @@ def test_seeded_ends_stop_each_stream_at_a_frame_of_its_own_that_only_the_progra
     alone = run_small(tiny_model, reqs[1:2], seeded_ends=True, slots=4)
     assert_same_codes(alone, together[1:2])
     assert max(len(s.codes) for s, _ in run_small(tiny_model, reqs, slots=4)) == 16  # without: to the cap
+
+
+@pytest.mark.parametrize("size", ["0.6b", "1.7b"])
+def test_each_kernel_lowers_for_an_nvidia_gpu_at_the_real_shapes(size):
+    """Pallas lowers each kernel to Triton for CUDA here, with no GPU: an operation its Triton lowering lacks, or a
+    block that is not a power of two, fails now rather than on the device. (Triton's own compile to PTX still
+    happens only there: bench/layer_check.py.)"""
+    from jax import export
+
+    from qtts_jax.config import ModelConfig
+    from qtts_jax.presets import preset_configs
+
+    cfg = ModelConfig.from_dict(preset_configs(size)[0])
+    lowered = []
+    for stack in (cfg.talker, cfg.predictor):
+        heads, kv, d, width = stack.num_heads, stack.num_kv_heads, stack.head_dim, stack.hidden_size
+        s = jax.ShapeDtypeStruct
+        bf16, layers, rows = jnp.bfloat16, stack.num_layers, 256
+        x, i = s((rows, width), bf16), s((), jnp.int32)
+        calls = [
+            (partial(layer.qkv_rope, heads=heads, kv_heads=kv, eps=1e-6),
+             (x, s((layers, width), bf16), s((layers, width, (heads + 2 * kv) * d), bf16), s((layers, d), bf16),
+              s((layers, d), bf16), s((rows, d), bf16), s((rows, d), bf16), i)),
+            (partial(layer.attend, heads=heads, kv_heads=kv, scale=d**-0.5),
+             (s((rows, heads + 2 * kv, d), bf16), s((layers, rows, kv, 512, d), bf16),
+              s((layers, rows, kv, 512, d), bf16), i, s((rows,), jnp.int32), s((rows,), jnp.int32),
+              s((rows, 512), jnp.bool_))),
+            (layer.project_residual, (s((rows, heads * d), bf16), s((layers, heads * d, width), bf16), i, x)),
+            (partial(layer.norm_gate_up, eps=1e-6),
+             (x, s((layers, width), bf16), s((layers, width, 2 * stack.intermediate_size), bf16), i)),
+        ]
+        for fn, args in calls:
+            exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+                export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+            lowered.append("xla.gpu.triton" in exported.mlir_module())
+    assert lowered and all(lowered)
