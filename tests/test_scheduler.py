@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from qtts_jax.engine import Jitter, chunks_due, first_chunk_alone, step_frames
-from qtts_jax.engine.scheduler import prefill_calls
+from qtts_jax.engine.costs import prefill_calls
 from qtts_jax.engine.stream import FRAME_SECONDS
 
 COSTS = {1: 0.030, 2: 0.055, 4: 0.100}  # seconds of a step iteration (codec included) by frames
@@ -138,9 +138,9 @@ def test_first_frame_programs_stop_at_max_first_and_larger_bursts_cost_more_call
                      ladder=c.ladder, step_sizes=(1,), headroom_margin_s=0.0,
                      step_costs={}, prefill_costs={1: 0.001, 32: 0.004}, first_costs=costs, iteration_s=0.0,
                      min_headroom_s=None, iterations=0, recent_frame_s=())
-    assert st.first_cost(3) == 0.010 and st.first_cost(40) == 0.020
-    assert st.first_cost(64 + 10) == 0.020 + 0.010  # 74 newcomers: two iterations' first-frame programs
-    assert st.prefill_cost(33) == 0.004 + 0.001
+    assert st.costs.first(3) == 0.010 and st.costs.first(40) == 0.020
+    assert st.costs.first(64 + 10) == 0.020 + 0.010  # 74 newcomers: two iterations' first-frame programs
+    assert st.costs.prefill(33) == 0.004 + 0.001
 
 
 def test_newcomers_start_only_as_far_as_the_least_headroom_pays_for_their_prefill_and_first_frame():

@@ -1,6 +1,6 @@
 """The runtime: the streaming engine's configuration and ladders (`config`), the compiled programs (`programs`), the
-device state and program table the loop calls (`runner`), the loop's pure decisions (`scheduler`), the published
-snapshot (`stats`) and the loop itself (`core`); one prepared
+device state and program table the loop calls (`runner`), the cost model (`costs`), the loop's pure decisions
+(`scheduler`), the published snapshot (`stats`) and the loop itself (`core`); one prepared
 request (`job`), its stream handle and chunk schedule (`stream`), text that arrives in pieces (`live_text`), the
 slots that fit in device memory (`sizing`) and the persistent compilation cache (`compile_cache`)."""
 

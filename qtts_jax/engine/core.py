@@ -68,9 +68,9 @@ from qtts_jax.codec.config import SAMPLES_PER_FRAME
 from qtts_jax.engine.config import EngineConfig, rung
 from qtts_jax.engine.job import Job
 from qtts_jax.engine.runner import Calibration, FirstOutcome, Key, Runner, stages
-from qtts_jax.engine.scheduler import (Jitter, StepPlan, chunks_due, first_chunk_alone, newcomers_that_fit,
-                                       prefill_calls, step_frames)
-from qtts_jax.engine.stats import EngineStats, cost_in_calls, largest_first, prefill_cost
+from qtts_jax.engine.costs import Costs
+from qtts_jax.engine.scheduler import Jitter, StepPlan, chunks_due, first_chunk_alone, newcomers_that_fit, step_frames
+from qtts_jax.engine.stats import EngineStats
 from qtts_jax.engine.stream import FRAME_SECONDS, Chunk, Stream
 from qtts_jax.model import Model
 from qtts_jax.prompt import build_prompt
@@ -381,7 +381,7 @@ class Engine:
         stamping = self._sender.submit(self._stamp_prefilled, joined, prefill_done) if prefill_done is not None else None
         sending = self._sender.submit(self._send_first, new, *first) if first is not None else None
         parts.mark("dispatch")
-        extra = self._newcomers_s(len(joined), len(new))
+        extra = self._costs().newcomers(len(joined), len(new))
         # newcomers join the playing streams' step right after their first frame: their next audio comes with it
         # (a live text stream as far as its text goes: `text_frames` counts the frames it has text for)
         allowed = {s: s.text_frames() for s in playing + new}
@@ -506,8 +506,9 @@ class Engine:
         b = rung(self._ladder, len(playing) + (len(first[1]) if first else 0))
         headroom = np.array([h for s in playing if (h := s.buffered(now)) is not None], float)
         newcomer_audio = FRAME_SECONDS if first is not None and first[1].any() else None
-        costs = {n: self.step_costs.get((b, n), 0.0) for n in self._step_sizes}
-        delivery = {n: self._delivery_after(b, n) for n in costs}
+        model = self._costs()
+        costs = {n: model.step(b, n) for n in self._step_sizes}
+        delivery = {n: model.delivery_after(b, n) for n in costs}
         return step_frames(costs, headroom, newcomer_audio, extra_s, self._margin_s, c.max_step_s, delivery,
                            self._late.get(ahead, 0.0), c.cap_iteration and not self._waiting_for_slot())
 
@@ -515,11 +516,10 @@ class Engine:
         """Requests are queued and `_admit` has no slot to give them: a short step only keeps them waiting longer."""
         return bool(self.queue) and self.active >= max(self._ladder)
 
-    def _delivery_after(self, b: int, frames: int) -> float:
-        """Measured delay from the end of an iteration stepping `frames` frames at rung `b` to its audio going out:
-        its codec call is that wide (`_decode_audio`), and a wider call takes longer (until this shape has been
-        measured, the average over every call)."""
-        return self._delivery.get((b, rung(self._codec_sizes, frames)), self._delivery_s)
+    def _costs(self) -> Costs:
+        """The cost model over what the loop has measured so far (its own tables, not copies)."""
+        return Costs(self.step_costs, self.prefill_costs, self.first_costs, self._ladder, self._delivery_s,
+                     self._delivery, self._codec_sizes)
 
     def _rows(self, streams: list[Stream], b: int) -> tuple[np.ndarray, np.ndarray]:
         """Slot indices of a call of `b` rows (padding aimed past the last slot) and which rows are live."""
@@ -534,7 +534,7 @@ class Engine:
         delivery, against one frame of audio going out `_late[ahead]` later than the newcomers' programs end."""
         b, n = rung(self._ladder, rows), min(self._step_sizes)
         return not self.config.hold_first or first_chunk_alone(
-            self.step_costs.get((b, n), 0.0) + self._delivery_after(b, n), self._late.get(ahead, 0.0), self._margin_s)
+            self._costs().until_audio(b, n), self._late.get(ahead, 0.0), self._margin_s)
 
     def _dispatch_first(self, new: list[Stream], alone: bool):
         """Queue newcomers' first frame and its audio (one program) ahead of the step. Returns its outputs and
@@ -632,20 +632,12 @@ class Engine:
         done = None
         for bucket, streams in groups.items():
             at = 0
-            for size in self._prefill_split(len(streams)):
+            for size in self._costs().prefill_split(self._prefill_sizes, len(streams)):
                 part = streams[at : at + size]
                 at += size
                 r = rung(self._prefill_sizes, len(part))
                 done = self.runner.prefill(bucket, [(s.slot, s.job) for s in part], r)
         return joined, done
-
-    def _prefill_split(self, n: int) -> tuple[int, ...]:
-        """The prefill calls `n` newcomers of one prompt bucket go in: `scheduler.prefill_calls` over the compiled
-        sizes' measured costs; until each is timed, calls of the largest size and one that holds the rest."""
-        sizes = self._prefill_sizes
-        if all(r in self.prefill_costs for r in sizes):
-            return prefill_calls(tuple((r, self.prefill_costs[r]) for r in sizes), n)
-        return largest_first(sizes, n)
 
     def _newcomer_limit(self, waiting: int) -> int:
         """`scheduler.newcomers_that_fit` from the measured costs: m newcomers' prefill and first frame, then a
@@ -657,19 +649,12 @@ class Engine:
         heads = [h for s in self.slots
                  if s is not None and not s.waiting_text and (h := s.buffered(now)) is not None]
         live = sum(s is not None and not s.lm_done for s in self.slots)
+        costs = self._costs()
 
         def iteration_s(m: int) -> float:
-            b = rung(self._ladder, live + m)
-            # a rung not timed yet (no warm-up, nothing this wide stepped since) costs none, as in `_plan_step`
-            return self._newcomers_s(m, m) + self.step_costs.get((b, 1), 0.0) + self._delivery_after(b, 1)
+            return costs.newcomers(m, m) + costs.until_audio(live + m, 1)
 
         return newcomers_that_fit(waiting, min(heads, default=None), self._margin_s, iteration_s)
-
-    def _newcomers_s(self, prefilled: int, first: int) -> float:
-        """Measured seconds of prefilling `prefilled` requests (in their cheapest calls) and of
-        the first-frame program for `first` newcomers, which run ahead of the step; 0 before anything is timed."""
-        return ((prefill_cost(self.prefill_costs, prefilled) if prefilled else 0.0)
-                + (cost_in_calls(self.first_costs, first) if first else 0.0))
 
     def _decode_audio(self, now: float, coming: dict[Stream, int], step: int | None,
                       held: set[Stream] = frozenset()) -> None:
