@@ -67,7 +67,7 @@ import numpy as np
 from qtts_jax.codec.config import SAMPLES_PER_FRAME
 from qtts_jax.engine.config import EngineConfig, rung
 from qtts_jax.engine.job import Job
-from qtts_jax.engine.runner import Calibration, FirstOutcome, Key, Runner, stages
+from qtts_jax.engine.runner import Calibration, DeviceRunner, FirstOutcome, Key, Runner, stages
 from qtts_jax.engine.costs import Costs
 from qtts_jax.engine.scheduler import Jitter, StepPlan, chunks_due, first_chunk_alone, newcomers_that_fit, step_frames
 from qtts_jax.engine.stats import EngineStats
@@ -86,9 +86,9 @@ class PromptTooLong(RequestError):
 class Engine:
     """The host loop that admits, steps, decodes and hands out audio, over a `Runner` that owns the device."""
 
-    def __init__(self, model: Model, config: EngineConfig = EngineConfig(), runner: Runner | None = None):
-        """`runner`: the device half (by default a `Runner` of `model` and `config`); anything with its calls and
-        outcomes will do (bench/host_loop.py times the loop's host work over one that answers from numpy)."""
+    def __init__(self, model: Model, config: EngineConfig = EngineConfig(), runner: DeviceRunner | None = None):
+        """`runner`: the device half (by default a `Runner` of `model` and `config`), or a simulated device
+        (bench/sim_device.py: the loop's host work and its scheduling are timed over one)."""
         self.model = model
         self.config = config
         c = config
