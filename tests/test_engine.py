@@ -693,10 +693,10 @@ def test_the_iteration_profile_logs_the_margin_the_loop_planned_with(engine, cap
     import logging
     import re
 
-    from qtts_jax.engine.core import _IterationProfile
+    from qtts_jax.engine.profile import IterationProfile
 
-    monkeypatch.setattr(engine, "_profile", _IterationProfile(every_s=0.0))
-    with caplog.at_level(logging.INFO, logger="qtts_jax.engine.core"):
+    monkeypatch.setattr(engine, "_profile", IterationProfile(every_s=0.0))
+    with caplog.at_level(logging.INFO, logger="qtts_jax.engine.profile"):
         run(engine, [(0, Request("Profiled.", speaker="aiden", max_frames=4, **GREEDY))])
     margins = [float(m) for m in re.findall(r"'margin_ms': ([\d.]+)", caplog.text)]
     assert margins and min(margins) >= engine.config.min_margin_s * 1e3

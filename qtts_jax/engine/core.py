@@ -70,6 +70,7 @@ from qtts_jax.engine.config import EngineConfig, rung
 from qtts_jax.engine.job import Job
 from qtts_jax.engine.runner import Calibration, DeviceRunner, FirstOutcome, Key, Runner, stages
 from qtts_jax.engine.costs import Costs
+from qtts_jax.engine.profile import IterationProfile, PartTimer
 from qtts_jax.engine.plan import IterationPlan, PrefillCall, Sizes, admissions, prefills, schedule
 from qtts_jax.engine.scheduler import Jitter, chunks_due
 from qtts_jax.engine.stats import EngineStats
@@ -126,7 +127,7 @@ class Engine:
         # the least of each shape's recent samples, what the planner counts on: counting on it never lets a
         # newcomer's next audio come after its first has played (behind calls of one shape it varies little)
         self._late: dict[tuple[int, int], float] = {}
-        self._profile = _IterationProfile()
+        self._profile = IterationProfile()
         # hands audio out while the loop dispatches the step; its idle thread ends when the engine is collected
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qtts-audio-out")
         self.jitter = Jitter(c.min_margin_s, quantile=c.margin_quantile)  # lateness beyond plan
@@ -352,7 +353,7 @@ class Engine:
         # an iteration that compiled a program on demand (no warm-up) times the compile, not what the next one costs:
         # it goes into no estimate
         compiled = self.runner.compiled_on_demand
-        parts = _PartTimer()
+        parts = PartTimer()
         self._reap_cancelled()
         self._margin_s = self.jitter.margin()
         # the previous codec call's audio goes out from the sender thread as soon as the device has it, while this
@@ -736,41 +737,3 @@ def _ema(old: float | None, new: float) -> float:
 def _frames_left(in_slots: list[Stream]) -> tuple[int, ...]:
     """Per stream in a slot: frames it may still produce (0 once its LM is done)."""
     return tuple(0 if s.lm_done else max(s.frames_cap - len(s.codes), 0) for s in in_slots)
-
-
-class _PartTimer:
-    """Wall time of each part of one iteration (always the real clock: tests may simulate the loop's)."""
-
-    def __init__(self):
-        self.last = time.perf_counter()
-        self.seconds: dict[str, float] = {}
-
-    def mark(self, part: str) -> None:
-        now = time.perf_counter()
-        self.seconds[part] = self.seconds.get(part, 0.0) + now - self.last
-        self.last = now
-
-
-class _IterationProfile:
-    """Where busy iterations spend their time, logged as means every `every_s` (the evidence for tuning the
-    loop: host work that does not overlap the device shows up outside `device_wait`)."""
-
-    def __init__(self, every_s: float = 2.0):
-        self.every_s = every_s
-        self._reset(time.perf_counter())
-
-    def _reset(self, now: float) -> None:
-        self.since, self.iterations, self.sums = now, 0, collections.Counter()
-
-    def add(self, parts: _PartTimer, **counts: float) -> None:
-        """`parts`' seconds, and `counts`: numbers averaged as they are (streams, frames, the margin in ms)."""
-        self.iterations += 1
-        self.sums.update(parts.seconds)
-        self.sums.update({k: float(v) for k, v in counts.items()})
-        now = time.perf_counter()
-        if now - self.since >= self.every_s:
-            mean = {k: round(v / self.iterations * (1 if k in counts else 1e3), 2) for k, v in self.sums.items()}
-            log.info("iterations: %d in %.1f s; mean per iteration (ms, or count): %s", self.iterations,
-                     now - self.since, mean)
-            self._reset(now)
-
