@@ -5,7 +5,7 @@ admission, planning, hand-out, bookkeeping and stats.
 
 Closed loop: every slot holds a 60-frame request, a new one submitted as each ends, so every iteration also
 admits and starts newcomers. Per slot count: real milliseconds per iteration (median and p90 over the measured
-iterations, the first fifth skipped while the slots fill), the mean of each part `_IterationProfile` names, and the
+iterations, the first fifth skipped while the slots fill), the mean of each part `IterationProfile` names, and the
 sender thread's own time (its hand-out overlaps the step's dispatch on a device; here the loop waits for it). No
 accelerator: this is the host CPU's share of an iteration, the part of it the device waits for. Writes JSON.
 

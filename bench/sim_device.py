@@ -119,7 +119,16 @@ class NumpyRunner:
     def load_voice(self, slot, ref_codes) -> None:
         pass
 
+    def primed_state(self, ref_codes) -> None:
+        pass
+
     def compile(self, keys) -> None:
+        pass
+
+    def warm_voices(self) -> None:
+        pass
+
+    def scratch(self) -> None:
         pass
 
     def calibrate(self, keys, on=None) -> Calibration:

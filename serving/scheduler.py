@@ -33,7 +33,7 @@ import itertools
 import math
 import time
 
-from qtts_jax.engine.scheduler import newcomer_budget
+from qtts_jax.engine.costs import newcomer_budget
 from qtts_jax.engine.stream import FRAME_SECONDS, Stream
 from serving.errors import ApiError
 
@@ -146,15 +146,13 @@ class Scheduler:
         requests keep arriving one per iteration, with this one added; seconds of the one iteration that takes
         everything waiting and this one) for a request arriving now, from the engine snapshot and its `load`."""
         batch = min(len(left) + len(waiting) + 1, st.slots)
-        burst = st.prefill_cost(len(waiting) + 1) + st.first_cost(len(waiting) + 1)
-        # steady state: each iteration takes a newcomer (prefill, first frame) before the step it joins, of as
-        # many frames as its one frame of audio outlasts
-        newcomer = st.prefill_cost(1) + st.first_cost(1)
-        # its audio goes out only after the next iteration's admission and dispatch (the engine's delivery_s); its
-        # first audio went out first_late_s after its prefill and first frame, so its listener plays from then
+        costs = st.costs
+        burst = costs.newcomers(len(waiting) + 1, len(waiting) + 1)
+        # steady state: each iteration takes a newcomer before the step it joins, whose audio goes out only after
+        # the next iteration's admission and dispatch (the engine's delivery_s); its first audio went out
+        # first_late_s after its prefill and first frame, so its listener plays from then
         outlasts = newcomer_budget(FRAME_SECONDS, st.first_late_s, st.headroom_margin_s)
-        sizes = [n for n in st.step_sizes if st.step_cost(batch, n) + st.delivery_s <= outlasts] or [1]
-        frame_s = min((newcomer + st.step_cost(batch, n)) / n for n in sizes)
+        frame_s = costs.frame_s_with_arrivals(batch, st.step_sizes, outlasts)
         if st.slots - len(left) > len(waiting):  # a slot is still free once those ahead of it have theirs
             start = 0.0
         else:  # those ahead of it take slots first (per request of a burst this was most of its admission's time)

@@ -147,8 +147,8 @@ def test_refuses_what_would_let_playing_streams_run_dry():
     every step size refuses another stream, even with free slots and a loose TTFA target; the same engine idle
     still admits."""
     slow = snapshot(live=[40] * 4, scale=8.0)
-    newcomer = slow.prefill_cost(1) + slow.first_cost(1)
-    assert all((newcomer + slow.step_cost(5, n)) / n > FRAME_SECONDS for n in (1, 4))
+    newcomer = slow.costs.prefill(1) + slow.costs.first(1)
+    assert all((newcomer + slow.costs.step(5, n)) / n > FRAME_SECONDS for n in (1, 4))
     with pytest.raises(ApiError) as err:
         ready_scheduler(slow, ttfa_target_s=10.0).admit()
     assert err.value.status == 429 and "run dry" in err.value.message
@@ -161,8 +161,8 @@ def test_a_waiting_burst_is_paid_once_not_per_frame():
     streams' headroom: with ample headroom another is admitted, although that one iteration outlasts a frame
     of audio; with little headroom it is refused."""
     st = snapshot(live=[40] * 20, queued=[48] * 40)
-    burst = st.prefill_cost(41) + st.first_cost(41)
-    assert burst + st.step_cost(61, 1) > FRAME_SECONDS
+    burst = st.costs.prefill(41) + st.costs.first(41)
+    assert burst + st.costs.step(61, 1) > FRAME_SECONDS
     roomy = dataclasses.replace(st, min_headroom_s=1.0)
     assert ready_scheduler(roomy, ttfa_target_s=10.0).admit() > 0
     tight = dataclasses.replace(st, min_headroom_s=burst - 0.01)  # the burst would outlast the headroom
@@ -176,7 +176,7 @@ def test_the_engines_delivery_delay_counts_against_the_headroom():
     """The playing streams' audio goes out only after the engine's next admission and dispatch: a burst that fits
     the headroom with 5 ms to spare is refused once the engine reports 10 ms between an iteration and its audio."""
     st = snapshot(live=[40] * 20, queued=[48] * 40)
-    burst = st.prefill_cost(41) + st.first_cost(41)
+    burst = st.costs.prefill(41) + st.costs.first(41)
     spare = dataclasses.replace(st, min_headroom_s=burst + 0.005)
     assert ready_scheduler(spare, ttfa_target_s=10.0).admit() > 0
     with pytest.raises(ApiError) as err:
@@ -198,7 +198,7 @@ def test_a_stream_already_behind_its_listener_stops_admission():
 
 def test_a_burst_past_one_prefill_call_counts_every_call():
     st = snapshot(queued=[48] * 70)  # 71 requests: two full prefill calls of 32 and one of 7 (rung 8)
-    assert st.prefill_cost(71) == pytest.approx(2 * prefill_cost(32) + prefill_cost(8))
+    assert st.costs.prefill(71) == pytest.approx(2 * prefill_cost(32) + prefill_cost(8))
 
 
 def test_queue_full_is_429():
@@ -390,6 +390,6 @@ def test_above_capacity_refuses_and_keeps_admitted_streams_playing(parts, second
 def test_costs_not_timed_yet_count_as_none():
     """An engine not warmed up has timed nothing: its snapshot's costs are zero, not a failure (QTTS_WARMUP=0)."""
     st = dataclasses.replace(snapshot(live=(10,)), step_costs={}, prefill_costs={}, first_costs={})
-    assert st.step_cost(1, 1) == st.prefill_cost(3) == st.first_cost(3) == 0.0
+    assert st.costs.step(1, 1) == st.costs.prefill(3) == st.costs.first(3) == 0.0
     timed = snapshot(live=(10,))
-    assert timed.prefill_cost(3) > 0 and timed.first_cost(3) > 0 and timed.step_cost(1, 1) > 0
+    assert timed.costs.prefill(3) > 0 and timed.costs.first(3) > 0 and timed.costs.step(1, 1) > 0

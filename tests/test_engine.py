@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from serving.bridge import AsyncEngine
-from qtts_jax.engine import Engine, PromptTooLong, core
+from qtts_jax.engine import Engine, PromptTooLong, plan
 from qtts_jax.engine.scheduler import step_frames
 from qtts_jax.engine.stream import FRAME_SECONDS
 from qtts_jax.request import Request, RequestError
@@ -266,7 +266,7 @@ def test_the_iteration_is_capped_only_while_no_request_waits_for_a_free_slot(eng
         capped.append(args[-1])
         return step_frames(*args, **kwargs)
 
-    monkeypatch.setattr(core, "step_frames", recording)
+    monkeypatch.setattr(plan, "step_frames", recording)
     playing = [engine.submit(engine.prepare(Request(f"Holding slot {i}.", speaker="ryan", max_frames=100, **GREEDY)),
                              Collector()) for i in range(engine.config.slots)]
     engine.run_once()
@@ -643,7 +643,7 @@ def test_live_text_joins_the_playing_stream_and_makes_the_codes_of_the_whole_tex
     from qtts_jax.engine.scheduler import StepPlan
     from qtts_jax.engine.live_text import LiveText
 
-    monkeypatch.setattr(engine, "_plan_step", lambda *a, **k: StepPlan(CONFIG.frames_per_step, 0.0))
+    monkeypatch.setattr(plan, "step_frames", lambda *a, **k: StepPlan(CONFIG.frames_per_step, 0.0))
     req = Request(LIVE_TEXT, speaker="ryan", seed=3, max_frames=30, non_streaming=False)
     [(whole, _)] = run(engine, [(0, req)])
     assert len(whole.codes) > len(whole.job.prompt.trailing)  # the text is read while frames are made
@@ -693,10 +693,10 @@ def test_the_iteration_profile_logs_the_margin_the_loop_planned_with(engine, cap
     import logging
     import re
 
-    from qtts_jax.engine.core import _IterationProfile
+    from qtts_jax.engine.profile import IterationProfile
 
-    monkeypatch.setattr(engine, "_profile", _IterationProfile(every_s=0.0))
-    with caplog.at_level(logging.INFO, logger="qtts_jax.engine.core"):
+    monkeypatch.setattr(engine, "_profile", IterationProfile(every_s=0.0))
+    with caplog.at_level(logging.INFO, logger="qtts_jax.engine.profile"):
         run(engine, [(0, Request("Profiled.", speaker="aiden", max_frames=4, **GREEDY))])
     margins = [float(m) for m in re.findall(r"'margin_ms': ([\d.]+)", caplog.text)]
     assert margins and min(margins) >= engine.config.min_margin_s * 1e3

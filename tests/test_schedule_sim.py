@@ -140,3 +140,31 @@ def test_an_event_loop_taking_each_chunk_in_turn_delays_what_listeners_hear_and_
     assert queued["margin_ms_at_end"] > prompt["margin_ms_at_end"]
     assert queued["ttfa_p50_ms"] > prompt["ttfa_p50_ms"] and queued["ttfa_p95_ms"] > prompt["ttfa_p95_ms"]
     assert queued["served"] == prompt["served"] == queued["requests"] and queued["underrun_requests"] == 0
+
+
+def test_the_simulated_device_is_a_runner_the_loop_warms_up_and_serves_over(tiny_model):
+    """The loop takes either device half (`DeviceRunner`): the real runner and the simulated one have every call it
+    makes, and the simulated engine comes up as a server's does, compiling its larger rungs in the background on
+    a scratch state, then serves a request to its end."""
+    import time
+
+    from qtts_jax.engine import DeviceRunner, Engine, Runner
+    from qtts_jax.request import Request
+    from support import SMALL
+
+    config = Settings(slots=32, context=512).engine_config()
+    clock = schedule_sim.Clock()
+    runner = schedule_sim.RealTimeRunner(config, clock=clock)
+    assert isinstance(runner, DeviceRunner) and isinstance(Runner(tiny_model, SMALL), DeviceRunner)
+    engine = Engine(tiny_model, config, runner=runner)
+    engine.set_clock(clock)
+    engine.warmup(background=True)
+    deadline = time.monotonic() + 30
+    while engine.stats().compiling and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.stats().compiling == 0 and engine.stats().ladder == config.ladder
+    chunks = []
+    engine.submit(engine.prepare(Request("One request.", speaker="ryan", max_frames=12)), chunks.append)
+    while engine.run_once():
+        pass
+    assert chunks[-1].final and chunks[-1].error is None and sum(c.frames for c in chunks) == chunks[-1].first_frame > 0

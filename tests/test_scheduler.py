@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from qtts_jax.engine import Jitter, chunks_due, first_chunk_alone, step_frames
-from qtts_jax.engine.scheduler import prefill_calls
+from qtts_jax.engine.costs import prefill_calls
 from qtts_jax.engine.stream import FRAME_SECONDS
 
 COSTS = {1: 0.030, 2: 0.055, 4: 0.100}  # seconds of a step iteration (codec included) by frames
@@ -138,9 +138,9 @@ def test_first_frame_programs_stop_at_max_first_and_larger_bursts_cost_more_call
                      ladder=c.ladder, step_sizes=(1,), headroom_margin_s=0.0,
                      step_costs={}, prefill_costs={1: 0.001, 32: 0.004}, first_costs=costs, iteration_s=0.0,
                      min_headroom_s=None, iterations=0, recent_frame_s=())
-    assert st.first_cost(3) == 0.010 and st.first_cost(40) == 0.020
-    assert st.first_cost(64 + 10) == 0.020 + 0.010  # 74 newcomers: two iterations' first-frame programs
-    assert st.prefill_cost(33) == 0.004 + 0.001
+    assert st.costs.first(3) == 0.010 and st.costs.first(40) == 0.020
+    assert st.costs.first(64 + 10) == 0.020 + 0.010  # 74 newcomers: two iterations' first-frame programs
+    assert st.costs.prefill(33) == 0.004 + 0.001
 
 
 def test_newcomers_start_only_as_far_as_the_least_headroom_pays_for_their_prefill_and_first_frame():
@@ -188,3 +188,30 @@ def test_prefill_calls_are_the_cheapest_mix_of_the_measured_sizes():
     assert prefill_calls(by_rows, 10) == (8, 1, 1)
     assert prefill_calls(by_rows, 16) == (8, 8)  # as cheap as 8 and eight 1s: the fewer calls
     assert prefill_calls(((32, 0.01),), 0) == (32,)  # at least one request is prefilled
+
+
+def test_an_iterations_plan_groups_prefills_by_bucket_and_steps_what_its_streams_allow():
+    """`plan.schedule` from numbers alone: newcomers' prefills go in the cheapest calls per prompt bucket; a
+    newcomer's one-frame first chunk goes out alone only while the margin leaves its next audio time to follow,
+    and then the step is no longer than that audio; a stream waiting for text is not stepped, and one whose text
+    runs out sooner is limited to it."""
+    from qtts_jax.engine import EngineConfig
+    from qtts_jax.engine.costs import Costs
+    from qtts_jax.engine.plan import PrefillCall, Sizes, prefills, schedule
+
+    costs = Costs(steps={(8, 1): 0.01, (8, 4): 0.09}, prefills={1: 0.002, 8: 0.004}, firsts={8: 0.005}, ladder=(8,))
+    calls = prefills([64, 128, 64], costs, (1, 8))
+    assert calls == (PrefillCall(64, (0, 2), 8), PrefillCall(128, (1,), 1))
+    config = EngineConfig(slots=8, max_step_s=0.5, hold_first=True)
+
+    def plan(margin_s):  # two playing streams (the second waits for text), two newcomers (next chunks 1 and 2)
+        return schedule(calls, np.array([1.0, 1.0]), np.array([1, 2]), [None, 0, None, 3], costs,
+                        Sizes((8,), (8,), (1, 4)), config, margin_s, 0.0, cap_iteration=False)
+
+    held = plan(margin_s=0.1)  # one frame of audio cannot outlast even a one-frame step and the margin
+    assert held.decode_first == (False, False) and held.held == (True, False) and held.first_rung == 8
+    assert held.step.frames == 4 and held.step_rows == (0, 2, 3) and held.limits == (4, 4, 3)
+    assert held.extra_s == pytest.approx(0.004 + 0.005)  # three requests in one call of 8, two first frames
+    alone = plan(margin_s=0.01)
+    assert alone.decode_first == (True, False) and alone.held == (False, False)
+    assert alone.step.frames == 1 and alone.limits == (1, 1, 1)  # a 4-frame step would outlast its first chunk

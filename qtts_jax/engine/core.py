@@ -1,13 +1,14 @@
 """Continuous-batching streaming engine: a playback-deadline loop over one compiled step per live-batch size.
 
-The loop holds the streams and makes the decisions (`scheduler`'s pure functions); the device work is the
-`runner`'s: a fixed number of slots of per-stream state on the device (the talker KV cache, per-slot sampling
-state, trailing text, frame counters and the codes ring the codec reads), and the programs compiled for a ladder
-of batch sizes. Each call takes only the live slots' rows (gathered by index, padded to the next rung with rows
+The loop holds the streams and executes a typed plan per iteration (`plan.schedule`, composing `scheduler`'s pure
+functions over the cost model `costs`); the device work is the `runner`'s: a fixed number of slots of per-stream
+state on the device (the talker KV cache, per-slot sampling state, trailing text, frame counters and the codes ring
+the codec reads), and the programs compiled for a ladder of batch sizes. Each call takes only the live slots' rows (gathered by index, padded to the next rung with rows
 whose writes are dropped), so a large engine with few live streams steps as fast as a small one. The loop and the
 runner meet at the runner's calls and their typed outcomes (`StepOutcome`, `FirstOutcome`, `Calibration`).
 
-One iteration of the loop (`run_once`); its decisions are `scheduler`'s pure functions:
+One iteration of the loop (`run_once`): admission and the plan (`plan.admissions`, `plan.prefills`, `plan.schedule`),
+the runner's calls, then the codec call (`scheduler.chunks_due`) and the bookkeeping of what came back:
 1. waiting requests that have a free slot are prefilled, all of them in one call per prompt bucket, so a
    burst of N arrivals costs about one prefill; as many as the playing streams' headroom pays for (their
    prefill and first frame run before the playing streams' next frame), the rest waiting an iteration;
@@ -67,10 +68,12 @@ import numpy as np
 from qtts_jax.codec.config import SAMPLES_PER_FRAME
 from qtts_jax.engine.config import EngineConfig, rung
 from qtts_jax.engine.job import Job
-from qtts_jax.engine.runner import Calibration, FirstOutcome, Key, Runner, stages
-from qtts_jax.engine.scheduler import (Jitter, StepPlan, chunks_due, first_chunk_alone, newcomers_that_fit,
-                                       prefill_calls, step_frames)
-from qtts_jax.engine.stats import EngineStats, cost_in_calls, largest_first, prefill_cost
+from qtts_jax.engine.runner import Calibration, DeviceRunner, FirstOutcome, Key, Runner, stages
+from qtts_jax.engine.costs import Costs
+from qtts_jax.engine.profile import IterationProfile, PartTimer
+from qtts_jax.engine.plan import IterationPlan, PrefillCall, Sizes, admissions, prefills, schedule
+from qtts_jax.engine.scheduler import Jitter, chunks_due
+from qtts_jax.engine.stats import EngineStats
 from qtts_jax.engine.stream import FRAME_SECONDS, Chunk, Stream
 from qtts_jax.model import Model
 from qtts_jax.prompt import build_prompt
@@ -86,9 +89,9 @@ class PromptTooLong(RequestError):
 class Engine:
     """The host loop that admits, steps, decodes and hands out audio, over a `Runner` that owns the device."""
 
-    def __init__(self, model: Model, config: EngineConfig = EngineConfig(), runner: Runner | None = None):
-        """`runner`: the device half (by default a `Runner` of `model` and `config`); anything with its calls and
-        outcomes will do (bench/host_loop.py times the loop's host work over one that answers from numpy)."""
+    def __init__(self, model: Model, config: EngineConfig = EngineConfig(), runner: DeviceRunner | None = None):
+        """`runner`: the device half (by default a `Runner` of `model` and `config`), or a simulated device
+        (bench/sim_device.py: the loop's host work and its scheduling are timed over one)."""
         self.model = model
         self.config = config
         c = config
@@ -124,7 +127,7 @@ class Engine:
         # the least of each shape's recent samples, what the planner counts on: counting on it never lets a
         # newcomer's next audio come after its first has played (behind calls of one shape it varies little)
         self._late: dict[tuple[int, int], float] = {}
-        self._profile = _IterationProfile()
+        self._profile = IterationProfile()
         # hands audio out while the loop dispatches the step; its idle thread ends when the engine is collected
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qtts-audio-out")
         self.jitter = Jitter(c.min_margin_s, quantile=c.margin_quantile)  # lateness beyond plan
@@ -350,7 +353,7 @@ class Engine:
         # an iteration that compiled a program on demand (no warm-up) times the compile, not what the next one costs:
         # it goes into no estimate
         compiled = self.runner.compiled_on_demand
-        parts = _PartTimer()
+        parts = PartTimer()
         self._reap_cancelled()
         self._margin_s = self.jitter.margin()
         # the previous codec call's audio goes out from the sender thread as soon as the device has it, while this
@@ -358,7 +361,7 @@ class Engine:
         ahead = self._codec_shape if self._audio is not None else None  # the codec call the device runs first
         handing = self._sender.submit(self._send_audio, *self._audio) if self._audio is not None else None
         self._audio = None
-        joined, prefill_done = self._admit()
+        joined, prefill_calls, prefill_done = self._admit()
         self._feed_text()
         parts.mark("admit")
         live = [s for s in self.slots if s is not None and not s.lm_done]
@@ -372,29 +375,28 @@ class Engine:
             return False
         new = [s for s in live if not s.codes]  # at most max(first_sizes): see _admit
         playing = [s for s in live if s.codes]
-        alone = bool(new) and self._first_alone(len(playing) + len(new), ahead)
+        # newcomers join the playing streams' step right after their first frame: their next audio comes with it
+        # (a live text stream as far as its text goes: `text_frames` counts the frames it has text for)
+        candidates = playing + new
+        allowed = [s.text_frames() for s in playing] + [None if (f := s.text_frames()) is None else f - 1 for s in new]
+        plan = schedule(prefill_calls, np.array([h for s in playing if (h := s.buffered(t0)) is not None], float),
+                        np.array([s.next_chunk_frames() for s in new], int), allowed, self._costs(),
+                        Sizes(self._ladder, self._first_sizes, self._step_sizes), self.config, self._margin_s,
+                        self._late.get(ahead, 0.0), self.config.cap_iteration and not self._waiting_for_slot())
         # newcomers whose one-frame first chunk waits for this step's frames (a set: the codec call asks each stream)
-        held = set() if alone else {s for s in new if s.next_chunk_frames() == 1}
-        first = self._dispatch_first(new, alone) if new else None
+        held = {s for s, h in zip(new, plan.held) if h}
+        first = self._dispatch_first(new, plan) if new else None
         # the newcomers' first chunks go out from the sender thread after that audio, as the device finishes them
         # (in the order it runs them), while this thread dispatches the step (whose call holds it for its loop trips)
         stamping = self._sender.submit(self._stamp_prefilled, joined, prefill_done) if prefill_done is not None else None
         sending = self._sender.submit(self._send_first, new, *first) if first is not None else None
         parts.mark("dispatch")
-        extra = self._newcomers_s(len(joined), len(new))
-        # newcomers join the playing streams' step right after their first frame: their next audio comes with it
-        # (a live text stream as far as its text goes: `text_frames` counts the frames it has text for)
-        allowed = {s: s.text_frames() for s in playing + new}
-        allowed.update({s: f - 1 for s in new if (f := allowed[s]) is not None})
-        stepping = [s for s in playing + new if allowed[s] is None or allowed[s] > 0]
-        plan, out = None, None
-        if stepping:
-            plan = self._plan_step(playing, first, extra, t0, ahead)
-            b = rung(self._ladder, len(stepping))
-            limits = np.array([plan.frames if allowed[s] is None else min(plan.frames, allowed[s])
-                               for s in stepping], np.int32)
-            idx, _ = self._rows(stepping, b)
-            out = self.runner.step(idx, np.pad(limits, (0, b - len(stepping))), plan.frames)
+        extra, step, out = plan.extra_s, plan.step, None
+        stepping = [candidates[j] for j in plan.step_rows]
+        if step is not None:
+            limits = np.array(plan.limits, np.int32)
+            idx, _ = self._rows(stepping, plan.step_rung)
+            out = self.runner.step(idx, np.pad(limits, (0, plan.step_rung - len(stepping))), step.frames)
         parts.mark("dispatch")
         if stamping is not None:
             stamping.result()
@@ -413,25 +415,25 @@ class Engine:
         # the codec call is queued right behind the step, counting on the frames it makes (they are read from
         # where the step writes them), and corrected once the step's outputs are read
         self._decode_audio(self.clock(), {s: int(f) for s, f in zip(stepping, limits) if not s.lm_done}
-                           if plan is not None else {}, plan.frames if plan is not None else None, held)
+                           if step is not None else {}, step.frames if step is not None else None, held)
         parts.mark("codec_dispatch")
         if out is not None:
             frames, valid = np.asarray(out.frames), np.asarray(out.valid)  # the one host sync per step call
             parts.mark("device_wait")
             now = self.clock()
-            self._recent_frame_s.append((now - t0) / plan.frames)
+            self._recent_frame_s.append((now - t0) / step.frames)
             self._record(stepping, frames, valid, now, limits)
             self._settle_audio()
         parts.mark("bookkeeping")
-        self._profile.add(parts, live=len(live), new=len(new), frames=plan.frames if plan else 0,
+        self._profile.add(parts, live=len(live), new=len(new), frames=step.frames if step else 0,
                           margin_ms=self._margin_s * 1e3, held=len(held))
         elapsed = self.clock() - t0
         if self.runner.compiled_on_demand == compiled:
             self._iteration_s = _ema(self._iteration_s or None, elapsed)
-            if plan is not None:  # what a step iteration really takes, host work included, newcomers' share not
-                self.jitter.add(elapsed - plan.predicted_s)
+            if step is not None:  # what a step iteration really takes, host work included, newcomers' share not
+                self.jitter.add(elapsed - step.predicted_s)
                 cost = max(elapsed - extra, 0.0)
-                key = (b, plan.frames)
+                key = (plan.step_rung, step.frames)
                 self.step_costs[key] = _ema(self.step_costs.get(key), cost)
         self.iterations += 1
         with self._lock:
@@ -496,30 +498,14 @@ class Engine:
         return dict(slots=max(self._ladder), ladder=self._ladder, step_sizes=self._step_sizes,
                     compiling=self._compiling)
 
-    def _plan_step(self, playing: list[Stream], first, extra_s: float, now: float,
-                   ahead: tuple[int, int] | None) -> StepPlan:
-        """The step's frames (`scheduler.step_frames`) from the playing streams' headroom, the newcomers' one
-        frame of audio (if their first-frame program decodes it), when it goes out (after the previous
-        iteration's codec call of shape `ahead` on the device, if one is queued: how much later is measured per
-        shape, since a larger call holds them longer) and the measured costs at this batch."""
-        c = self.config
-        b = rung(self._ladder, len(playing) + (len(first[1]) if first else 0))
-        headroom = np.array([h for s in playing if (h := s.buffered(now)) is not None], float)
-        newcomer_audio = FRAME_SECONDS if first is not None and first[1].any() else None
-        costs = {n: self.step_costs.get((b, n), 0.0) for n in self._step_sizes}
-        delivery = {n: self._delivery_after(b, n) for n in costs}
-        return step_frames(costs, headroom, newcomer_audio, extra_s, self._margin_s, c.max_step_s, delivery,
-                           self._late.get(ahead, 0.0), c.cap_iteration and not self._waiting_for_slot())
-
     def _waiting_for_slot(self) -> bool:
         """Requests are queued and `_admit` has no slot to give them: a short step only keeps them waiting longer."""
         return bool(self.queue) and self.active >= max(self._ladder)
 
-    def _delivery_after(self, b: int, frames: int) -> float:
-        """Measured delay from the end of an iteration stepping `frames` frames at rung `b` to its audio going out:
-        its codec call is that wide (`_decode_audio`), and a wider call takes longer (until this shape has been
-        measured, the average over every call)."""
-        return self._delivery.get((b, rung(self._codec_sizes, frames)), self._delivery_s)
+    def _costs(self) -> Costs:
+        """The cost model over what the loop has measured so far (its own tables, not copies)."""
+        return Costs(self.step_costs, self.prefill_costs, self.first_costs, self._ladder, self._delivery_s,
+                     self._delivery, self._codec_sizes)
 
     def _rows(self, streams: list[Stream], b: int) -> tuple[np.ndarray, np.ndarray]:
         """Slot indices of a call of `b` rows (padding aimed past the last slot) and which rows are live."""
@@ -529,22 +515,13 @@ class Engine:
         mask[: len(streams)] = True
         return idx, mask
 
-    def _first_alone(self, rows: int, ahead: tuple[int, int] | None) -> bool:
-        """`scheduler.first_chunk_alone` from the measured costs: the shortest step at the rung of `rows` and its
-        delivery, against one frame of audio going out `_late[ahead]` later than the newcomers' programs end."""
-        b, n = rung(self._ladder, rows), min(self._step_sizes)
-        return not self.config.hold_first or first_chunk_alone(
-            self.step_costs.get((b, n), 0.0) + self._delivery_after(b, n), self._late.get(ahead, 0.0), self._margin_s)
-
-    def _dispatch_first(self, new: list[Stream], alone: bool):
+    def _dispatch_first(self, new: list[Stream], plan: IterationPlan):
         """Queue newcomers' first frame and its audio (one program) ahead of the step. Returns its outputs and
-        which newcomers decode their frame in it: those whose schedule starts with a one-frame chunk, if `alone`
-        (`_first_alone`); the others' first frame is decoded with the step's frames."""
-        b = rung(self._first_sizes, len(new))
-        idx, mask = self._rows(new, b)
-        fresh, decode = np.zeros(b, bool), np.zeros(b, bool)
-        for j, s in enumerate(new):
-            fresh[j], decode[j] = s.fresh_codec, alone and s.next_chunk_frames() == 1
+        which newcomers decode their frame in it (`plan.decode_first`); the others' first frame is decoded with
+        the step's frames."""
+        idx, mask = self._rows(new, plan.first_rung)
+        fresh, decode = np.zeros(plan.first_rung, bool), np.zeros(plan.first_rung, bool)
+        fresh[: len(new)], decode[: len(new)] = [s.fresh_codec for s in new], plan.decode_first
         return self.runner.first(idx, mask, fresh, decode), decode[: len(new)]
 
     def _send_first(self, new: list[Stream], out: FirstOutcome, decode: np.ndarray):
@@ -600,16 +577,20 @@ class Engine:
                 if stream.pending == 0 and stream.inflight == 0:  # ended with nothing left to decode
                     self._finish(stream)
 
-    def _admit(self) -> tuple[list[Stream], jax.Array | None]:
-        """Give waiting requests free slots and prefill them together: one call per prompt bucket (up to
-        `max_prefill` requests each); as many as one first-frame program takes and the playing streams' headroom
-        pays for (`_newcomer_limit`), the rest wait. Returns the admitted streams and a small output of the last
-        prefill to wait on (the state itself goes on to the step, donated)."""
+    def _admit(self) -> tuple[list[Stream], tuple[PrefillCall, ...], jax.Array | None]:
+        """Give waiting requests free slots and prefill them together (`plan.prefills`: the cheapest calls per prompt
+        bucket); as many as one first-frame program takes and the playing streams' headroom pays for
+        (`plan.admissions`), the rest wait. Returns the admitted streams, their prefill calls and a small output of
+        the last one to wait on (the state itself goes on to the step, donated)."""
         joined = []
         with self._lock:
             free = [i for i, s in enumerate(self.slots) if s is None]
             free = free[: max(self._ladder) - (len(self.slots) - len(free))]  # the rungs compiled so far
-            limit = self._newcomer_limit(min(len(free), len(self.queue), max(self._first_sizes)))
+            now = self.clock()
+            heads = [h for s in self.slots if s is not None and not s.waiting_text and (h := s.buffered(now)) is not None]
+            limit = admissions(min(len(free), len(self.queue), max(self._first_sizes)), min(heads, default=None),
+                               sum(s is not None and not s.lm_done for s in self.slots), self._costs(),
+                               self._margin_s, self.config.guard_newcomers)
             while free and self.queue and len(joined) < limit:
                 stream = self.queue.popleft()
                 if stream.cancelled:
@@ -618,58 +599,20 @@ class Engine:
                 stream.slot = free.pop(0)
                 joined.append(stream)
         if not joined:
-            return [], None
+            return [], (), None
         now = self.clock()
-        groups = collections.defaultdict(list)
         for stream in joined:
             self.slots[stream.slot] = stream
             stream.timings.admitted = now
-            groups[stream.job.bucket].append(stream)
             voice = stream.job.request.voice
             if voice is not None and voice.ref_codes is not None:
                 self.runner.load_voice(stream.slot, voice.ref_codes)
                 stream.fresh_codec = False
+        calls = prefills([s.job.bucket for s in joined], self._costs(), self._prefill_sizes)
         done = None
-        for bucket, streams in groups.items():
-            at = 0
-            for size in self._prefill_split(len(streams)):
-                part = streams[at : at + size]
-                at += size
-                r = rung(self._prefill_sizes, len(part))
-                done = self.runner.prefill(bucket, [(s.slot, s.job) for s in part], r)
-        return joined, done
-
-    def _prefill_split(self, n: int) -> tuple[int, ...]:
-        """The prefill calls `n` newcomers of one prompt bucket go in: `scheduler.prefill_calls` over the compiled
-        sizes' measured costs; until each is timed, calls of the largest size and one that holds the rest."""
-        sizes = self._prefill_sizes
-        if all(r in self.prefill_costs for r in sizes):
-            return prefill_calls(tuple((r, self.prefill_costs[r]) for r in sizes), n)
-        return largest_first(sizes, n)
-
-    def _newcomer_limit(self, waiting: int) -> int:
-        """`scheduler.newcomers_that_fit` from the measured costs: m newcomers' prefill and first frame, then a
-        one-frame step of every live row, against the least headroom of the streams with audio out."""
-        c = self.config
-        if not waiting or not c.guard_newcomers or not self.step_costs:  # untimed: no costs to judge by
-            return waiting
-        now = self.clock()
-        heads = [h for s in self.slots
-                 if s is not None and not s.waiting_text and (h := s.buffered(now)) is not None]
-        live = sum(s is not None and not s.lm_done for s in self.slots)
-
-        def iteration_s(m: int) -> float:
-            b = rung(self._ladder, live + m)
-            # a rung not timed yet (no warm-up, nothing this wide stepped since) costs none, as in `_plan_step`
-            return self._newcomers_s(m, m) + self.step_costs.get((b, 1), 0.0) + self._delivery_after(b, 1)
-
-        return newcomers_that_fit(waiting, min(heads, default=None), self._margin_s, iteration_s)
-
-    def _newcomers_s(self, prefilled: int, first: int) -> float:
-        """Measured seconds of prefilling `prefilled` requests (in their cheapest calls) and of
-        the first-frame program for `first` newcomers, which run ahead of the step; 0 before anything is timed."""
-        return ((prefill_cost(self.prefill_costs, prefilled) if prefilled else 0.0)
-                + (cost_in_calls(self.first_costs, first) if first else 0.0))
+        for call in calls:
+            done = self.runner.prefill(call.bucket, [(joined[j].slot, joined[j].job) for j in call.rows], call.size)
+        return joined, calls, done
 
     def _decode_audio(self, now: float, coming: dict[Stream, int], step: int | None,
                       held: set[Stream] = frozenset()) -> None:
@@ -679,7 +622,7 @@ class Engine:
         stream that ends early makes fewer; `_settle_audio` corrects the counts once the step is read). While a
         stream below its lead waits on it, the call is no wider than the codec chunk that the cost of a step of
         `step` frames counts (the calibration's), so it ends when the step planner said. `held`: newcomers whose
-        first frame waited for this step (`_first_alone`): their first chunk is every frame they have, up to the
+        first frame waited for this step (`IterationPlan.held`): their first chunk is every frame they have, up to the
         codec's largest chunk."""
         c = self.config
         waiting = [s for s in self.slots if s is not None and s.pending + coming.get(s, 0) > 0]
@@ -794,41 +737,3 @@ def _ema(old: float | None, new: float) -> float:
 def _frames_left(in_slots: list[Stream]) -> tuple[int, ...]:
     """Per stream in a slot: frames it may still produce (0 once its LM is done)."""
     return tuple(0 if s.lm_done else max(s.frames_cap - len(s.codes), 0) for s in in_slots)
-
-
-class _PartTimer:
-    """Wall time of each part of one iteration (always the real clock: tests may simulate the loop's)."""
-
-    def __init__(self):
-        self.last = time.perf_counter()
-        self.seconds: dict[str, float] = {}
-
-    def mark(self, part: str) -> None:
-        now = time.perf_counter()
-        self.seconds[part] = self.seconds.get(part, 0.0) + now - self.last
-        self.last = now
-
-
-class _IterationProfile:
-    """Where busy iterations spend their time, logged as means every `every_s` (the evidence for tuning the
-    loop: host work that does not overlap the device shows up outside `device_wait`)."""
-
-    def __init__(self, every_s: float = 2.0):
-        self.every_s = every_s
-        self._reset(time.perf_counter())
-
-    def _reset(self, now: float) -> None:
-        self.since, self.iterations, self.sums = now, 0, collections.Counter()
-
-    def add(self, parts: _PartTimer, **counts: float) -> None:
-        """`parts`' seconds, and `counts`: numbers averaged as they are (streams, frames, the margin in ms)."""
-        self.iterations += 1
-        self.sums.update(parts.seconds)
-        self.sums.update({k: float(v) for k, v in counts.items()})
-        now = time.perf_counter()
-        if now - self.since >= self.every_s:
-            mean = {k: round(v / self.iterations * (1 if k in counts else 1e3), 2) for k, v in self.sums.items()}
-            log.info("iterations: %d in %.1f s; mean per iteration (ms, or count): %s", self.iterations,
-                     now - self.since, mean)
-            self._reset(now)
-

@@ -20,7 +20,7 @@ import threading
 import time
 from collections import OrderedDict
 from functools import partial
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +76,36 @@ class Scratch:
     codec_state: codec_streaming.StreamState
     held: dict = dataclasses.field(default_factory=dict)
     outcomes: dict = dataclasses.field(default_factory=dict)
+
+
+@runtime_checkable
+class DeviceRunner(Protocol):
+    """What the loop (`core.Engine`) calls on its device half: `Runner` on an accelerator, or a simulated device
+    (bench/sim_device.py) that answers from numpy at measured costs, so the same loop runs over either."""
+
+    compiled_on_demand: int  # programs compiled when a call first needed them
+
+    def prefill(self, bucket: int, items: list[tuple[int, Job]], size: int): ...
+
+    def first(self, idx: np.ndarray, live: np.ndarray, fresh: np.ndarray, decode: np.ndarray) -> FirstOutcome: ...
+
+    def step(self, idx: np.ndarray, limits: np.ndarray, frames: int) -> StepOutcome: ...
+
+    def codec(self, idx: np.ndarray, fresh: np.ndarray, start: np.ndarray, count: np.ndarray, frames: int): ...
+
+    def append_text(self, slot: int, start: int, ids: list[int], cap: int) -> None: ...
+
+    def load_voice(self, slot: int, ref_codes: np.ndarray) -> None: ...
+
+    def primed_state(self, ref_codes: np.ndarray): ...
+
+    def compile(self, keys: list[Key]) -> None: ...
+
+    def warm_voices(self) -> None: ...
+
+    def scratch(self): ...
+
+    def calibrate(self, keys: list[Key], on=None) -> Calibration: ...
 
 
 def _write_into(buffers, values):

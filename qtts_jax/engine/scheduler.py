@@ -17,8 +17,8 @@ the first byte. A stream's *headroom* is the audio it has handed out minus what 
   their prefill and first frame run before the playing streams' next frame, so a burst of arrivals waits an
   iteration or two rather than making a playing stream run dry. With `hold_first`, their first frame goes out
   alone only while their next audio can follow it within its 80 ms, the margin spared; else with the step's frames.
-- **Prefill calls.** Waiting newcomers are prefilled in the calls whose measured costs sum least: full calls of
-  the largest size, then the cheapest mix of sizes for the rest, each call padded to its size.
+- **Prefill calls.** Waiting newcomers are prefilled in the calls whose measured costs sum least
+  (`costs.prefill_calls`, which the cost of a prefill is also counted by).
 - **Margin.** The late side of what was measured: iterations that ran longer than predicted, audio handed out
   later than usual after them, and chunks their listeners' coroutines took later than the engine handed them out.
   Not a constant guessed here.
@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 
 import numpy as np
 
+from qtts_jax.engine.costs import newcomer_budget
 from qtts_jax.engine.stream import FRAME_SECONDS
 
 
@@ -74,38 +74,6 @@ def step_frames(costs: dict[int, float], headroom: np.ndarray, newcomer_audio_s:
     brief = [n for n in fits if costs[n] + ahead <= max_step_s and costs[n] + extra_s <= n * FRAME_SECONDS]
     n = max(brief or fits, default=sizes[0])
     return StepPlan(n, extra_s + costs[n])
-
-
-def prefill_calls(costs: tuple[tuple[int, float], ...], n: int) -> tuple[int, ...]:
-    """The call sizes, largest first, that prefill `n` requests for the least summed cost, from `costs`: (size,
-    seconds) of each compiled call size, measured. Calls of the largest size while at least that many remain, then
-    the cheapest mix for the rest (fewer calls where two mixes cost the same), each call padded to its size. A call
-    of few rows is launch-bound and a padded one computes its empty rows: with sizes 1, 8, 64 and 128, ten
-    requests went into one call of 64, which under steady arrivals made every prefill cost a wide call's time."""
-    top = max(size for size, _ in costs)
-    full, rest = divmod(max(n, 1), top)
-    return (top,) * full + _cheapest_mixes(costs)[rest]
-
-
-@functools.lru_cache(maxsize=16)
-def _cheapest_mixes(costs: tuple[tuple[int, float], ...]) -> tuple[tuple[int, ...], ...]:
-    """For every count below the largest size, its cheapest mix of sizes, largest first: one table per set of
-    measured costs, which change only as the warm-up times its programs, so admission, asking once per request of a
-    burst, reads it rather than solving it again."""
-    table = dict(costs)
-    sizes = sorted(table)
-    best: list[tuple[float, tuple[int, ...]]] = [(0.0, ())]
-    for m in range(1, sizes[-1]):
-        best.append(min(((table[s] + best[max(m - s, 0)][0], (s,) + best[max(m - s, 0)][1]) for s in sizes),
-                        key=lambda option: (option[0], len(option[1]))))
-    return tuple(tuple(sorted(mix, reverse=True)) for _, mix in best)
-
-
-def newcomer_budget(newcomer_audio_s: float, first_late_s: float, margin_s: float) -> float:
-    """Seconds a step and its delivery may take for newcomers' next audio to reach them before their first chunk
-    has played, less the margin (their listeners start `first_late_s` after the newcomers' own programs). The
-    engine plans by it; admission predicts the engine's steps by it."""
-    return newcomer_audio_s + first_late_s - margin_s
 
 
 def first_chunk_alone(next_audio_s: float, first_late_s: float, margin_s: float) -> bool:

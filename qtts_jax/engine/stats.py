@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from qtts_jax.engine.config import rung
-from qtts_jax.engine.scheduler import prefill_calls
+from qtts_jax.engine.costs import Costs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,39 +36,7 @@ class EngineStats:
     first_late_s: float = 0.0
     compiling: int = 0  # programs a background warm-up has still to compile and time (the slots grow after them)
 
-    # A cost not timed yet counts as none: only a warm-up times the prefill and first-frame programs, and a server
-    # started without one (QTTS_WARMUP=0) still answers (an idle server admits anyway).
-
-    def step_cost(self, live: int, frames: int) -> float:
-        return self.step_costs.get((rung(self.ladder, max(live, 1)), frames), 0.0)
-
-    def first_cost(self, newcomers: int) -> float:
-        """Newcomers' first frames: one program per iteration, of at most the largest first-frame rung each."""
-        return cost_in_calls(self.first_costs, newcomers)
-
-    def prefill_cost(self, requests: int) -> float:
-        """Prefilling `requests` together (largest prompt bucket), in the calls the engine makes of them."""
-        return prefill_cost(self.prefill_costs, requests)
-
-
-def prefill_cost(costs: dict, n: int) -> float:
-    """Cost of prefilling `n` requests in the cheapest calls of the sizes `costs` holds (size -> seconds); none
-    while nothing is timed."""
-    if not costs:
-        return 0.0
-    return sum(costs[s] for s in prefill_calls(tuple(sorted(costs.items())), n))
-
-
-def largest_first(sizes: tuple[int, ...], n: int) -> tuple[int, ...]:
-    """Calls of `n` rows (at least one) of the ascending `sizes`: full calls of the largest size, then one of the
-    smallest size that holds the rest."""
-    full, rest = divmod(max(n, 1), sizes[-1])
-    return (sizes[-1],) * full + ((rung(sizes, rest),) if rest else ())
-
-
-def cost_in_calls(costs: dict, n: int) -> float:
-    """Cost of `n` rows through `largest_first` calls of the sizes `costs` holds (size -> seconds); none while
-    nothing is timed."""
-    if not costs:
-        return 0.0
-    return sum(costs[s] for s in largest_first(tuple(sorted(costs)), n))
+    @property
+    def costs(self) -> Costs:
+        """The published costs as the cost model reads them (one delivery delay for every codec call's shape)."""
+        return Costs(self.step_costs, self.prefill_costs, self.first_costs, self.ladder, self.delivery_s)
