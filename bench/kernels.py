@@ -2,8 +2,8 @@
 profiler, and the trace is reduced to, per call, the wall time, the time some kernel ran (the rest is the device
 waiting for the host to launch the next one), the number of kernels launched, and the kernels (and the HLO ops they
 come from) that take the most time, and per model part (the talker's layers, the code predictor, sampling, the
-codec: the named scopes in the model's code) its kernels and their time. Beside them, XLA's count of the program's
-arithmetic and memory traffic over its wall time: the achieved FLOP/s and bytes/s. Every figure is also given per
+codec: the named scopes in the model's code) its kernels and their time. Beside them, the achieved FLOP/s of a step
+(its matrix products over its wall time) and XLA's count of its memory traffic. Every figure is also given per
 frame. With
 --variants, each program is profiled once per engine configuration, side by side in one run; compile seconds are
 beside each (all programs compile at once, so they are comparable within a run only). Writes JSON.
@@ -92,26 +92,47 @@ def op_parts(hlo_text: str) -> dict[str, str]:
 
 
 def by_part(events: list[dict], parts: dict[str, str], calls: int) -> dict:
-    """Kernels per call and their ms per call, per model part."""
+    """Kernels per call and their ms per call, per model part. A kernel inside a CUDA graph is attributed to the
+    graph's op, so its own name (an XLA fusion's kernel is the fusion's name, '.' written '_') is tried too."""
+    by_kernel = {name.replace(".", "_"): part for name, part in parts.items()}
     out: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
     for e in events:
         args = e.get("args", {})
         op = str(args.get("hlo_op") or args.get("long_name") or "").lstrip("%").split(" ")[0].split("=")[0]
-        entry = out[parts.get(op, "other")]
+        entry = out[parts.get(op) or by_kernel.get(e["name"], "other")]
         entry[0] += e.get("dur", 0)
         entry[1] += 1
     return {part: {"kernels_per_call": round(n / calls, 1), "ms_per_call": round(t / 1e3 / calls, 3)}
             for part, (t, n) in sorted(out.items())}
 
 
-def costs(exe, wall_s: float, frames: int) -> dict:
-    """XLA's own count of a program's arithmetic and memory traffic, and what that is per second of `wall_s`:
-    achieved, not peak (a kernel that does less work faster lowers both)."""
+def frame_flops(cfg) -> float:
+    """The matrix products' FLOPs of one row's frame (talker step, code predictor's 15 codes, their heads): twice
+    the weights each token meets. XLA's own cost analysis counts a loop's body once and a cuBLAS call not at all."""
+    def layer(d):
+        q, kv = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+        return d.hidden_size * (q + 2 * kv) + q * d.hidden_size + 3 * d.hidden_size * d.intermediate_size
+
+    t, p = cfg.talker, cfg.predictor
+    projection = t.hidden_size * p.hidden_size if t.hidden_size != p.hidden_size else 0
+    groups = cfg.num_code_groups - 1
+    talker = t.num_layers * layer(t) + t.hidden_size * t.vocab_size
+    predictor = (groups + 1) * (p.num_layers * layer(p) + projection) + groups * p.hidden_size * p.vocab_size
+    return 2.0 * (talker + predictor)
+
+
+def costs(exe, wall_s: float, rows: int, frames: int, flops_per_row_frame: float | None) -> dict:
+    """Achieved arithmetic (the products of `frame_flops` for every row and frame, over the wall time) and XLA's
+    count of the program's memory traffic per frame and per second: achieved, not peak."""
     analysis = exe.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis or {}
-    flops, traffic = float(analysis.get("flops", 0.0)), float(analysis.get("bytes accessed", 0.0))
-    return {"gflop_per_frame": round(flops / frames / 1e9, 3), "gbytes_per_frame": round(traffic / frames / 1e9, 3),
-            "achieved_tflops": round(flops / wall_s / 1e12, 2), "achieved_gbytes_s": round(traffic / wall_s / 1e9, 1)}
+    traffic = float(analysis.get("bytes accessed", 0.0))
+    out = {"gbytes_per_frame_xla": round(traffic / frames / 1e9, 3),
+           "achieved_gbytes_s_xla": round(traffic / wall_s / 1e9, 1)}
+    if flops_per_row_frame:
+        flops = flops_per_row_frame * rows * frames
+        out |= {"gflop_per_frame": round(flops / frames / 1e9, 1), "achieved_tflops": round(flops / wall_s / 1e12, 1)}
+    return out
 
 
 def summarise(events: list[dict], calls: int, top: int) -> dict:
@@ -205,13 +226,14 @@ def main() -> None:
         result["programs"][name] = {
             "wall_ms": round(wall * 1e3, 3), "frames": frames, "wall_ms_per_frame": round(wall * 1e3 / frames, 3),
             "kernels_per_frame": round(kernels["kernels_per_call"] / frames, 1),
-            "busy_share": round(kernels["busy_ms_per_call"] / (wall * 1e3), 3), **costs(exe, wall, frames),
+            "busy_share": round(kernels["busy_ms_per_call"] / (wall * 1e3), 3),
+            **costs(exe, wall, key[1], frames, frame_flops(model.cfg) if key[0] in ("step", "first") else None),
             "parts": by_part(events.get("kernels", []), op_parts(hlo), args.calls),
             "compile_s": round(compile_s, 2), "trace_lines_s": lines,
             **{kind: summarise(e, args.calls, args.top) for kind, e in events.items()}}
         r = result["programs"][name]
-        print(name, {k: r[k] for k in ("wall_ms_per_frame", "kernels_per_frame", "busy_share", "achieved_tflops",
-                                       "achieved_gbytes_s")}, r["parts"], flush=True)
+        print(name, {k: r.get(k) for k in ("wall_ms_per_frame", "kernels_per_frame", "busy_share", "achieved_tflops")},
+              r["parts"], flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 
 
