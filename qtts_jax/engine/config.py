@@ -44,7 +44,7 @@ class EngineConfig:
     attention: str = "auto"
     # How a frame runs the talker's and the code predictor's layers: "pallas" (four fused kernels a layer, which
     # also write and read the cache, so `attention` goes unused), "jnp" (XLA's fusions of the model's code), or
-    # "auto": XLA's until the kernels are measured faster on a GPU.
+    # "auto": XLA's, whose cuBLAS products are faster than the kernels' Triton ones (docs/benchmarks.md).
     layers: str = "auto"
     # Benchmarks on random weights, which rarely emit end-of-speech: each stream ends at a frame drawn from its seed
     # inside the step program (`generate.frame_code0`), which the scheduler cannot foresee, as real speech ends.

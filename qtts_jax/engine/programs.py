@@ -191,8 +191,8 @@ def attender(name: str):
 
 def layer_kernels(name: str):
     """How the frame step runs the talker's and the code predictor's layers: "pallas" (four fused kernels a layer,
-    `kernels.layer`), "jnp" (XLA's own fusions of the model's code: None), or "auto": XLA's, until the kernels are
-    measured faster on a GPU (bench/kernels.py, docs/benchmarks.md)."""
+    `kernels.layer`), "jnp" (XLA's own fusions of the model's code: None), or "auto": XLA's, since the kernels'
+    Triton products are slower than cuBLAS's (docs/benchmarks.md)."""
     if name == "auto":
         name = "jnp"
     if name == "jnp":
