@@ -3,6 +3,7 @@ layers, and the engine running its layers through them generates what it generat
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -14,7 +15,8 @@ from qtts_jax import nn
 from qtts_jax.kernels import layer
 from qtts_jax.request import Request
 from qtts_jax.talker.transformer import KVCache, rope_tables
-from support import GREEDY, assert_same_codes, run_small
+from qtts_jax.engine import Engine
+from support import GREEDY, SMALL, assert_same_codes, run, run_small
 
 TIGHT = dict(rtol=1e-5, atol=1e-5)  # fp32: the kernels and the references differ by summation order alone
 
@@ -109,15 +111,14 @@ def test_engine_with_the_fused_layers_generates_the_same_codes(tiny_model):
 def test_seeded_ends_stop_each_stream_at_a_frame_of_its_own_that_only_the_program_draws(tiny_model):
     """With `seeded_ends`, a stream ends between frame 2 and its cap, at a frame its seed and prompt decide: the
     same alone as beside others, different across prompts, and never known to the host before it happens."""
+    engine = Engine(tiny_model, dataclasses.replace(SMALL, seeded_ends=True, slots=4))
     reqs = [Request(text, speaker="ryan", seed=3, max_frames=16)
             for text in ("One.", "A longer second prompt here.", "Three words now.", "And the fourth, longest of all.")]
-    together = run_small(tiny_model, reqs, seeded_ends=True, slots=4)
+    together = run(engine, [(0, r) for r in reqs])
     lengths = [len(stream.codes) for stream, _ in together]
     assert all(2 <= n <= 16 for n in lengths) and len(set(lengths)) > 1, lengths
     assert all(stream.job.frames_cap == 16 for stream, _ in together)  # the host still plans with the cap
-    alone = run_small(tiny_model, reqs[1:2], seeded_ends=True, slots=4)
-    assert_same_codes(alone, together[1:2])
-    assert max(len(s.codes) for s, _ in run_small(tiny_model, reqs, slots=4)) == 16  # without: to the cap
+    assert_same_codes(run(engine, [(0, reqs[1])]), together[1:2])
 
 
 @pytest.mark.parametrize("size", ["0.6b", "1.7b"])
