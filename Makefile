@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALL := $(PY) -m pip install --quiet --no-compile
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: help setup setup-gpu browser test test-fleet cluster synth serve study explore lab clean
+.PHONY: help setup setup-gpu browser test test-fleet cluster synth serve study report explore lab clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 12
@@ -98,6 +98,11 @@ study: $(STUDY)  ## capacity study -> runs/<id>/report.html [URL=http://host:por
 	$(PY) -m studies capacity $(if $(URL),--url $(URL),--compare-serialised) $(if $(LOADS),--loads $(LOADS)) \
 		$(if $(REQUESTS),--requests $(REQUESTS)) $(if $(MAX_FRAMES),--max-frames $(MAX_FRAMES)) \
 		$(if $(SLOTS),--slots $(SLOTS)) $(if $(PRICE),--price-per-hour $(PRICE)) --chunk-schedule $(or $(CHUNKS),1)
+
+# A study measured where the server runs (`python -m studies capacity --url ... --no-report`, e.g. on a GPU host
+# without papermill), rendered here from its run directory
+report: $(STUDY)  ## render a run's report.html from its records: RUN=runs/<id>
+	$(PY) -m studies report $(or $(RUN),$(error RUN=runs/<id> is required))
 
 # One synthesis through a server (a local tiny-random one unless URL=...): listen, waveform, spectrogram, timings
 explore: $(STUDY)  ## notebooks/explore_model.py -> runs/<id>/report.html [TEXT=...] [URL=...] [MODEL=DIR]

@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import json
 import sys
+from pathlib import Path
 
 from studies.fleet import DEFAULT_PRICE_PER_HOUR, fleet_size
 
@@ -63,6 +64,12 @@ def _parser(prog: str = "python -m studies") -> argparse.ArgumentParser:
     c.add_argument("--target", type=float, default=100.0, help="fleet sizing: load to carry, in the loads' unit")
     c.add_argument("--price-per-hour", type=float, help="fleet sizing: " + PRICE_HELP)
     c.add_argument("--runs-dir", default="runs", help="parent directory of the run directory")
+    c.add_argument("--no-report", action="store_true",
+                   help="measure only (records and summary.json), for a machine without papermill such as a GPU "
+                        "host; render the report anywhere with `report RUN_DIR`")
+    r = sub.add_parser("report", help="render report.html from a capacity run measured with --no-report (or again)",
+                       **defaults)
+    r.add_argument("run_dir", help="the run directory: its summary.json and records")
     s = sub.add_parser("sustained", help="A/B of two builds under sustained load: passes A, B, B, A per workload, "
                                          "golden-checked; runs notebooks/sustained_ab.py -> runs/<id>/report.html",
                        **defaults)
@@ -132,6 +139,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m studies") -> int:
         return sustained(args)
     if args.command == "explore":
         return explore(args)
+    if args.command == "report":
+        return render_report(args)
     return capacity(args)
 
 
@@ -189,7 +198,8 @@ def capacity(args) -> int:
         summary = study(servers, run_dir, args.mode, loads, args.requests, load_corpus("voice_agent"), options,
                         args.warmup, args.buffer_ms, SLO(), args.protocol, args.target, args.price_per_hour, configs,
                         contract)
-    report = run_notebook("capacity_study", {"measured": True}, run_dir)
+    report = "not rendered: python -m studies report " + str(run_dir) if args.no_report else run_notebook(
+        "capacity_study", {"measured": True}, run_dir)
     for server in summary["servers"]:
         print(verdict_text(server, summary).replace("**", ""), end="\n\n")
         print(contract_text(server, summary).replace("**", ""), end="\n\n")
@@ -197,6 +207,18 @@ def capacity(args) -> int:
         if text:
             print(text.replace("**", ""), end="\n\n")
     print(last_line(summary, report))
+    return 0
+
+
+def render_report(args) -> int:
+    """The capacity report of a run measured elsewhere: the notebook draws it from the run's own files."""
+    from studies.report import run_notebook
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "summary.json").is_file():
+        print(f"error: {run_dir / 'summary.json'} not found: give a capacity run directory", file=sys.stderr)
+        return 2
+    print(f"report: {run_notebook('capacity_study', {'measured': True}, run_dir)}")
     return 0
 
 

@@ -92,17 +92,22 @@ def test_websocket_refusals_and_bad_sessions_are_failures(url):
 def test_capacity_cli_sweeps_over_the_websocket(url, tmp_path, capsys):
     from studies.cli import main as study_main
 
+    """Measured where the server runs (--no-report: no papermill needed there), then rendered from the run's files."""
     assert study_main(["capacity", "--url", url, "--protocol", "ws", "--loads", "1", "--requests", "2",
-                       "--warmup", "0", "--max-frames", "6", "--runs-dir", str(tmp_path)]) == 0
+                       "--warmup", "0", "--max-frames", "6", "--runs-dir", str(tmp_path), "--no-report"]) == 0
     (run,) = tmp_path.iterdir()
     assert json.loads((run / "summary.json").read_text())["protocol"] == "ws"
     assert {r.protocol for r in read_jsonl(run / "records.jsonl")} == {"ws"}
-    assert "loop over ws" in (run / "report.html").read_text()
+    assert not (run / "report.html").exists()
     out = capsys.readouterr().out
     assert "Zero-underrun capacity per replica" in out
     # 2 requests cannot bound a p95 from above: undecided, never a silent 0; the last line names the server
     assert out.rstrip().splitlines()[-1].startswith(f"{url}: safe capacity undecided (load 1 is undecided), ")
-    assert out.rstrip().endswith(f"report: {run / 'report.html'}")
+    assert out.rstrip().endswith(f"report: not rendered: python -m studies report {run}")
+    assert study_main(["report", str(run)]) == 0
+    assert "loop over ws" in (run / "report.html").read_text()
+    assert capsys.readouterr().out.strip() == f"report: {run / 'report.html'}"
+    assert study_main(["report", str(tmp_path / "nothing")]) == 2
 
 
 def test_overload_rejections_count_as_failures(url, tmp_path):
