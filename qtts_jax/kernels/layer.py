@@ -36,7 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from qtts_jax.nn import rms_norm
+from qtts_jax.nn import apply_rope, rms_norm
+from qtts_jax.talker.transformer import gather_rows_attention
 
 BLOCK_K = 64  # the reduction's chunk in every product
 BLOCK_N = 64  # output columns per program of the products that are not per head
@@ -151,8 +152,6 @@ def qkv_rope_ref(x, ln, wqkv, q_norm, k_norm, cos, sin, layer, *, heads: int, kv
                  interpret: bool = False):
     """`qkv_rope` as `DecoderLayer` computes it."""
     del interpret
-    from qtts_jax.nn import apply_rope
-
     n, d = x.shape[0], q_norm.shape[1]
     a = rms_norm(x, ln[layer], eps)
     q, k, v = jnp.split(a @ wqkv[layer], [heads * d, (heads + kv_heads) * d], axis=-1)
@@ -238,8 +237,6 @@ def attend_ref(qkv, cache_k, cache_v, layer, slots, rows, mask, *, heads: int, k
     """`attend` as `DecoderStack.forward_rows` computes it: the write, then `gather_rows_attention` under `mask`
     and the causal bound."""
     del interpret
-    from qtts_jax.talker.transformer import gather_rows_attention
-
     q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
     cache_k = cache_k.at[layer, slots, :, rows].set(k.astype(cache_k.dtype), mode="drop")
     cache_v = cache_v.at[layer, slots, :, rows].set(v.astype(cache_v.dtype), mode="drop")
