@@ -3,7 +3,8 @@
 XLA runs a layer for a decode step as a dozen or more kernels: the norm, the QKV product, the per-head norms, RoPE,
 the cache write, the attention's pieces, the output product, the residual, the norm, the MLP's products and SwiGLU,
 the residual. At a decode step's few rows each costs more to start than its arithmetic, and a frame runs 103 layers
-(28 talker, 75 code predictor). Here a layer is four kernels, each a matrix product with what surrounds it:
+(28 talker, 75 code predictor). Here a layer is five launches of four kernels, each a matrix product with what
+surrounds it:
 
 * `qkv_rope`: RMSNorm in the prologue; the q, k and v products; each head's RMSNorm and RoPE in the epilogue (a
   program owns one head, so the head's norm and its rotate-half are local to it).
@@ -19,7 +20,8 @@ The references (`*_ref`) are the arithmetic of `transformer.DecoderLayer` and `g
 same order and dtypes, written over the same arguments. Tolerances: in fp32 the kernels equal the references to
 rounding (tests: 1e-5 relative). In bf16 the kernels keep fp32 where the references round to bf16 between
 operations (the product's output before the epilogue's arithmetic, the attention's scores and probabilities), so
-outputs differ by a few bf16 steps and sampled codes can differ at near-ties, as between any two kernels.
+outputs differ by a few bf16 steps (bench/layer_check.py holds each kernel to 3% of its output's largest
+magnitude) and sampled codes can differ at near-ties, as between any two kernels.
 
 Lowered through Pallas-Triton: blocks are powers of two, a product's rows at least 16, so rows are padded to a
 multiple of the row block (`_rows_block`) and head_dim, hidden and MLP widths must be powers of two times 16.
