@@ -249,10 +249,19 @@ def attend_ref(qkv, cache_k, cache_v, layer, slots, rows, mask, *, heads: int, k
 
 # --- a product with the residual added ----------------------------------------------------------------------------
 
-def _project_kernel(layer_ref, a_ref, w_ref, r_ref, out_ref, *, block_m: int):
+class Tiling(NamedTuple):
+    """A product's blocks and Triton's launch settings (`project_residual`'s; bench/layer_tiles.py sweeps them)."""
+
+    block_m: int | None = None  # rows per program; None: `_rows_block`
+    block_n: int = BLOCK_N
+    block_k: int = BLOCK_K
+    num_warps: int = NUM_WARPS
+    num_stages: int = 2
+
+
+def _project_kernel(layer_ref, a_ref, w_ref, r_ref, out_ref, *, block_m: int, bn: int, bk: int):
     i, j = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
-    bk, bn = min(BLOCK_K, a_ref.shape[1]), min(BLOCK_N, out_ref.shape[1])
     rows, cols = _chunk(i, block_m), _chunk(j, bn)
 
     def body(c, acc):
@@ -264,20 +273,21 @@ def _project_kernel(layer_ref, a_ref, w_ref, r_ref, out_ref, *, block_m: int):
     out_ref[rows, cols] = out.astype(out_ref.dtype)
 
 
-@partial(jax.jit, static_argnames=("interpret",))
-def project_residual(a, w, layer, residual, *, interpret: bool = False):
+@partial(jax.jit, static_argnames=("tiling", "interpret"))
+def project_residual(a, w, layer, residual, *, tiling: Tiling = Tiling(), interpret: bool = False):
     """residual + a @ w[layer]: a [B, K], the stack's w [L, K, N], residual [B, N]."""
     rows, n = residual.shape
-    block_m = _rows_block(rows)
+    block_m = tiling.block_m or _rows_block(rows)
+    bn, bk = min(tiling.block_n, n), min(tiling.block_k, a.shape[1])
     ap, rp = _padded(a, block_m), _padded(residual, block_m)
     layer = jnp.reshape(layer, (1,)).astype(jnp.int32)
     out = pl.pallas_call(
-        partial(_project_kernel, block_m=block_m),
+        partial(_project_kernel, block_m=block_m, bn=bn, bk=bk),
         out_shape=jax.ShapeDtypeStruct(rp.shape, residual.dtype),
-        grid=(rp.shape[0] // block_m, n // min(BLOCK_N, n)),
+        grid=(rp.shape[0] // block_m, n // bn),
         in_specs=[_whole(x) for x in (layer, ap, w, rp)],
         out_specs=_whole(rp),
-        compiler_params=_params(),
+        compiler_params=pltriton.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
         interpret=interpret,
     )(layer, ap, w, rp)
     return out[:rows]
