@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -21,22 +19,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 TILINGS = "0/64/64/4/2,0/32/64/4/3,32/64/64/4/3,64/128/64/8/3,16/64/128/4/4,32/32/128/4/4,64/64/32/4/4"
 
 
-def per_call_us(fn, args, repeats: int, trials: int = 5) -> float:
+def per_call_us(fn, args, repeats: int) -> float:
     """Microseconds per call of `fn(*args)` -> same shape as args[-1], chained `repeats` times in one program."""
     import jax
+
+    from bench.sampling import time_us
 
     def chained(*a):
         head, residual = a[:-1], a[-1]
         return jax.lax.fori_loop(0, repeats, lambda _, r: fn(*head, r), residual)
 
-    run = jax.jit(chained)
-    jax.block_until_ready(run(*args))
-    walls = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(*args))
-        walls.append(time.perf_counter() - t0)
-    return statistics.median(walls) / repeats * 1e6
+    return time_us(jax.jit(chained), args, warmup=1, runs=5, inner=repeats)
 
 
 def main() -> None:
