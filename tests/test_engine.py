@@ -299,6 +299,23 @@ def test_stats_follow_a_cancel_that_leaves_the_engine_idle(engine):
     assert (st.live, st.queued, st.frames_left) == (0, 0, ())
 
 
+def test_stats_name_the_stream_of_each_entry(engine):
+    """Admission finds a long input's part in flight by its stream id: each entry of the snapshot names its
+    stream, in the entries' order, in a slot and in the queue."""
+    streams = [engine.submit(engine.prepare(Request(t, speaker="ryan", max_frames=50, **GREEDY)), Collector())
+               for t in TEXTS[: engine.config.slots + 1]]
+    engine.run_once()
+    st = engine.stats()
+    in_slots = [s for s in engine.slots if s is not None]
+    assert st.live_ids == tuple(s.id for s in in_slots) and len(st.live_ids) == engine.config.slots
+    assert st.frames_left == tuple(s.frames_cap - len(s.codes) for s in in_slots)
+    assert st.queued_ids == (streams[-1].id,) and st.queued_frames == (streams[-1].frames_cap,)
+    for s in streams:
+        s.cancel()
+    while engine.run_once():
+        pass
+
+
 def test_stats_read_the_streams_in_slots_and_their_frames_left_together(engine, monkeypatch):
     """Between two published snapshots, streams join slots (and leave them): `stats()` counts them as they are
     now, and must count their frames left with them, or admission's slot arithmetic runs out of slots (an

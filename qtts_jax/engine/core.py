@@ -490,7 +490,8 @@ class Engine:
         in_slots = [s for s in self.slots if s is not None]
         queued = list(self.queue)
         return dict(live=len(in_slots), frames_left=_frames_left(in_slots), queued=len(queued),
-                    queued_frames=tuple(s.frames_cap for s in queued),
+                    queued_frames=tuple(s.frames_cap for s in queued), live_ids=tuple(s.id for s in in_slots),
+                    queued_ids=tuple(s.id for s in queued),
                     oldest_wait_s=now - queued[0].timings.submitted if queued else 0.0)
 
     def _sizes(self) -> dict:

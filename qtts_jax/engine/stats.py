@@ -35,6 +35,10 @@ class EngineStats:
     # least over the calls' shapes measured: admission does not know which call a newcomer will wait behind)
     first_late_s: float = 0.0
     compiling: int = 0  # programs a background warm-up has still to compile and time (the slots grow after them)
+    # the `Stream.id` of each entry of `frames_left` and of `queued_frames`, in their order: admission finds a long
+    # input's part in flight by it
+    live_ids: tuple[int, ...] = ()
+    queued_ids: tuple[int, ...] = ()
 
     @property
     def costs(self) -> Costs:
