@@ -455,7 +455,7 @@ def test_how_late_newcomers_first_audio_goes_out_behind_a_codec_call_is_measured
     for _ in range(2):
         engine.run_once()
     assert not engine._first_late and engine.stats().first_late_s == 0.0  # nothing ran ahead of its first frame
-    ahead = engine._codec_shape  # the playing stream's codec call, queued before the newcomer's first frame
+    ahead = engine._audio.shape  # the playing stream's codec call, queued before the newcomer's first frame
     new = engine.submit(engine.prepare(Request("Newcomer.", speaker="aiden", max_frames=10, **GREEDY)), newcomer)
     engine.run_once()
     assert list(engine._first_late) == [ahead]  # measured for that call's shape

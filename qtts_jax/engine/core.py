@@ -8,7 +8,8 @@ whose writes are dropped), so a large engine with few live streams steps as fast
 runner meet at the runner's calls and their typed outcomes (`StepOutcome`, `FirstOutcome`, `Calibration`).
 
 One iteration of the loop (`run_once`): admission and the plan (`plan.admissions`, `plan.prefills`, `plan.schedule`),
-the runner's calls, then the codec call (`scheduler.chunks_due`) and the bookkeeping of what came back:
+the runner's calls (`_execute`), then the codec call (`plan.codec_call`) and the bookkeeping of what came back
+(`_update`):
 1. waiting requests that have a free slot are prefilled, all of them in one call per prompt bucket, so a
    burst of N arrivals costs about one prefill; as many as the playing streams' headroom pays for (their
    prefill and first frame run before the playing streams' next frame), the rest waiting an iteration;
@@ -71,8 +72,9 @@ from qtts_jax.engine.job import Job
 from qtts_jax.engine.runner import Calibration, DeviceRunner, FirstOutcome, Key, Runner, stages
 from qtts_jax.engine.costs import Costs
 from qtts_jax.engine.profile import IterationProfile, PartTimer
-from qtts_jax.engine.plan import IterationPlan, PrefillCall, Sizes, admissions, prefills, schedule
-from qtts_jax.engine.scheduler import Jitter, chunks_due
+from qtts_jax.engine.iteration import HandOut, IterationResult
+from qtts_jax.engine.plan import IterationPlan, PrefillCall, Sizes, admissions, codec_call, prefills, schedule
+from qtts_jax.engine.scheduler import Jitter
 from qtts_jax.engine.stats import EngineStats
 from qtts_jax.engine.stream import FRAME_SECONDS, Chunk, Stream
 from qtts_jax.model import Model
@@ -110,8 +112,7 @@ class Engine:
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._running = False
-        self._audio = None  # (device audio, [(stream, frames)]) of the codec call in flight
-        self._codec_shape = (0, 0)  # its (rows, frames) rungs
+        self._audio: HandOut | None = None  # the codec call in flight
         self.step_costs: dict = {}  # (rung, frames) -> seconds per iteration, measured
         self._idle_step_costs: dict = {}  # the same, as `warmup` timed them on the idle engine
         self.prefill_costs: dict = {}  # requests -> seconds, measured
@@ -358,8 +359,8 @@ class Engine:
         self._margin_s = self.jitter.margin()
         # the previous codec call's audio goes out from the sender thread as soon as the device has it, while this
         # thread admits and prefills the newcomers (in a burst that takes tens of ms of host time)
-        ahead = self._codec_shape if self._audio is not None else None  # the codec call the device runs first
-        handing = self._sender.submit(self._send_audio, *self._audio) if self._audio is not None else None
+        ahead = self._audio.shape if self._audio is not None else None  # the codec call the device runs first
+        handing = None if ahead is None else self._sender.submit(self._send_audio, self._audio.audio, self._audio.due)
         self._audio = None
         joined, prefill_calls, prefill_done = self._admit()
         self._feed_text()
@@ -383,62 +384,78 @@ class Engine:
                         np.array([s.next_chunk_frames() for s in new], int), allowed, self._costs(),
                         Sizes(self._ladder, self._first_sizes, self._step_sizes), self.config, self._margin_s,
                         self._late.get(ahead, 0.0), self.config.cap_iteration and not self._waiting_for_slot())
-        # newcomers whose one-frame first chunk waits for this step's frames (a set: the codec call asks each stream)
-        held = {s for s, h in zip(new, plan.held) if h}
-        first = self._dispatch_first(new, plan) if new else None
-        # the newcomers' first chunks go out from the sender thread after that audio, as the device finishes them
-        # (in the order it runs them), while this thread dispatches the step (whose call holds it for its loop trips)
-        stamping = self._sender.submit(self._stamp_prefilled, joined, prefill_done) if prefill_done is not None else None
-        sending = self._sender.submit(self._send_first, new, *first) if first is not None else None
-        parts.mark("dispatch")
-        extra, step, out = plan.extra_s, plan.step, None
-        stepping = [candidates[j] for j in plan.step_rows]
-        if step is not None:
-            limits = np.array(plan.limits, np.int32)
-            idx, _ = self._rows(stepping, plan.step_rung)
-            out = self.runner.step(idx, np.pad(limits, (0, plan.step_rung - len(stepping))), step.frames)
-        parts.mark("dispatch")
-        if stamping is not None:
-            stamping.result()
-        if handing is not None:
-            self._settle_handout(t0, ahead, *handing.result())
-            parts.mark("hand_out")
-        if sending is not None:
-            first = sending.result()
-            if ahead is not None and self.runner.compiled_on_demand == compiled:
-                # what the planner counts on when a codec call runs ahead of the newcomers
-                samples = self._first_late.setdefault(ahead, collections.deque(maxlen=64))
-                samples.append(max(first[2] - t0 - extra, 0.0))
-                self._late[ahead] = min(samples)
-            self._take_first(new, *first)
-            parts.mark("first")
-        # the codec call is queued right behind the step, counting on the frames it makes (they are read from
-        # where the step writes them), and corrected once the step's outputs are read
-        self._decode_audio(self.clock(), {s: int(f) for s, f in zip(stepping, limits) if not s.lm_done}
-                           if step is not None else {}, step.frames if step is not None else None, held)
-        parts.mark("codec_dispatch")
-        if out is not None:
-            frames, valid = np.asarray(out.frames), np.asarray(out.valid)  # the one host sync per step call
-            parts.mark("device_wait")
-            now = self.clock()
-            self._recent_frame_s.append((now - t0) / step.frames)
-            self._record(stepping, frames, valid, now, limits)
-            self._settle_audio()
-        parts.mark("bookkeeping")
+        result = self._execute(plan, candidates, new, joined, prefill_done, handing, parts)
+        self._audio = self._update(plan, result, t0, ahead, compiled, parts)
+        step = plan.step
         self._profile.add(parts, live=len(live), new=len(new), frames=step.frames if step else 0,
-                          margin_ms=self._margin_s * 1e3, held=len(held))
+                          margin_ms=self._margin_s * 1e3, held=len(result.held))
         elapsed = self.clock() - t0
         if self.runner.compiled_on_demand == compiled:
             self._iteration_s = _ema(self._iteration_s or None, elapsed)
             if step is not None:  # what a step iteration really takes, host work included, newcomers' share not
                 self.jitter.add(elapsed - step.predicted_s)
-                cost = max(elapsed - extra, 0.0)
+                cost = max(elapsed - plan.extra_s, 0.0)
                 key = (plan.step_rung, step.frames)
                 self.step_costs[key] = _ema(self.step_costs.get(key), cost)
         self.iterations += 1
         with self._lock:
             self._stats = self._snapshot()
         return True
+
+    def _execute(self, plan: IterationPlan, candidates: list[Stream], new: list[Stream], joined: list[Stream],
+                 prefill_done, handing, parts: PartTimer) -> IterationResult:
+        """Dispatch the plan's device calls after its prefills (`_admit` dispatched those, so the device starts
+        while the host plans): the newcomers' first-frame program, then the step. Between the two, the sender
+        thread is given the newcomers' prefill stamp and first chunks, so they go out as the device finishes them
+        while this thread is held by the step's dispatch. The codec call is not here: which frames it decodes
+        depends on the newcomers' first frames, read back in `_update`."""
+        held = frozenset(s for s, h in zip(new, plan.held) if h)
+        first = self._dispatch_first(new, plan) if new else None
+        stamping = self._sender.submit(self._stamp_prefilled, joined, prefill_done) if prefill_done is not None else None
+        sending = self._sender.submit(self._send_first, new, *first) if first is not None else None
+        parts.mark("dispatch")
+        stepping = [candidates[j] for j in plan.step_rows]
+        limits, out = np.array(plan.limits, np.int32), None
+        if plan.step is not None:
+            idx, _ = self._rows(stepping, plan.step_rung)
+            out = self.runner.step(idx, np.pad(limits, (0, plan.step_rung - len(stepping))), plan.step.frames)
+        parts.mark("dispatch")
+        return IterationResult(new, stepping, held, limits, out, handing, stamping, sending)
+
+    def _update(self, plan: IterationPlan, result: IterationResult, t0: float, ahead: tuple[int, int] | None,
+                compiled: int, parts: PartTimer) -> HandOut | None:
+        """Take back what `_execute` left in flight: the previous hand-out's bookkeeping, the newcomers' first
+        frames, then the codec call queued right behind the step (counting on the frames the step makes: it reads
+        them where the step writes them), and last the step's outputs, the one host sync per step. Returns that
+        codec call: the sender hands its audio out at the next iteration's start."""
+        if result.prefilled is not None:
+            result.prefilled.result()
+        if result.handed is not None:
+            self._settle_handout(t0, ahead, *result.handed.result())
+            parts.mark("hand_out")
+        if result.first is not None:
+            first = result.first.result()
+            if ahead is not None and self.runner.compiled_on_demand == compiled:
+                # what the planner counts on when a codec call runs ahead of the newcomers
+                samples = self._first_late.setdefault(ahead, collections.deque(maxlen=64))
+                samples.append(max(first[2] - t0 - plan.extra_s, 0.0))
+                self._late[ahead] = min(samples)
+            self._take_first(result.new, *first)
+            parts.mark("first")
+        step = plan.step
+        coming = {s: int(f) for s, f in zip(result.stepping, result.limits) if not s.lm_done} if step else {}
+        handout = self._decode_audio(self.clock(), coming, step.frames if step else None, result.held)
+        parts.mark("codec_dispatch")
+        if result.step is not None:
+            frames, valid = np.asarray(result.step.frames), np.asarray(result.step.valid)
+            parts.mark("device_wait")
+            now = self.clock()
+            self._recent_frame_s.append((now - t0) / step.frames)
+            self._record(result.stepping, frames, valid, now, result.limits)
+            if handout is not None:
+                self._settle_audio(handout)
+        parts.mark("bookkeeping")
+        return handout
 
     def start(self) -> None:
         """Run the loop on its own thread until `stop`."""
@@ -616,8 +633,8 @@ class Engine:
         return joined, calls, done
 
     def _decode_audio(self, now: float, coming: dict[Stream, int], step: int | None,
-                      held: set[Stream] = frozenset()) -> None:
-        """Hand every stream's due frames (`scheduler.chunks_due`: below its lead, all it has; past it, its
+                      held: frozenset[Stream] = frozenset()) -> HandOut | None:
+        """Hand every stream's due frames (`plan.codec_call`: below its lead, all it has; past it, its
         schedule's next size) to ONE codec call, each row with its own frame count. `coming` are the streams
         whose frames are being made by the step queued ahead of this call, and how many: they count as made (a
         stream that ends early makes fewer; `_settle_audio` corrects the counts once the step is read). While a
@@ -628,9 +645,9 @@ class Engine:
         c = self.config
         waiting = [s for s in self.slots if s is not None and s.pending + coming.get(s, 0) > 0]
         if not waiting:
-            return
+            return None
         most = max(self._codec_sizes)
-        counts = chunks_due(
+        call = codec_call(
             pending=np.array([s.pending + coming.get(s, 0) for s in waiting]),
             want=np.array([min(s.pending + coming.get(s, 0), most) if s in held else s.next_chunk_frames()
                            for s in waiting]),
@@ -639,12 +656,11 @@ class Engine:
             headroom=np.array([0.0 if s.resumes else np.nan if (h := s.buffered(now)) is None else h
                                for s in waiting]),
             lead_s=c.lead_s, horizon_s=self._iteration_s + self._delivery_s + self._margin_s,
-            most=most, width=None if step is None else rung(self._codec_sizes, step))
-        due = [(s, int(f)) for s, f in zip(waiting, counts) if f]
-        if not due:
-            return
-        b = rung(self._ladder, len(due))
-        n = rung(self._codec_sizes, max(f for _, f in due))
+            ladder=self._ladder, codec_sizes=self._codec_sizes, step=step)
+        if call is None:
+            return None
+        due = [(waiting[j], f) for j, f in zip(call.rows, call.counts)]
+        b, n = call.rung, call.frames
         idx = np.full(b, c.slots, np.int32)
         fresh = np.zeros(b, bool)
         start, count = np.zeros(b, np.int32), np.zeros(b, np.int32)
@@ -654,20 +670,18 @@ class Engine:
             s.decoded += f
             s.pending -= f
             s.inflight = f
-        self._audio = (self.runner.codec(idx, fresh, start, count, n), due)
-        self._codec_shape = (b, n)
+        return HandOut(self.runner.codec(idx, fresh, start, count, n), due, (b, n))
 
-    def _settle_audio(self) -> None:
+    @staticmethod
+    def _settle_audio(handout: HandOut) -> None:
         """Once the step is read: a stream that made fewer frames than the codec call counted on (it ended) had
         only those decoded (the call reads which frames exist); its counts follow."""
-        if self._audio is None:
-            return
-        for j, (s, f) in enumerate(self._audio[1]):
+        for j, (s, f) in enumerate(handout.due):
             if s.pending < 0:  # counted frames that were never made
                 short, s.pending = -s.pending, 0
                 s.decoded -= short
                 s.inflight = f - short
-                self._audio[1][j] = (s, f - short)
+                handout.due[j] = (s, f - short)
 
     def _send_audio(self, audio, due: list) -> tuple[list, float, int]:
         """On the sender thread: wait for the codec call in flight and hand its chunks to their streams. Touches
