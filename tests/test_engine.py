@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from serving.bridge import AsyncEngine
-from qtts_jax.engine import Engine, PromptTooLong, plan
+from qtts_jax.engine import Engine, PromptTooLong, core, plan
 from qtts_jax.engine.scheduler import step_frames
 from qtts_jax.engine.stream import FRAME_SECONDS
 from qtts_jax.request import Request, RequestError
@@ -534,7 +534,7 @@ def test_a_failed_step_ends_each_stream_after_the_audio_the_sender_still_had(eng
     thread was still handing out (here slowed to 0.2 s) goes out before it, never after."""
     col = Collector()
     engine.submit(engine.prepare(Request("Doomed.", speaker="ryan", max_frames=20, **GREEDY)), col)
-    send_first = engine._send_first
+    send_first = core.send_first
 
     def slow_send_first(*args):
         time.sleep(0.2)
@@ -543,7 +543,7 @@ def test_a_failed_step_ends_each_stream_after_the_audio_the_sender_still_had(eng
     def failing(*args):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine, "_send_first", slow_send_first)
+    monkeypatch.setattr(core, "send_first", slow_send_first)
     monkeypatch.setattr(engine.runner, "step", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         engine.run_once()

@@ -1,4 +1,4 @@
-"""What one iteration's execution gives back to the loop's bookkeeping, and what it leaves for the next one.
+"""What one iteration's execution gives back to the loop's bookkeeping.
 
 The device half of an iteration is in flight when the loop gets these: outputs not yet read and the sender
 thread's work not yet done. The loop reads them in `Engine._update`, in the order that keeps host work
@@ -9,21 +9,10 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 
-import jax
 import numpy as np
 
 from qtts_jax.engine.runner import StepOutcome
 from qtts_jax.engine.stream import Stream
-
-
-@dataclasses.dataclass
-class HandOut:
-    """A codec call in flight: its audio, the streams it is for with their frames (each row's), and its (rows,
-    frames) rungs. The sender thread hands its chunks out at the next iteration's start."""
-
-    audio: jax.Array
-    due: list[tuple[Stream, int]]
-    shape: tuple[int, int]
 
 
 @dataclasses.dataclass(frozen=True)
