@@ -67,6 +67,7 @@ import jax
 import numpy as np
 
 from qtts_jax.engine import preparation, warmup
+from qtts_jax.engine.bookkeeping import record, settle_audio, take_first
 from qtts_jax.engine.config import EngineConfig
 from qtts_jax.engine.costs import Costs
 from qtts_jax.engine.handout import HandOut, send_audio, send_first, stamp_prefilled
@@ -261,9 +262,10 @@ class Engine:
         self._margin_s = self.jitter.margin()
         # the previous codec call's audio goes out from the sender thread as soon as the device has it, while this
         # thread admits and prefills the newcomers (in a burst that takes tens of ms of host time)
-        ahead = self._audio.shape if self._audio is not None else None  # the codec call the device runs first
-        handing = None if ahead is None else self._sender.submit(send_audio, self.clock, self._audio.audio, self._audio.due)
-        self._audio = None
+        previous, self._audio = self._audio, None
+        ahead = previous.shape if previous is not None else None  # the codec call the device runs first
+        handing = None if previous is None else self._sender.submit(send_audio, self.clock, previous.audio,
+                                                                    previous.due)
         joined, prefill_calls, prefill_done = self._admit()
         self._feed_text()
         parts.mark("admit")
@@ -313,7 +315,8 @@ class Engine:
         depends on the newcomers' first frames, read back in `_update`."""
         held = frozenset(s for s, h in zip(new, plan.held) if h)
         first = self._dispatch_first(new, plan) if new else None
-        stamping = self._sender.submit(stamp_prefilled, self.clock, joined, prefill_done) if prefill_done is not None else None
+        stamping = None if prefill_done is None else self._sender.submit(stamp_prefilled, self.clock, joined,
+                                                                          prefill_done)
         sending = self._sender.submit(send_first, self.clock, new, *first) if first is not None else None
         parts.mark("dispatch")
         stepping = [candidates[j] for j in plan.step_rows]
@@ -342,20 +345,20 @@ class Engine:
                 samples = self._first_late.setdefault(ahead, collections.deque(maxlen=64))
                 samples.append(max(first[2] - t0 - plan.extra_s, 0.0))
                 self._late[ahead] = min(samples)
-            self._take_first(result.new, *first)
+            take_first(result.new, *first, self._finish)
             parts.mark("first")
         step = plan.step
-        coming = {s: int(f) for s, f in zip(result.stepping, result.limits) if not s.lm_done} if step else {}
-        handout = self._decode_audio(self.clock(), coming, step.frames if step else None, result.held)
+        coming = {} if step is None else {s: int(f) for s, f in zip(result.stepping, result.limits) if not s.lm_done}
+        handout = self._decode_audio(self.clock(), coming, None if step is None else step.frames, result.held)
         parts.mark("codec_dispatch")
         if result.step is not None:
             frames, valid = np.asarray(result.step.frames), np.asarray(result.step.valid)
             parts.mark("device_wait")
             now = self.clock()
             self._recent_frame_s.append((now - t0) / step.frames)
-            self._record(result.stepping, frames, valid, now, result.limits)
+            record(result.stepping, frames, valid, now, self._finish, result.limits)
             if handout is not None:
-                self._settle_audio(handout)
+                settle_audio(handout)
         parts.mark("bookkeeping")
         return handout
 
@@ -416,39 +419,6 @@ class Engine:
         fresh, decode = np.zeros(plan.first_rung, bool), np.zeros(plan.first_rung, bool)
         fresh[: len(new)], decode[: len(new)] = [s.fresh_codec for s in new], plan.decode_first
         return self.runner.first(idx, mask, fresh, decode), decode[: len(new)]
-
-    def _take_first(self, new: list[Stream], frames: np.ndarray, valid: np.ndarray, now: float,
-                    sent: np.ndarray) -> None:
-        """Record newcomers' first frames, and count the first chunk `handout.send_first` handed out as decoded."""
-        self._record(new, frames, valid, now)
-        for j in np.flatnonzero(sent):
-            s = new[j]
-            s.fresh_codec = False
-            s.pending -= 1
-            s.decoded += 1
-            if s.lm_done and s.pending == 0:
-                self._finish(s)
-
-    def _record(self, streams: list[Stream], frames: np.ndarray, valid: np.ndarray, now: float,
-                limits: np.ndarray | None = None) -> None:
-        """New frames [n, B, 16] (valid [n, B]) of `streams` (row j is streams[j], asked for `limits[j]` frames,
-        all n by default; those already done with their LM are skipped): a stream whose frames stop early, or
-        that reached its cap, is done with its LM (and finishes here if nothing of it is left to decode)."""
-        n = frames.shape[0]
-        for j, stream in enumerate(streams):
-            if stream.lm_done:
-                continue
-            good = valid[:, j]
-            count = int(good.sum()) if good.all() else int(np.argmin(good))
-            if count:
-                stream.codes.extend(frames[:count, j])
-                stream.pending += count
-                if stream.timings.first_frame is None:
-                    stream.timings.first_frame = now
-            if count < (n if limits is None else limits[j]) or len(stream.codes) >= stream.frames_cap:
-                stream.lm_done = True
-                if stream.pending == 0 and stream.inflight == 0:  # ended with nothing left to decode
-                    self._finish(stream)
 
     def _admit(self) -> tuple[list[Stream], tuple[PrefillCall, ...], jax.Array | None]:
         """Give waiting requests free slots and prefill them together (`plan.prefills`: the cheapest calls per prompt
@@ -526,17 +496,6 @@ class Engine:
             s.pending -= f
             s.inflight = f
         return HandOut(self.runner.codec(idx, fresh, start, count, n), due, (b, n))
-
-    @staticmethod
-    def _settle_audio(handout: HandOut) -> None:
-        """Once the step is read: a stream that made fewer frames than the codec call counted on (it ended) had
-        only those decoded (the call reads which frames exist); its counts follow."""
-        for j, (s, f) in enumerate(handout.due):
-            if s.pending < 0:  # counted frames that were never made
-                short, s.pending = -s.pending, 0
-                s.decoded -= short
-                s.inflight = f - short
-                handout.due[j] = (s, f - short)
 
     def _settle_handout(self, t0: float, shape: tuple[int, int], due: list, now: float, late: int) -> None:
         """After `handout.send_audio`: streams with nothing left finish; how long after the iteration's start `t0` the

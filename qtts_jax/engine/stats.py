@@ -55,7 +55,8 @@ def snapshot(engine) -> EngineStats:
     return EngineStats(
         **occupancy(e, now), **sizes(e), headroom_margin_s=e._margin_s, lead_s=e.config.lead_s,
         late_chunks=e.late_chunks, step_costs=dict(e.step_costs), prefill_costs=dict(e.prefill_costs),
-        first_costs=dict(e.first_costs), iteration_s=e._iteration_s, min_headroom_s=min(headrooms) if headrooms else None,
+        first_costs=dict(e.first_costs), iteration_s=e._iteration_s,
+        min_headroom_s=min(headrooms) if headrooms else None,
         iterations=e.iterations, recent_frame_s=tuple(e._recent_frame_s), delivery_s=e._delivery_s,
         first_late_s=min(e._late.values(), default=0.0),
     )
