@@ -19,7 +19,8 @@ size, and of a prefill per batch of requests. A request is refused (429 + Retry-
 A long input is spoken as several parts (serving/utterance.py), each submitted ahead of the waiting requests as
 the one before finishes generating: its slot stays busy and its listener keeps playing until the last part. The
 engine sees only the part in flight, so every frame count above is the snapshot's with each open request's parts
-still to come (their frame caps) added to the stream of its part in flight, until they are submitted.
+still to come (their frame caps) added to the snapshot's entry of its part in flight (found by its stream id),
+until they are submitted.
 
 Below both limits nothing is refused; an idle engine always admits (its costs are measured at start-up).
 Each open stream is also tracked here as the client hears it (headroom when each chunk leaves), for metrics.
@@ -34,7 +35,7 @@ import math
 import time
 
 from qtts_jax.engine.costs import newcomer_budget
-from qtts_jax.engine.stream import FRAME_SECONDS, Stream
+from qtts_jax.engine.stream import FRAME_SECONDS
 from serving.errors import ApiError
 
 
@@ -52,11 +53,11 @@ class StreamTrack:
 
     _ids = itertools.count(1)
 
-    def __init__(self, request_id: str, cap_frames: int, part: Stream, to_come: tuple[int, ...] = ()):
+    def __init__(self, request_id: str, cap_frames: int, part: int, to_come: tuple[int, ...] = ()):
         self.key = next(self._ids)
         self.request_id = request_id
         self.cap_frames = cap_frames
-        self.part = part  # the engine stream of its part in flight
+        self.part = part  # the engine stream id of its part in flight (`Stream.id`)
         self.to_come = list(to_come)  # frame caps of its parts not yet submitted, in order (admission counts them)
         self.submitted = time.perf_counter()
         self.playback_start: float | None = None
@@ -64,7 +65,7 @@ class StreamTrack:
         self.late_chunks = 0
         self.worst_headroom: float | None = None
 
-    def next_part(self, part: Stream) -> None:
+    def next_part(self, part: int) -> None:
         """Its next part went to the engine: from now on the engine's snapshot counts its frames."""
         self.part = part
         self.to_come.pop(0)
@@ -125,18 +126,19 @@ class Scheduler:
 
     def load(self, st) -> tuple[list[int], list[int]]:
         """(frames left per stream in a slot, frame caps per waiting request) from the snapshot, with every open
-        request's parts still to come added to its part in flight: to that part's stream (it keeps the slot),
-        or, once that part has finished generating, as a request waiting ahead of the others (it is about to
-        be submitted so). The snapshot names no stream: the entry nearest the part's frames stands for it."""
+        request's parts still to come added to the snapshot's entry of its part in flight (it keeps the slot),
+        or, once that part has finished generating (no frames left, or gone), as a request waiting ahead of the
+        others (it is about to be submitted so)."""
         left, waiting, ahead = list(st.frames_left), list(st.queued_frames), []
+        in_slot = {i: j for j, i in enumerate(st.live_ids)}
+        queued = {i: j for j, i in enumerate(st.queued_ids)}
         for track in self.streams.values():
             if not (later := sum(track.to_come)):
                 continue
-            part = track.part
-            if part.timings.admitted is None and waiting:
-                _lengthen(waiting, part.frames_cap, later)
-            elif not part.lm_done and left:
-                _lengthen(left, part.frames_cap - len(part.codes), later)
+            if (j := queued.get(track.part)) is not None:
+                waiting[j] += later
+            elif (j := in_slot.get(track.part)) is not None and left[j]:
+                left[j] += later
             else:
                 ahead.append(later)
         return left, ahead + waiting
@@ -202,8 +204,8 @@ class Scheduler:
     def _retry(wait_s: float) -> int:
         return max(1, math.ceil(wait_s))
 
-    def open(self, request_id: str, cap_frames: int, part: Stream, to_come: tuple[int, ...] = ()) -> StreamTrack:
-        """Track a request just admitted and submitted: `part` its first part's engine stream, `to_come` the frame
+    def open(self, request_id: str, cap_frames: int, part: int, to_come: tuple[int, ...] = ()) -> StreamTrack:
+        """Track a request just admitted and submitted: `part` its first part's engine stream id, `to_come` the frame
         caps of the parts after it (counted as load from now on: see `load`)."""
         track = StreamTrack(request_id, cap_frames, part, to_come)
         self.streams[track.key] = track
@@ -214,12 +216,6 @@ class Scheduler:
 
 
 _KEEP_AHEAD_S = 0.008  # an iteration must beat its audio by this much (host jitter, a scrape, a GC pause)
-
-
-def _lengthen(frames: list[int], near: int, by: int) -> None:
-    """Add `by` to the entry of `frames` nearest `near`."""
-    i = min(range(len(frames)), key=lambda i: abs(frames[i] - near))
-    frames[i] += by
 
 
 def _ema(old, new, alpha=0.2):

@@ -36,7 +36,7 @@ class Utterance:
         if live is not None:  # a live utterance's script is its one job: the text still to come joins its stream
             live.attach(self.streams[0])
         # its parts still to come count as load from now on, so the next admission sees them (serving/scheduler.py)
-        self.track = sched.open(rid, script.frames_cap, self.stream.stream,
+        self.track = sched.open(rid, script.frames_cap, self.stream.stream.id,
                                 tuple(job.frames_cap for job in script.jobs[1:]))
         self.frames = 0
         self.samples = 0  # model-rate samples after prosody, pauses included
@@ -67,7 +67,7 @@ class Utterance:
                 if chunk.final and chunk.error is None and (job := next(self._jobs, None)) is not None:
                     # prefilled while this part plays, ahead of requests still waiting: its listener is playing
                     self.streams.append(self.app[BRIDGE].submit(job, ahead=True))
-                    self.track.next_part(self.stream.stream)
+                    self.track.next_part(self.stream.stream.id)
                 self.error = self.error or chunk.error
                 frames += chunk.frames
                 self.frames += chunk.frames

@@ -4,13 +4,13 @@ inputs), then a simulated engine and clock under Poisson arrivals, below and abo
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
+import itertools
 
 import numpy as np
 import pytest
 
 from qtts_jax.engine import EngineStats, rung, step_frames
-from qtts_jax.engine.stream import FRAME_SECONDS, Stream, Timings
+from qtts_jax.engine.stream import FRAME_SECONDS, Timings
 from serving.scheduler import AdmissionConfig, Scheduler, StreamTrack
 from serving.errors import ApiError
 
@@ -33,15 +33,24 @@ def first_cost(newcomers: int) -> float:
 
 
 def snapshot(live=(), queued=(), slots=64, iteration_s=0.03, scale=1.0) -> EngineStats:
-    """live: frames left per stream in a slot; queued: frame caps of waiting requests."""
+    """live: frames left per stream in a slot; queued: frame caps of waiting requests. An entry is a number of
+    frames, or (stream id, frames) for the stream of a part admission tracks (`part`)."""
+    live_ids, frames_left = _named(live)
+    queued_ids, queued_frames = _named(queued)
     return EngineStats(
-        slots=slots, live=len(live), queued=len(queued), oldest_wait_s=0.0, frames_left=tuple(live),
-        queued_frames=tuple(queued), ladder=LADDER, step_sizes=(1, 4),
+        slots=slots, live=len(live), queued=len(queued), oldest_wait_s=0.0, frames_left=frames_left,
+        queued_frames=queued_frames, live_ids=live_ids, queued_ids=queued_ids, ladder=LADDER, step_sizes=(1, 4),
         step_costs={(b, n): scale * iteration_cost(b, n) for b in LADDER for n in (1, 4)},
         prefill_costs={r: scale * prefill_cost(r) for r in PREFILLS},
         first_costs={b: scale * first_cost(b) for b in LADDER}, headroom_margin_s=0.02, iteration_s=iteration_s,
         min_headroom_s=None, iterations=1, recent_frame_s=(),
     )
+
+
+def _named(entries) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(ids, frames) of snapshot entries; an unnamed entry gets an id no part has (parts' ids are positive)."""
+    pairs = [e if isinstance(e, tuple) else (-1 - k, e) for k, e in enumerate(entries)]
+    return tuple(i for i, _ in pairs), tuple(f for _, f in pairs)
 
 
 class Snapshots:
@@ -207,27 +216,27 @@ def test_queue_full_is_429():
     assert (err.value.status, err.value.code) == (429, "queue_full")
 
 
-def part(cap: int, made: int = 0, in_slot: bool = True, done: bool = False) -> Stream:
-    """The engine stream of a request's part in flight, as admission reads it: its frame cap, the frames it has
-    made, whether it has a slot yet, and whether it has finished generating."""
-    s = Stream(SimpleNamespace(frames_cap=cap, prompt=SimpleNamespace(trailing=()), live=False), lambda chunk: None)
-    s.codes = [None] * made
-    s.timings.admitted = s.timings.submitted if in_slot else None
-    s.lm_done = done
-    return s
+_part_ids = itertools.count(1)
+
+
+def part() -> int:
+    """A request's part in flight, as admission knows it: the id of its engine stream, which names that stream's
+    entry in the snapshot (its frames left in a slot, or its frame cap while it waits)."""
+    return next(_part_ids)
 
 
 def test_a_long_requests_parts_still_to_come_keep_its_slot():
     """Full slots, one stream 3 frames from the end of its part: a newcomer gets that slot soon, unless the
     request has parts still to come. They follow in that slot, so the newcomer would wait for the next stream
     to end (40 frames), past the target: refused like any other; admitted again once that request is gone."""
-    st = snapshot(live=[3] + [40] * 63)
+    near_end = part()
+    st = snapshot(live=[(near_end, 3)] + [40] * 63)
     per_frame = prefill_cost(1) + first_cost(1) + iteration_cost(64, 1)  # as in the full-slots case above
     sched = ready_scheduler(st)
-    one_part = sched.open("short", 40, part(40, made=37))
+    one_part = sched.open("short", 40, near_end)
     assert sched.admit() == pytest.approx(st.iteration_s + 3 * per_frame + prefill_cost(1) + first_cost(1))
     sched.close(one_part)
-    long = sched.open("long", 240, part(40, made=37), to_come=(100, 100))
+    long = sched.open("long", 240, near_end, to_come=(100, 100))
     assert sorted(sched.load(st)[0])[-2:] == [40, 203]
     with pytest.raises(ApiError) as err:
         sched.admit()
@@ -241,11 +250,12 @@ def test_two_long_requests_admitted_one_after_another_see_each_others_parts_to_c
     """Two slots, two long requests (a 4-frame part, then 200 frames) just admitted and waiting: a third
     request would get a slot after 4 frames if only their first parts counted; their parts still to come hold
     both slots for 204 frames, so it is refused."""
-    st = snapshot(queued=[4, 4], slots=2)
+    a, b = part(), part()
+    st = snapshot(queued=[(a, 4), (b, 4)], slots=2)
     sched = ready_scheduler(st, max_queue=4)
     assert sched.predict(st, [], [4, 4])[0] < 0.3 and sched.admit() < 0.3  # the first parts alone
-    for rid in ("a", "b"):
-        sched.open(rid, 204, part(4, in_slot=False), to_come=(200,))
+    for rid, first in (("a", a), ("b", b)):
+        sched.open(rid, 204, first, to_come=(200,))
     assert sched.load(st) == ([], [204, 204])
     with pytest.raises(ApiError) as err:
         sched.admit()
@@ -257,18 +267,17 @@ def test_parts_to_come_count_until_submitted_then_only_in_the_snapshot():
     done generating, those wait ahead of the others (the next part is about to be submitted ahead); each
     submitted part is the engine's to count, never counted twice; a closed request counts no more."""
     sched = ready_scheduler(snapshot())
-    first = part(10, in_slot=False)
+    first = part()
     track = sched.open("long", 210, first, to_come=(100, 100))
-    assert sched.load(snapshot(queued=[7, 10])) == ([], [7, 210])
-    first.timings.admitted, first.codes = first.timings.submitted, [None] * 4
-    assert sched.load(snapshot(live=[30, 6], queued=[7])) == ([30, 206], [7])
-    first.lm_done = True
-    assert sched.load(snapshot(live=[30, 0], queued=[7])) == ([30, 0], [200, 7])
-    second = part(100, in_slot=False)
+    assert sched.load(snapshot(queued=[7, (first, 10)])) == ([], [7, 210])
+    assert sched.load(snapshot(live=[30, (first, 6)], queued=[7])) == ([30, 206], [7])
+    assert sched.load(snapshot(live=[30, (first, 0)], queued=[7])) == ([30, 0], [200, 7])
+    second = part()
     track.next_part(second)
-    assert sched.load(snapshot(live=[30], queued=[100, 7])) == ([30], [200, 7])
-    track.next_part(part(100))
-    assert track.to_come == [] and sched.load(snapshot(live=[30, 100], queued=[7])) == ([30, 100], [7])
+    assert sched.load(snapshot(live=[30], queued=[(second, 100), 7])) == ([30], [200, 7])
+    third = part()
+    track.next_part(third)
+    assert track.to_come == [] and sched.load(snapshot(live=[30, (third, 100)], queued=[7])) == ([30, 100], [7])
     sched.close(track)
     assert sched.load(snapshot(live=[30, 100])) == ([30, 100], [])
 
@@ -277,12 +286,13 @@ def test_a_tolerated_stall_counts_the_frames_still_to_come():
     """With an underrun budget, an engine slowed past 80 ms a frame may take another stream while every playing
     stream has few enough frames left to lose less than the budget; not when one has a long input's parts still
     to come: it would lose the overrun on each of their frames too."""
-    st = snapshot(live=[10] * 4, scale=8.0)
+    long_part = part()
+    st = snapshot(live=[(long_part, 10)] + [10] * 3, scale=8.0)
     frame_s = ready_scheduler(st).predict(st, [10] * 4, [])[2]
     assert frame_s > 2 * FRAME_SECONDS  # each frame loses more than a frame of audio's worth...
     sched = ready_scheduler(st, ttfa_target_s=10.0, starvation_s=10 * frame_s)  # ...but 10 frames lose less
     assert sched.admit() > 0
-    sched.open("long", 510, part(20, made=10), to_come=(500,))
+    sched.open("long", 510, long_part, to_come=(500,))
     with pytest.raises(ApiError) as err:
         sched.admit()
     assert err.value.status == 429 and "run dry" in err.value.message
@@ -293,7 +303,9 @@ def test_a_tolerated_stall_counts_the_frames_still_to_come():
 @dataclasses.dataclass
 class SimStream:
     arrival: float
-    part: Stream  # the part in flight, as the scheduler reads it
+    cap: int  # frames of the part in flight
+    part: int = dataclasses.field(default_factory=part)  # its stream id, which names it in the snapshot
+    made: int = 0  # frames of the part in flight made so far
     track: StreamTrack | None = None  # its parts still to come, as the scheduler counts them
     first_chunk: float | None = None
     sent: int = 0
@@ -301,7 +313,7 @@ class SimStream:
 
     @property
     def left(self) -> int:
-        return self.part.frames_cap - len(self.part.codes)
+        return self.cap - self.made
 
 
 def simulate(rate: float, seconds: float = 20.0, frames: int = 48, slots: int = 64, seed: int = 0,
@@ -322,10 +334,10 @@ def simulate(rate: float, seconds: float = 20.0, frames: int = 48, slots: int = 
     t, last, queue, live, done, refused = 0.0, 0.03, [], [], [], 0
     while arrivals or queue or live:
         while arrivals and arrivals[0] <= t:
-            engine.st = snapshot([s.left for s in live], [s.left for s in queue], slots, last)
+            engine.st = snapshot([(s.part, s.left) for s in live], [(s.part, s.left) for s in queue], slots, last)
             try:
                 sched.admit()
-                s = SimStream(arrivals.pop(0), part(caps[0], in_slot=False))
+                s = SimStream(arrivals.pop(0), caps[0])
                 s.track = sched.open("sim", frames, s.part, tuple(caps[1:]))
                 queue.append(s)
             except ApiError as err:
@@ -341,10 +353,9 @@ def simulate(rate: float, seconds: float = 20.0, frames: int = 48, slots: int = 
         playing = [s for s in live if s.first_chunk is not None]
         extra = prefill_cost(len(joined)) + first_cost(len(joined)) if joined else 0.0
         for s in joined:
-            s.part.timings.admitted = t
             s.first_chunk = t + extra if s.first_chunk is None else s.first_chunk
             s.sent += 1
-            s.part.codes.append(None)
+            s.made += 1
         headroom = np.array([s.first_chunk + s.sent * FRAME_SECONDS - t for s in playing])
         costs = {n: iteration_cost(len(live), n) for n in (1, 4)}
         plan = step_frames(costs, headroom, FRAME_SECONDS if joined else None, extra, 0.02, 0.1)
@@ -354,12 +365,12 @@ def simulate(rate: float, seconds: float = 20.0, frames: int = 48, slots: int = 
             got = min(plan.frames, s.left)
             s.starved += max(0.0, t - (s.first_chunk + s.sent * FRAME_SECONDS))
             s.sent += got
-            s.part.codes += [None] * got
+            s.made += got
         ended = [s for s in live if s.left == 0]
         live = [s for s in live if s.left > 0]
         for s in ended:
             if s.track.to_come:  # its next part, ahead of those waiting
-                s.part = part(s.track.to_come[0], in_slot=False)
+                s.part, s.cap, s.made = part(), s.track.to_come[0], 0
                 s.track.next_part(s.part)
                 queue.insert(0, s)
             else:

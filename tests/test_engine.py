@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from serving.bridge import AsyncEngine
-from qtts_jax.engine import Engine, PromptTooLong, plan
+from qtts_jax.engine import Engine, PromptTooLong, core, plan
 from qtts_jax.engine.scheduler import step_frames
 from qtts_jax.engine.stream import FRAME_SECONDS
 from qtts_jax.request import Request, RequestError
@@ -299,6 +299,23 @@ def test_stats_follow_a_cancel_that_leaves_the_engine_idle(engine):
     assert (st.live, st.queued, st.frames_left) == (0, 0, ())
 
 
+def test_stats_name_the_stream_of_each_entry(engine):
+    """Admission finds a long input's part in flight by its stream id: each entry of the snapshot names its
+    stream, in the entries' order, in a slot and in the queue."""
+    streams = [engine.submit(engine.prepare(Request(t, speaker="ryan", max_frames=50, **GREEDY)), Collector())
+               for t in TEXTS[: engine.config.slots + 1]]
+    engine.run_once()
+    st = engine.stats()
+    in_slots = [s for s in engine.slots if s is not None]
+    assert st.live_ids == tuple(s.id for s in in_slots) and len(st.live_ids) == engine.config.slots
+    assert st.frames_left == tuple(s.frames_cap - len(s.codes) for s in in_slots)
+    assert st.queued_ids == (streams[-1].id,) and st.queued_frames == (streams[-1].frames_cap,)
+    for s in streams:
+        s.cancel()
+    while engine.run_once():
+        pass
+
+
 def test_stats_read_the_streams_in_slots_and_their_frames_left_together(engine, monkeypatch):
     """Between two published snapshots, streams join slots (and leave them): `stats()` counts them as they are
     now, and must count their frames left with them, or admission's slot arithmetic runs out of slots (an
@@ -438,7 +455,7 @@ def test_how_late_newcomers_first_audio_goes_out_behind_a_codec_call_is_measured
     for _ in range(2):
         engine.run_once()
     assert not engine._first_late and engine.stats().first_late_s == 0.0  # nothing ran ahead of its first frame
-    ahead = engine._codec_shape  # the playing stream's codec call, queued before the newcomer's first frame
+    ahead = engine._audio.shape  # the playing stream's codec call, queued before the newcomer's first frame
     new = engine.submit(engine.prepare(Request("Newcomer.", speaker="aiden", max_frames=10, **GREEDY)), newcomer)
     engine.run_once()
     assert list(engine._first_late) == [ahead]  # measured for that call's shape
@@ -517,7 +534,7 @@ def test_a_failed_step_ends_each_stream_after_the_audio_the_sender_still_had(eng
     thread was still handing out (here slowed to 0.2 s) goes out before it, never after."""
     col = Collector()
     engine.submit(engine.prepare(Request("Doomed.", speaker="ryan", max_frames=20, **GREEDY)), col)
-    send_first = engine._send_first
+    send_first = core.send_first
 
     def slow_send_first(*args):
         time.sleep(0.2)
@@ -526,7 +543,7 @@ def test_a_failed_step_ends_each_stream_after_the_audio_the_sender_still_had(eng
     def failing(*args):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine, "_send_first", slow_send_first)
+    monkeypatch.setattr(core, "send_first", slow_send_first)
     monkeypatch.setattr(engine.runner, "step", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         engine.run_once()

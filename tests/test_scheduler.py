@@ -215,3 +215,15 @@ def test_an_iterations_plan_groups_prefills_by_bucket_and_steps_what_its_streams
     alone = plan(margin_s=0.01)
     assert alone.decode_first == (True, False) and alone.held == (False, False)
     assert alone.step.frames == 1 and alone.limits == (1, 1, 1)  # a 4-frame step would outlast its first chunk
+
+
+def test_a_codec_call_takes_the_rows_with_a_chunk_due_at_their_rungs():
+    """`plan.codec_call` from numbers: only the streams with a chunk due are rows, each with its own frames; the
+    call is padded to the ladder's rung for its rows and the codec's for its widest row; nothing due, no call."""
+    from qtts_jax.engine.plan import CodecCall, codec_call
+
+    args = dict(lead_s=1.0, horizon_s=0.05, ladder=(2, 4, 8), codec_sizes=(1, 2, 4, 8), step=None)
+    call = codec_call(np.array([2, 1, 3]), np.array([2, 4, 4]), np.array([False, False, False]),
+                      np.array([1.5, 1.5, 0.1]), **args)
+    assert call == CodecCall(rows=(0, 2), counts=(2, 3), rung=2, frames=4)
+    assert codec_call(np.array([1]), np.array([2]), np.array([False]), np.array([1.5]), **args) is None

@@ -8,6 +8,7 @@ import threading
 import time
 
 from qtts_jax.engine import Engine
+from qtts_jax.engine import warmup as warming
 from qtts_jax.request import Request
 from support import SMALL, assert_same_codes, run
 
@@ -23,7 +24,7 @@ def test_background_warmup_serves_its_smallest_rung_at_once_then_grows_to_every_
     # SMALL's programs but a second rung and a 2-frame step: most come from the session's compilation cache
     engine = Engine(tiny_model, dataclasses.replace(SMALL, batch_sizes=(1,), frames_per_step=2))
     runner, ran, hooked = engine.runner, set(), []
-    compile_, gate, rest = runner.compile, threading.Event(), engine._warm_rest
+    compile_, gate, rest = runner.compile, threading.Event(), warming.rest
 
     def compile_counting(keys):
         compile_(keys)
@@ -34,7 +35,7 @@ def test_background_warmup_serves_its_smallest_rung_at_once_then_grows_to_every_
     runner.compile = compile_counting
     engine.on_compiled = lambda: hooked.append((threading.current_thread().name, engine.stats().compiling,
                                                 ran == set(runner.programs)))
-    monkeypatch.setattr(engine, "_warm_rest", lambda *args: gate.wait() and rest(*args))
+    monkeypatch.setattr(warming, "rest", lambda *args: gate.wait() and rest(*args))
     engine.warmup(background=True)
     assert ran == set(runner.programs) and ("append", 1, 8) in ran  # the live-text append: no timing needs it
     st = engine.stats()

@@ -8,7 +8,8 @@ whose writes are dropped), so a large engine with few live streams steps as fast
 runner meet at the runner's calls and their typed outcomes (`StepOutcome`, `FirstOutcome`, `Calibration`).
 
 One iteration of the loop (`run_once`): admission and the plan (`plan.admissions`, `plan.prefills`, `plan.schedule`),
-the runner's calls, then the codec call (`scheduler.chunks_due`) and the bookkeeping of what came back:
+the runner's calls (`_execute`), then the codec call (`plan.codec_call`) and the bookkeeping of what came back
+(`_update`):
 1. waiting requests that have a free slot are prefilled, all of them in one call per prompt bucket, so a
    burst of N arrivals costs about one prefill; as many as the playing streams' headroom pays for (their
    prefill and first frame run before the playing streams' next frame), the rest waiting an iteration;
@@ -65,25 +66,23 @@ import time
 import jax
 import numpy as np
 
-from qtts_jax.codec.config import SAMPLES_PER_FRAME
-from qtts_jax.engine.config import EngineConfig, rung
-from qtts_jax.engine.job import Job
-from qtts_jax.engine.runner import Calibration, DeviceRunner, FirstOutcome, Key, Runner, stages
+from qtts_jax.engine import preparation, warmup
+from qtts_jax.engine.bookkeeping import record, settle_audio, take_first
+from qtts_jax.engine.config import EngineConfig
 from qtts_jax.engine.costs import Costs
+from qtts_jax.engine.handout import HandOut, send_audio, send_first, stamp_prefilled
+from qtts_jax.engine.iteration import IterationResult
+from qtts_jax.engine.job import Job
 from qtts_jax.engine.profile import IterationProfile, PartTimer
-from qtts_jax.engine.plan import IterationPlan, PrefillCall, Sizes, admissions, prefills, schedule
-from qtts_jax.engine.scheduler import Jitter, chunks_due
-from qtts_jax.engine.stats import EngineStats
-from qtts_jax.engine.stream import FRAME_SECONDS, Chunk, Stream
+from qtts_jax.engine.runner import DeviceRunner, Runner
+from qtts_jax.engine.plan import IterationPlan, PrefillCall, Sizes, admissions, codec_call, prefills, schedule
+from qtts_jax.engine.scheduler import Jitter
+from qtts_jax.engine.stats import EngineStats, occupancy, sizes, snapshot
+from qtts_jax.engine.stream import Chunk, Stream
 from qtts_jax.model import Model
-from qtts_jax.prompt import build_prompt
 from qtts_jax.request import Request, RequestError
 
 log = logging.getLogger(__name__)
-
-
-class PromptTooLong(RequestError):
-    """The request cannot fit this engine's cache (a clean refusal, not a crash)."""
 
 
 class Engine:
@@ -99,7 +98,7 @@ class Engine:
             raise ValueError("the largest prompt bucket must leave room for frames in the context")
         self.runner = runner if runner is not None else Runner(model, config)
         # the sizes the loop may use: all of them, but while `warmup(background=True)` compiles only those compiled
-        # and timed so far (`_use`); the slots in use never exceed the largest rung
+        # and timed so far (`warmup.use`); the slots in use never exceed the largest rung
         self._ladder, self._first_sizes, self._step_sizes = c.ladder, c.first_sizes, c.step_sizes
         self._codec_sizes, self._prefill_sizes = c.codec_sizes, c.prefill_sizes
         self._ready: set = set()  # programs warmed up (compiled and timed), by runner key
@@ -110,8 +109,7 @@ class Engine:
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._running = False
-        self._audio = None  # (device audio, [(stream, frames)]) of the codec call in flight
-        self._codec_shape = (0, 0)  # its (rows, frames) rungs
+        self._audio: HandOut | None = None  # the codec call in flight
         self.step_costs: dict = {}  # (rung, frames) -> seconds per iteration, measured
         self._idle_step_costs: dict = {}  # the same, as `warmup` timed them on the idle engine
         self.prefill_costs: dict = {}  # requests -> seconds, measured
@@ -138,51 +136,18 @@ class Engine:
         # called on the background warm-up's thread once its last stage is compiled and timed, before the stats say
         # nothing is left to compile (a server process freezes the garbage collector's view of its startup there)
         self.on_compiled = None
-        self._stats: EngineStats = self._snapshot()
+        self._stats: EngineStats = snapshot(self)
 
     # ---- public API -------------------------------------------------------------------------
 
     def prepare(self, request: Request, schedule: tuple[int, ...] | None = None, live: bool = False) -> Job:
-        """The one validation of a request: resolve it, lay out and bucket its prompt, fix its frame cap and its
-        chunk schedule (the engine's by default). Raises `RequestError` (incl. `PromptTooLong`) at once, before
-        anything is queued; safe from any thread (it reads only the model and the config).
-
-        `live`: the request's text is what has arrived so far (at least one token, `qtts_jax.engine.live_text`); more
-        comes through `append_text`. It takes the streaming-text layout (the text fed beside the codes, one id a
-        frame: the only layout text can join while the stream plays), without the tts_eos that ends the text."""
-        model, c = self.model, self.config
-        schedule = tuple(schedule or c.schedule)
-        if any(n not in c.codec_sizes for n in schedule):  # the codec is compiled for these chunk sizes only
-            raise RequestError("chunk_schedule", f"each entry must be one of {list(c.codec_sizes)}")
-        if live:
-            if request.voice is not None and request.voice.ref_codes is not None:
-                raise RequestError("voice", "live text cannot take a voice cloned with its reference text (its "
-                                   "layout sets the text beside the reference frames in the prompt); use an "
-                                   "x-vector-only voice or a preset speaker")
-            request = dataclasses.replace(request, non_streaming=False)
-        req = request.resolved(model.cfg, model.defaults)
-        prompt = build_prompt(model.cfg, model.tokenizer, req)
-        if live:
-            prompt = dataclasses.replace(prompt, trailing=prompt.trailing[:-1])  # tts_eos comes with the completion
-        bucket = next((b for b in c.prompt_buckets if b >= len(prompt)), None)
-        if bucket is None:
-            raise PromptTooLong("text", f"prompt of {len(prompt)} tokens exceeds the largest bucket {max(c.prompt_buckets)}")
-        self.check_trailing(len(prompt.trailing) + live)
-        job = Job(request=req, prompt=prompt, bucket=bucket, frames_cap=0, schedule=schedule, live=live)
-        return dataclasses.replace(job, frames_cap=self._frames_cap(job, len(prompt.trailing)))
+        """The one validation of a request (`preparation.prepare`, which says what it checks); raises
+        `RequestError` at once, before anything is queued; safe from any thread."""
+        return preparation.prepare(self.model, self.config, request, schedule, live)
 
     def check_trailing(self, count: int) -> None:
-        """Refuse `count` trailing text ids (`PromptTooLong`): the buffer on the device holds `max_trailing` (a
-        live text's count includes the tts_eos still to come)."""
-        if count > self.config.max_trailing:
-            raise PromptTooLong("text", f"{count} streaming text tokens exceed the {self.config.max_trailing} "
-                                        "this engine holds (max_trailing)")
-
-    def _frames_cap(self, job: Job, trailing: int) -> int:
-        """The most frames a job may make with `trailing` ids of text fed beside its codes."""
-        c = self.config
-        guard = job.prompt.frame_cap(c.frames_cap_base, c.frames_per_text_token, trailing)
-        return min(job.request.max_frames, guard, c.context - job.bucket)
+        """Refuse `count` trailing text ids (`preparation.check_trailing`)."""
+        preparation.check_trailing(self.config, count)
 
     def append_text(self, stream: Stream, ids: list[int], complete: bool = False) -> None:
         """Live text: `ids` join the trailing text of `stream` (a `live` job's, queued or playing), read one a
@@ -215,7 +180,7 @@ class Engine:
         for s, ids, complete in fed:
             if s.finished:
                 continue
-            s.cap = self._frames_cap(s.job, s.text_known + len(ids))
+            s.cap = preparation.frames_cap(self.config, s.job, s.text_known + len(ids))
             self.runner.append_text(s.slot, s.text_known, ids, s.cap)
             s.text_known += len(ids)
             s.text_complete = complete
@@ -235,70 +200,9 @@ class Engine:
         return stream
 
     def warmup(self, background: bool = False) -> None:
-        """Compile every program the loop calls (in parallel: XLA compiles off the GIL), then time each once
-        on the idle engine: those costs seed the step-size choice and admission until live ones replace them.
-
-        With `background`, return once the least that serves is compiled and timed (`runner.stages`): the engine
-        then serves as many streams as the smallest rung holds, one frame a step, while a thread compiles the rest
-        stage by stage, each stage's sizes (and the slots in use) joining the loop's as soon as they are compiled
-        and timed on a scratch state; a cold server is ready after a handful of its programs."""
-        t0 = time.perf_counter()
-        every = stages(self.config)
-        now, later = (every[:1], every[1:]) if background else (every, [])
-        keys = [key for stage in now for key in stage]
-        self.runner.compile(keys)
-        if self.model.cfg.model_type == "base":
-            self.runner.warm_voices()
-        log.info("compiled %d engine programs in %.1f s", len(keys), time.perf_counter() - t0)
-        self._use(keys, self.runner.calibrate(keys), left=sum(map(len, later)))
-        log.info("step costs (rows, frames) -> ms: %s", {k: round(v * 1e3, 1) for k, v in self.step_costs.items()})
-        if later:
-            threading.Thread(target=self._warm_rest, args=(later, t0), name="qtts-warmup", daemon=True).start()
-
-    def _warm_rest(self, later: list[list[Key]], t0: float) -> None:
-        """The background half of `warmup`: stage after stage compiled, timed on a scratch state of its own (the
-        loop owns the live one) and added to what the loop may use."""
-        try:
-            scratch = self.runner.scratch()
-            for i, keys in enumerate(later):
-                self.runner.compile(keys)
-                timed, last = self.runner.calibrate(keys, on=scratch), i == len(later) - 1
-                if last:
-                    del scratch
-                    if self.on_compiled is not None:
-                        self.on_compiled()
-                self._use(keys, timed, left=sum(map(len, later[i + 1:])), settle=last)
-            log.info("every rung compiled and timed after %.1f s (slots=%d)", time.perf_counter() - t0,
-                     self.config.slots)
-        except Exception:  # what was compiled so far keeps serving
-            log.exception("background warm-up failed; serving with rungs %s", self._ladder)
-            with self._lock:
-                self._compiling = 0
-
-    def _use(self, keys: list[Key], timed: Calibration, left: int, settle: bool = False) -> None:
-        """Let the loop use the compiled and timed programs `keys` (`left`: programs still to come), their idle
-        costs seeding what it has not measured live. `settle` (the background warm-up's last stage): what the loop
-        measured so far shared the machine with XLA, so it goes back to the idle timings, in the same update that
-        says nothing is left to compile."""
-        c = self.config
-        ready = self._ready | set(keys)
-        with self._lock:
-            self._idle_step_costs.update(timed.steps)
-            for costs, new in ((self.step_costs, timed.steps), (self.first_costs, timed.firsts),
-                               (self.prefill_costs, timed.prefills)):
-                costs.update({k: v for k, v in new.items() if k not in costs})  # live measurements stay
-            self._ready = ready
-            self._ladder = tuple(b for b in c.ladder if {("step", b, 1), ("codec", b, 1)} <= ready)
-            self._first_sizes = tuple(b for b in c.first_sizes if ("first", b, 1) in ready)
-            self._step_sizes = tuple(n for n in c.step_sizes if ("step", c.ladder[0], n) in ready)
-            self._codec_sizes = tuple(n for n in c.codec_sizes if ("codec", c.ladder[0], n) in ready)
-            self._prefill_sizes = tuple(r for r in c.prefill_sizes
-                                        if all(("insert", b, r) in ready for b in c.prompt_buckets))
-            if settle:
-                self.step_costs.update(self._idle_step_costs)
-                self._forget_timings()
-            self._compiling = left
-            self._stats = self._snapshot()
+        """Compile and time every program the loop calls, or with `background` the least that serves and the rest
+        on a thread of its own (`warmup.run`)."""
+        warmup.run(self, background)
 
     def prepare_voice(self, ref_codes: np.ndarray) -> None:
         """Compute and cache the codec state after an ICL voice's reference codes (thread-safe; the server
@@ -345,7 +249,7 @@ class Engine:
         longer counts; the frames left are read with the streams in slots, so the two always agree (safe from any
         thread)."""
         with self._lock:
-            return dataclasses.replace(self._stats, **self._occupancy(self.clock()), **self._sizes())
+            return dataclasses.replace(self._stats, **occupancy(self, self.clock()), **sizes(self))
 
     def run_once(self) -> bool:
         """One loop iteration (see the module docstring). False when there is nothing to do."""
@@ -358,9 +262,10 @@ class Engine:
         self._margin_s = self.jitter.margin()
         # the previous codec call's audio goes out from the sender thread as soon as the device has it, while this
         # thread admits and prefills the newcomers (in a burst that takes tens of ms of host time)
-        ahead = self._codec_shape if self._audio is not None else None  # the codec call the device runs first
-        handing = self._sender.submit(self._send_audio, *self._audio) if self._audio is not None else None
-        self._audio = None
+        previous, self._audio = self._audio, None
+        ahead = previous.shape if previous is not None else None  # the codec call the device runs first
+        handing = None if previous is None else self._sender.submit(send_audio, self.clock, previous.audio,
+                                                                    previous.due)
         joined, prefill_calls, prefill_done = self._admit()
         self._feed_text()
         parts.mark("admit")
@@ -371,7 +276,7 @@ class Engine:
         live = [s for s in live if not s.waiting_text]
         if not live and handing is None and not any(s is not None and s.pending for s in self.slots):
             with self._lock:  # streams may have left (cancelled): admission must not see them for ever
-                self._stats = self._snapshot()
+                self._stats = snapshot(self)
             return False
         new = [s for s in live if not s.codes]  # at most max(first_sizes): see _admit
         playing = [s for s in live if s.codes]
@@ -383,62 +288,79 @@ class Engine:
                         np.array([s.next_chunk_frames() for s in new], int), allowed, self._costs(),
                         Sizes(self._ladder, self._first_sizes, self._step_sizes), self.config, self._margin_s,
                         self._late.get(ahead, 0.0), self.config.cap_iteration and not self._waiting_for_slot())
-        # newcomers whose one-frame first chunk waits for this step's frames (a set: the codec call asks each stream)
-        held = {s for s, h in zip(new, plan.held) if h}
-        first = self._dispatch_first(new, plan) if new else None
-        # the newcomers' first chunks go out from the sender thread after that audio, as the device finishes them
-        # (in the order it runs them), while this thread dispatches the step (whose call holds it for its loop trips)
-        stamping = self._sender.submit(self._stamp_prefilled, joined, prefill_done) if prefill_done is not None else None
-        sending = self._sender.submit(self._send_first, new, *first) if first is not None else None
-        parts.mark("dispatch")
-        extra, step, out = plan.extra_s, plan.step, None
-        stepping = [candidates[j] for j in plan.step_rows]
-        if step is not None:
-            limits = np.array(plan.limits, np.int32)
-            idx, _ = self._rows(stepping, plan.step_rung)
-            out = self.runner.step(idx, np.pad(limits, (0, plan.step_rung - len(stepping))), step.frames)
-        parts.mark("dispatch")
-        if stamping is not None:
-            stamping.result()
-        if handing is not None:
-            self._settle_handout(t0, ahead, *handing.result())
-            parts.mark("hand_out")
-        if sending is not None:
-            first = sending.result()
-            if ahead is not None and self.runner.compiled_on_demand == compiled:
-                # what the planner counts on when a codec call runs ahead of the newcomers
-                samples = self._first_late.setdefault(ahead, collections.deque(maxlen=64))
-                samples.append(max(first[2] - t0 - extra, 0.0))
-                self._late[ahead] = min(samples)
-            self._take_first(new, *first)
-            parts.mark("first")
-        # the codec call is queued right behind the step, counting on the frames it makes (they are read from
-        # where the step writes them), and corrected once the step's outputs are read
-        self._decode_audio(self.clock(), {s: int(f) for s, f in zip(stepping, limits) if not s.lm_done}
-                           if step is not None else {}, step.frames if step is not None else None, held)
-        parts.mark("codec_dispatch")
-        if out is not None:
-            frames, valid = np.asarray(out.frames), np.asarray(out.valid)  # the one host sync per step call
-            parts.mark("device_wait")
-            now = self.clock()
-            self._recent_frame_s.append((now - t0) / step.frames)
-            self._record(stepping, frames, valid, now, limits)
-            self._settle_audio()
-        parts.mark("bookkeeping")
+        result = self._execute(plan, candidates, new, joined, prefill_done, handing, parts)
+        self._audio = self._update(plan, result, t0, ahead, compiled, parts)
+        step = plan.step
         self._profile.add(parts, live=len(live), new=len(new), frames=step.frames if step else 0,
-                          margin_ms=self._margin_s * 1e3, held=len(held))
+                          margin_ms=self._margin_s * 1e3, held=len(result.held))
         elapsed = self.clock() - t0
         if self.runner.compiled_on_demand == compiled:
             self._iteration_s = _ema(self._iteration_s or None, elapsed)
             if step is not None:  # what a step iteration really takes, host work included, newcomers' share not
                 self.jitter.add(elapsed - step.predicted_s)
-                cost = max(elapsed - extra, 0.0)
+                cost = max(elapsed - plan.extra_s, 0.0)
                 key = (plan.step_rung, step.frames)
                 self.step_costs[key] = _ema(self.step_costs.get(key), cost)
         self.iterations += 1
         with self._lock:
-            self._stats = self._snapshot()
+            self._stats = snapshot(self)
         return True
+
+    def _execute(self, plan: IterationPlan, candidates: list[Stream], new: list[Stream], joined: list[Stream],
+                 prefill_done, handing, parts: PartTimer) -> IterationResult:
+        """Dispatch the plan's device calls after its prefills (`_admit` dispatched those, so the device starts
+        while the host plans): the newcomers' first-frame program, then the step. Between the two, the sender
+        thread is given the newcomers' prefill stamp and first chunks, so they go out as the device finishes them
+        while this thread is held by the step's dispatch. The codec call is not here: which frames it decodes
+        depends on the newcomers' first frames, read back in `_update`."""
+        held = frozenset(s for s, h in zip(new, plan.held) if h)
+        first = self._dispatch_first(new, plan) if new else None
+        stamping = None if prefill_done is None else self._sender.submit(stamp_prefilled, self.clock, joined,
+                                                                          prefill_done)
+        sending = self._sender.submit(send_first, self.clock, new, *first) if first is not None else None
+        parts.mark("dispatch")
+        stepping = [candidates[j] for j in plan.step_rows]
+        limits, out = np.array(plan.limits, np.int32), None
+        if plan.step is not None:
+            idx, _ = self._rows(stepping, plan.step_rung)
+            out = self.runner.step(idx, np.pad(limits, (0, plan.step_rung - len(stepping))), plan.step.frames)
+        parts.mark("dispatch")
+        return IterationResult(new, stepping, held, limits, out, handing, stamping, sending)
+
+    def _update(self, plan: IterationPlan, result: IterationResult, t0: float, ahead: tuple[int, int] | None,
+                compiled: int, parts: PartTimer) -> HandOut | None:
+        """Take back what `_execute` left in flight: the previous hand-out's bookkeeping, the newcomers' first
+        frames, then the codec call queued right behind the step (counting on the frames the step makes: it reads
+        them where the step writes them), and last the step's outputs, the one host sync per step. Returns that
+        codec call: the sender hands its audio out at the next iteration's start."""
+        if result.prefilled is not None:
+            result.prefilled.result()
+        if result.handed is not None:
+            self._settle_handout(t0, ahead, *result.handed.result())
+            parts.mark("hand_out")
+        if result.first is not None:
+            first = result.first.result()
+            if ahead is not None and self.runner.compiled_on_demand == compiled:
+                # what the planner counts on when a codec call runs ahead of the newcomers
+                samples = self._first_late.setdefault(ahead, collections.deque(maxlen=64))
+                samples.append(max(first[2] - t0 - plan.extra_s, 0.0))
+                self._late[ahead] = min(samples)
+            take_first(result.new, *first, self._finish)
+            parts.mark("first")
+        step = plan.step
+        coming = {} if step is None else {s: int(f) for s, f in zip(result.stepping, result.limits) if not s.lm_done}
+        handout = self._decode_audio(self.clock(), coming, None if step is None else step.frames, result.held)
+        parts.mark("codec_dispatch")
+        if result.step is not None:
+            frames, valid = np.asarray(result.step.frames), np.asarray(result.step.valid)
+            parts.mark("device_wait")
+            now = self.clock()
+            self._recent_frame_s.append((now - t0) / step.frames)
+            record(result.stepping, frames, valid, now, self._finish, result.limits)
+            if handout is not None:
+                settle_audio(handout)
+        parts.mark("bookkeeping")
+        return handout
 
     def start(self) -> None:
         """Run the loop on its own thread until `stop`."""
@@ -472,32 +394,6 @@ class Engine:
                     if self._running and not self.queue:
                         self._wake.wait(timeout=0.05)
 
-    def _snapshot(self) -> EngineStats:
-        c, now = self.config, self.clock()
-        headrooms = [h for s in self.slots if s is not None and (h := s.buffered(now)) is not None and not s.lm_done
-                     and not s.waiting_text]
-        return EngineStats(
-            **self._occupancy(now), **self._sizes(), headroom_margin_s=self._margin_s, lead_s=c.lead_s, late_chunks=self.late_chunks,
-            step_costs=dict(self.step_costs), prefill_costs=dict(self.prefill_costs), first_costs=dict(self.first_costs),
-            iteration_s=self._iteration_s, min_headroom_s=min(headrooms) if headrooms else None,
-            iterations=self.iterations, recent_frame_s=tuple(self._recent_frame_s), delivery_s=self._delivery_s,
-            first_late_s=min(self._late.values(), default=0.0),
-        )
-
-    def _occupancy(self, now: float) -> dict:
-        """The stats' fields of the streams in slots and the queue, read together (under the lock), so that their
-        counts and frames agree."""
-        in_slots = [s for s in self.slots if s is not None]
-        queued = list(self.queue)
-        return dict(live=len(in_slots), frames_left=_frames_left(in_slots), queued=len(queued),
-                    queued_frames=tuple(s.frames_cap for s in queued),
-                    oldest_wait_s=now - queued[0].timings.submitted if queued else 0.0)
-
-    def _sizes(self) -> dict:
-        """The stats' fields a background warm-up changes (read under the lock, which it takes to change them)."""
-        return dict(slots=max(self._ladder), ladder=self._ladder, step_sizes=self._step_sizes,
-                    compiling=self._compiling)
-
     def _waiting_for_slot(self) -> bool:
         """Requests are queued and `_admit` has no slot to give them: a short step only keeps them waiting longer."""
         return bool(self.queue) and self.active >= max(self._ladder)
@@ -523,59 +419,6 @@ class Engine:
         fresh, decode = np.zeros(plan.first_rung, bool), np.zeros(plan.first_rung, bool)
         fresh[: len(new)], decode[: len(new)] = [s.fresh_codec for s in new], plan.decode_first
         return self.runner.first(idx, mask, fresh, decode), decode[: len(new)]
-
-    def _send_first(self, new: list[Stream], out: FirstOutcome, decode: np.ndarray):
-        """On the sender thread, while the engine thread dispatches the step: wait for the newcomers' first
-        program and hand out the audio of those that decoded their frame. Touches nothing but those streams'
-        chunk hand-out (`Stream.emit`); the engine thread does their bookkeeping in `_take_first`."""
-        frames, valid, audio = (np.asarray(x) for x in out)
-        now = self.clock()
-        for j in np.flatnonzero(valid[0, : len(new)]):  # `_record` keeps this time: before the chunk leaves
-            new[j].timings.first_frame = now
-        sent = np.asarray(decode, bool) & valid[0, : len(new)] & np.array([not s.finished for s in new], bool)
-        for j in np.flatnonzero(sent):
-            new[j].emit(Chunk(pcm=audio[j, :SAMPLES_PER_FRAME], first_frame=0, frames=1, sent_at=now))
-        return frames, valid, now, sent
-
-    def _stamp_prefilled(self, joined: list[Stream], prefill_done) -> None:
-        """On the sender thread: when the newcomers' prefill is done on the device (their first chunk comes after)."""
-        np.asarray(prefill_done)
-        now = self.clock()
-        for s in joined:
-            s.timings.prefilled = now
-
-    def _take_first(self, new: list[Stream], frames: np.ndarray, valid: np.ndarray, now: float,
-                    sent: np.ndarray) -> None:
-        """Record newcomers' first frames, and count the first chunk `_send_first` handed out as decoded."""
-        self._record(new, frames, valid, now)
-        for j in np.flatnonzero(sent):
-            s = new[j]
-            s.fresh_codec = False
-            s.pending -= 1
-            s.decoded += 1
-            if s.lm_done and s.pending == 0:
-                self._finish(s)
-
-    def _record(self, streams: list[Stream], frames: np.ndarray, valid: np.ndarray, now: float,
-                limits: np.ndarray | None = None) -> None:
-        """New frames [n, B, 16] (valid [n, B]) of `streams` (row j is streams[j], asked for `limits[j]` frames,
-        all n by default; those already done with their LM are skipped): a stream whose frames stop early, or
-        that reached its cap, is done with its LM (and finishes here if nothing of it is left to decode)."""
-        n = frames.shape[0]
-        for j, stream in enumerate(streams):
-            if stream.lm_done:
-                continue
-            good = valid[:, j]
-            count = int(good.sum()) if good.all() else int(np.argmin(good))
-            if count:
-                stream.codes.extend(frames[:count, j])
-                stream.pending += count
-                if stream.timings.first_frame is None:
-                    stream.timings.first_frame = now
-            if count < (n if limits is None else limits[j]) or len(stream.codes) >= stream.frames_cap:
-                stream.lm_done = True
-                if stream.pending == 0 and stream.inflight == 0:  # ended with nothing left to decode
-                    self._finish(stream)
 
     def _admit(self) -> tuple[list[Stream], tuple[PrefillCall, ...], jax.Array | None]:
         """Give waiting requests free slots and prefill them together (`plan.prefills`: the cheapest calls per prompt
@@ -615,8 +458,8 @@ class Engine:
         return joined, calls, done
 
     def _decode_audio(self, now: float, coming: dict[Stream, int], step: int | None,
-                      held: set[Stream] = frozenset()) -> None:
-        """Hand every stream's due frames (`scheduler.chunks_due`: below its lead, all it has; past it, its
+                      held: frozenset[Stream] = frozenset()) -> HandOut | None:
+        """Hand every stream's due frames (`plan.codec_call`: below its lead, all it has; past it, its
         schedule's next size) to ONE codec call, each row with its own frame count. `coming` are the streams
         whose frames are being made by the step queued ahead of this call, and how many: they count as made (a
         stream that ends early makes fewer; `_settle_audio` corrects the counts once the step is read). While a
@@ -627,9 +470,9 @@ class Engine:
         c = self.config
         waiting = [s for s in self.slots if s is not None and s.pending + coming.get(s, 0) > 0]
         if not waiting:
-            return
+            return None
         most = max(self._codec_sizes)
-        counts = chunks_due(
+        call = codec_call(
             pending=np.array([s.pending + coming.get(s, 0) for s in waiting]),
             want=np.array([min(s.pending + coming.get(s, 0), most) if s in held else s.next_chunk_frames()
                            for s in waiting]),
@@ -638,12 +481,11 @@ class Engine:
             headroom=np.array([0.0 if s.resumes else np.nan if (h := s.buffered(now)) is None else h
                                for s in waiting]),
             lead_s=c.lead_s, horizon_s=self._iteration_s + self._delivery_s + self._margin_s,
-            most=most, width=None if step is None else rung(self._codec_sizes, step))
-        due = [(s, int(f)) for s, f in zip(waiting, counts) if f]
-        if not due:
-            return
-        b = rung(self._ladder, len(due))
-        n = rung(self._codec_sizes, max(f for _, f in due))
+            ladder=self._ladder, codec_sizes=self._codec_sizes, step=step)
+        if call is None:
+            return None
+        due = [(waiting[j], f) for j, f in zip(call.rows, call.counts)]
+        b, n = call.rung, call.frames
         idx = np.full(b, c.slots, np.int32)
         fresh = np.zeros(b, bool)
         start, count = np.zeros(b, np.int32), np.zeros(b, np.int32)
@@ -653,39 +495,10 @@ class Engine:
             s.decoded += f
             s.pending -= f
             s.inflight = f
-        self._audio = (self.runner.codec(idx, fresh, start, count, n), due)
-        self._codec_shape = (b, n)
-
-    def _settle_audio(self) -> None:
-        """Once the step is read: a stream that made fewer frames than the codec call counted on (it ended) had
-        only those decoded (the call reads which frames exist); its counts follow."""
-        if self._audio is None:
-            return
-        for j, (s, f) in enumerate(self._audio[1]):
-            if s.pending < 0:  # counted frames that were never made
-                short, s.pending = -s.pending, 0
-                s.decoded -= short
-                s.inflight = f - short
-                self._audio[1][j] = (s, f - short)
-
-    def _send_audio(self, audio, due: list) -> tuple[list, float, int]:
-        """On the sender thread: wait for the codec call in flight and hand its chunks to their streams. Touches
-        nothing but those chunks' hand-out (`Stream.emit`); `_settle_handout` does the bookkeeping. Returns the
-        streams it was for, when their chunks went out, and how many went out after their listener ran dry."""
-        audio = np.asarray(audio)
-        now = self.clock()
-        late = 0
-        for j, (s, f) in enumerate(due):
-            if s.finished or not f:  # cancelled while its audio was in the codec; or its frames were never made
-                continue
-            h = s.buffered(now)
-            late += h is not None and h - f * FRAME_SECONDS < 0  # its listener ran dry first
-            s.emit(Chunk(pcm=audio[j, : f * SAMPLES_PER_FRAME], first_frame=s.decoded - f, frames=f, sent_at=now,
-                         due=-math.inf if h is None else now + h - f * FRAME_SECONDS))
-        return due, now, late
+        return HandOut(self.runner.codec(idx, fresh, start, count, n), due, (b, n))
 
     def _settle_handout(self, t0: float, shape: tuple[int, int], due: list, now: float, late: int) -> None:
-        """After `_send_audio`: streams with nothing left finish; how long after the iteration's start `t0` the
+        """After `handout.send_audio`: streams with nothing left finish; how long after the iteration's start `t0` the
         audio of a codec call of `shape` went out is the delivery delay the step planner adds to an iteration
         whose codec call has that shape (its variation goes to the jitter)."""
         seconds = now - t0
@@ -733,7 +546,3 @@ def _ema(old: float | None, new: float) -> float:
     """The loop's running averages of what it measures: `new` alone when nothing was measured before."""
     return new if old is None else 0.8 * old + 0.2 * new
 
-
-def _frames_left(in_slots: list[Stream]) -> tuple[int, ...]:
-    """Per stream in a slot: frames it may still produce (0 once its LM is done)."""
-    return tuple(0 if s.lm_done else max(s.frames_cap - len(s.codes), 0) for s in in_slots)

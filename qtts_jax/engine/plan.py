@@ -3,8 +3,8 @@
 The functions here compose the scheduler's rules (`scheduler`) over the cost model (`costs`) for the streams the
 loop holds, reduced to numbers: how many waiting requests start, the prefill calls they go in, which newcomers
 decode their first frame in their own program, and the step's rows, per-row frame limits and frames. The loop
-executes the plan through the runner's calls and records what comes back. The codec call is decided later in the
-iteration (`scheduler.chunks_due`): it counts the newcomers' first frames, which are read from the device first.
+executes the plan through the runner's calls and records what comes back. The codec call (`codec_call`) is decided
+later in the iteration: it counts the newcomers' first frames, which are read from the device first.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 
 from qtts_jax.engine.config import EngineConfig, rung
 from qtts_jax.engine.costs import Costs
-from qtts_jax.engine.scheduler import StepPlan, first_chunk_alone, newcomers_that_fit, step_frames
+from qtts_jax.engine.scheduler import StepPlan, chunks_due, first_chunk_alone, newcomers_that_fit, step_frames
 from qtts_jax.engine.stream import FRAME_SECONDS
 
 
@@ -43,6 +43,17 @@ class IterationPlan:
     limits: tuple[int, ...]  # per step row: the most frames it may make (its live text may end sooner)
     step: StepPlan | None  # the step's frames and the iteration's predicted seconds (None: no step)
     extra_s: float  # the newcomers' prefill and first frame, predicted: they run ahead of the step
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecCall:
+    """One codec call: the streams at `rows` (positions among those with frames waiting) decode `counts` frames
+    each, in a call of `rung` rows and `frames` frames (padded)."""
+
+    rows: tuple[int, ...]
+    counts: tuple[int, ...]
+    rung: int
+    frames: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,3 +121,19 @@ def schedule(calls: tuple[PrefillCall, ...], headroom: np.ndarray, new_next: np.
         prefills=calls, first_rung=rung(sizes.first, new) if new else 0, decode_first=tuple(decode.tolist()),
         held=tuple((one & ~alone).tolist()), step_rows=stepping,
         step_rung=rung(sizes.ladder, len(stepping)) if stepping else 0, limits=limits, step=step, extra_s=extra)
+
+
+def codec_call(pending: np.ndarray, want: np.ndarray, lm_done: np.ndarray, headroom: np.ndarray, lead_s: float,
+               horizon_s: float, ladder: tuple[int, ...], codec_sizes: tuple[int, ...],
+               step: int | None) -> CodecCall | None:
+    """The codec call of the streams with frames waiting (`scheduler.chunks_due` over their numbers); while one
+    below its lead waits on a step of `step` frames, no wider than the codec chunk that step's cost counts.
+    None when no chunk is due."""
+    counts = chunks_due(pending=pending, want=want, lm_done=lm_done, headroom=headroom, lead_s=lead_s,
+                        horizon_s=horizon_s, most=max(codec_sizes),
+                        width=None if step is None else rung(codec_sizes, step))
+    rows = tuple(j for j, f in enumerate(counts) if f)
+    if not rows:
+        return None
+    return CodecCall(rows, tuple(int(counts[j]) for j in rows), rung(ladder, len(rows)),
+                     rung(codec_sizes, max(int(counts[j]) for j in rows)))

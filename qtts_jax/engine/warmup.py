@@ -1,0 +1,84 @@
+"""Warm-up: every program the loop calls compiled and timed before it serves, or in stages while it serves.
+
+It changes only what the loop may use (the sizes compiled and timed, and the cost tables they seed), under the
+engine's lock, as the loop reads them there (`engine` below: a `core.Engine`; this module imports nothing of the
+loop's)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from qtts_jax.engine.runner import Calibration, Key, stages
+from qtts_jax.engine.stats import snapshot
+
+log = logging.getLogger(__name__)
+
+
+def run(engine, background: bool = False) -> None:
+    """Compile every program the loop calls (in parallel: XLA compiles off the GIL), then time each once on the
+    idle engine: those costs seed the step-size choice and admission until live ones replace them.
+
+    With `background`, return once the least that serves is compiled and timed (`runner.stages`): the engine then
+    serves as many streams as the smallest rung holds, one frame a step, while a thread compiles the rest stage by
+    stage, each stage's sizes (and the slots in use) joining the loop's as soon as they are compiled and timed on
+    a scratch state; a cold server is ready after a handful of its programs."""
+    t0 = time.perf_counter()
+    every = stages(engine.config)
+    now, later = (every[:1], every[1:]) if background else (every, [])
+    keys = [key for stage in now for key in stage]
+    engine.runner.compile(keys)
+    if engine.model.cfg.model_type == "base":
+        engine.runner.warm_voices()
+    log.info("compiled %d engine programs in %.1f s", len(keys), time.perf_counter() - t0)
+    use(engine, keys, engine.runner.calibrate(keys), left=sum(map(len, later)))
+    log.info("step costs (rows, frames) -> ms: %s", {k: round(v * 1e3, 1) for k, v in engine.step_costs.items()})
+    if later:
+        threading.Thread(target=rest, args=(engine, later, t0), name="qtts-warmup", daemon=True).start()
+
+
+def rest(engine, later: list[list[Key]], t0: float) -> None:
+    """The background half of `run`: stage after stage compiled, timed on a scratch state of its own (the loop
+    owns the live one) and added to what the loop may use."""
+    try:
+        scratch = engine.runner.scratch()
+        for i, keys in enumerate(later):
+            engine.runner.compile(keys)
+            timed, last = engine.runner.calibrate(keys, on=scratch), i == len(later) - 1
+            if last:
+                del scratch
+                if engine.on_compiled is not None:
+                    engine.on_compiled()
+            use(engine, keys, timed, left=sum(map(len, later[i + 1:])), settle=last)
+        log.info("every rung compiled and timed after %.1f s (slots=%d)", time.perf_counter() - t0,
+                 engine.config.slots)
+    except Exception:  # what was compiled so far keeps serving
+        log.exception("background warm-up failed; serving with rungs %s", engine._ladder)
+        with engine._lock:
+            engine._compiling = 0
+
+
+def use(engine, keys: list[Key], timed: Calibration, left: int, settle: bool = False) -> None:
+    """Let the loop use the compiled and timed programs `keys` (`left`: programs still to come), their idle costs
+    seeding what it has not measured live. `settle` (the background warm-up's last stage): what the loop measured
+    so far shared the machine with XLA, so it goes back to the idle timings, in the same update that says nothing
+    is left to compile."""
+    e, c = engine, engine.config
+    ready = e._ready | set(keys)
+    with e._lock:
+        e._idle_step_costs.update(timed.steps)
+        for costs, new in ((e.step_costs, timed.steps), (e.first_costs, timed.firsts),
+                           (e.prefill_costs, timed.prefills)):
+            costs.update({k: v for k, v in new.items() if k not in costs})  # live measurements stay
+        e._ready = ready
+        e._ladder = tuple(b for b in c.ladder if {("step", b, 1), ("codec", b, 1)} <= ready)
+        e._first_sizes = tuple(b for b in c.first_sizes if ("first", b, 1) in ready)
+        e._step_sizes = tuple(n for n in c.step_sizes if ("step", c.ladder[0], n) in ready)
+        e._codec_sizes = tuple(n for n in c.codec_sizes if ("codec", c.ladder[0], n) in ready)
+        e._prefill_sizes = tuple(r for r in c.prefill_sizes if all(("insert", b, r) in ready for b in c.prompt_buckets))
+        if settle:
+            e.step_costs.update(e._idle_step_costs)
+            e._forget_timings()
+        e._compiling = left
+        e._stats = snapshot(e)
