@@ -115,7 +115,7 @@ def create_app(settings: Settings = Settings(), model=None, engine: Engine | Non
 
             from qtts_jax.model import load_model
 
-            model = load_model(settings.model, dtype=jnp.dtype(settings.dtype))
+            model = load_model(settings.model, dtype=jnp.dtype(settings.model_dtype()))
         # raises SlotsDoNotFit (before any state is allocated) when the asked-for count does not fit
         slots, fit = sizing.resolve_slots(model, dataclasses.replace(settings, slots=1).engine_config(), settings.slots)
         log.info("slots: %d (%s)", slots, fit.describe())
@@ -154,6 +154,7 @@ def _build_info(settings: Settings, engine: Engine) -> dict[str, str]:
     from importlib import metadata
 
     import jax
+    import jax.numpy as jnp
 
     try:
         version = metadata.version("qtts-jax")
@@ -161,7 +162,8 @@ def _build_info(settings: Settings, engine: Engine) -> dict[str, str]:
         version = "unknown"
     cfg = engine.config
     return {"version": version, "jax": jax.__version__, "backend": jax.default_backend(), "model": engine.model.name,
-            "model_type": engine.model.cfg.model_type, "dtype": settings.dtype, "slots": str(cfg.slots),
+            "model_type": engine.model.cfg.model_type, "dtype": jnp.dtype(engine.model.dtype).name,
+            "slots": str(cfg.slots),
             "context": str(cfg.context), "frames_per_step": str(cfg.frames_per_step),
             "ttfa_target_ms": f"{settings.ttfa_target_ms:g}", "starvation_ms": f"{settings.starvation_ms:g}"}
 

@@ -55,7 +55,8 @@ def add_server_flags(s: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="on: a newcomer's one-frame first chunk waits to go out with its first step's frames when "
                         "the lateness measured would let it play out before its next audio arrives (first audio a "
                         "step later, no stall); off: it always goes out alone (QTTS_HOLD_FIRST; default off)")
-    s.add_argument("--dtype", choices=["float32", "bfloat16"], help="weights dtype (QTTS_DTYPE; default float32)")
+    s.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
+                   help="weights dtype (QTTS_DTYPE; default auto: bfloat16 on a GPU, float32 elsewhere)")
     s.add_argument("--codec-dtype", choices=["float32", "bfloat16"],
                    help="the streaming codec's arithmetic: bfloat16 runs its convolutions on tensor cores "
                         "(QTTS_CODEC_DTYPE; default float32, the reference's)")

@@ -26,7 +26,9 @@ class Settings:
     newcomer_guard: bool = True  # start only the newcomers the playing streams' headroom pays for (EngineConfig)
     margin_quantile: float = 0.99  # share of the measured lateness the playback margin covers (EngineConfig)
     hold_first: bool = False  # a newcomer's first frame waits for its step's if it could play out first (EngineConfig)
-    dtype: str = "float32"
+    # the weights: "auto" is bfloat16 on a GPU (the checkpoints' own dtype, and what capacity is measured at) and
+    # float32 elsewhere (the reference's arithmetic, which parity is checked in)
+    dtype: str = "auto"
     codec_dtype: str = "float32"  # the streaming codec's arithmetic (EngineConfig.codec_dtype)
     ttfa_target_ms: float = 300.0
     starvation_ms: float = 0.0  # the zero-underrun contract: no admitted stream may stall
@@ -85,6 +87,14 @@ class Settings:
                 values[f.name] = raw
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+    def model_dtype(self) -> str:
+        """The weights' dtype `dtype` names on this machine's backend."""
+        if self.dtype != "auto":
+            return self.dtype
+        import jax
+
+        return "bfloat16" if jax.default_backend() == "gpu" else "float32"
 
     def engine_config(self) -> EngineConfig:
         buckets = tuple(b for b in EngineConfig.prompt_buckets if b < self.context // 2) or (min(32, self.context // 2),)

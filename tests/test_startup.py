@@ -90,6 +90,16 @@ def test_settings_take_slots_auto_and_the_compile_cache_from_the_environment(mon
     assert compile_cache.default_dir() == tmp_path / "qtts-jax" / "xla"
 
 
+def test_the_weights_default_to_bfloat16_on_a_gpu_and_float32_elsewhere(monkeypatch):
+    """`serve --model DIR` gets the fast dtype capacity is measured at on a GPU, the reference's on a CPU (parity);
+    a dtype named by flag or variable is kept anywhere."""
+    assert Settings().dtype == "auto" and Settings().model_dtype() == "float32"  # this machine: a CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert Settings().model_dtype() == "bfloat16"
+    monkeypatch.setenv("QTTS_DTYPE", "float32")
+    assert Settings.from_env().model_dtype() == "float32"
+
+
 def test_create_app_sizes_auto_slots_and_refuses_a_count_that_does_not_fit(model):
     app = create_app(Settings(slots="auto", context=128), model=model)
     assert app[ENGINE].config.slots == app[SETTINGS].slots == sizing.CPU_SLOTS
