@@ -82,23 +82,28 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=512)
 
 
-def codes_digest(args, model) -> str:
-    """A digest of every code of `args.codes_check` seeded streams of 24 frames, generated together on an 8-slot
-    engine of this variant (warmed up first, so the programs of every step size it uses are compiled)."""
-    import hashlib
-
+def seeded_codes(args, model, streams: int, frames: int, **overrides) -> list[np.ndarray]:
+    """The codes of `streams` seeded streams of `frames` frames, made together on an 8-slot engine of this variant
+    with `overrides` of its configuration (warmed up first, so the programs of every step size it uses are
+    compiled)."""
     from qtts_jax.request import Request
 
-    engine = engine_for(args, model=model, slots=8)
+    engine = engine_for(args, model=model, slots=8, **overrides)
     engine.warmup()
-    streams = [engine.submit(engine.prepare(Request(f"Codes check number {i}.", speaker="ryan", seed=i,
-                                                    max_frames=24)), lambda chunk: None)
-               for i in range(args.codes_check)]
-    while not all(s.finished for s in streams):
+    made = [engine.submit(engine.prepare(Request(f"Codes check number {i}.", speaker="ryan", seed=i,
+                                                 max_frames=frames)), lambda chunk: None) for i in range(streams)]
+    while not all(s.finished for s in made):
         engine.run_once()
+    return [np.asarray(s.codes, np.int32) for s in made]
+
+
+def codes_digest(args, model) -> str:
+    """A digest of every code of `args.codes_check` seeded streams of 24 frames (`seeded_codes`)."""
+    import hashlib
+
     digest = hashlib.sha256()
-    for s in streams:
-        digest.update(np.asarray(s.codes, np.int32).tobytes())
+    for codes in seeded_codes(args, model, args.codes_check, 24):
+        digest.update(codes.tobytes())
     return digest.hexdigest()[:16]
 
 

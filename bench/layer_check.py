@@ -71,20 +71,6 @@ def kernel_errors(cfg, dtype, rows: int, seed: int) -> dict:
     return out
 
 
-def seeded_codes(args, model, layers: str, streams: int, frames: int) -> list[np.ndarray]:
-    """Codes of `streams` seeded streams made together on an 8-slot engine whose layers run as `layers`."""
-    from bench.compile import engine_for
-    from qtts_jax.request import Request
-
-    engine = engine_for(args, model=model, slots=8, layers=layers)
-    engine.warmup()
-    made = [engine.submit(engine.prepare(Request(f"Layer check number {i}.", speaker="ryan", seed=i,
-                                                 max_frames=frames)), lambda chunk: None) for i in range(streams)]
-    while not all(s.finished for s in made):
-        engine.run_once()
-    return [np.asarray(s.codes, np.int32) for s in made]
-
-
 def main() -> None:
     from bench.compile import engine_args
 
@@ -101,7 +87,7 @@ def main() -> None:
 
     if args.dtype == "float32":
         jax.config.update("jax_default_matmul_precision", "highest")  # XLA's and Triton's products alike
-    from bench.compile import model_for
+    from bench.compile import model_for, seeded_codes
 
     dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
     model = model_for(args)
@@ -117,8 +103,8 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=1))
     if not args.streams:
         return
-    jnp_codes = seeded_codes(args, model, "jnp", args.streams, args.frames)
-    fused_codes = seeded_codes(args, model, "pallas", args.streams, args.frames)
+    jnp_codes = seeded_codes(args, model, args.streams, args.frames, layers="jnp")
+    fused_codes = seeded_codes(args, model, args.streams, args.frames, layers="pallas")
     result["streams"] = [{"frames": len(a), "equal": bool(a.shape == b.shape and (a == b).all()),
                           "first_differing_frame": next((k for k, (x, y) in enumerate(zip(a, b)) if (x != y).any()),
                                                         None)} for a, b in zip(jnp_codes, fused_codes)]

@@ -149,25 +149,25 @@ def append_text(params, state: EngineState, slot, start, ids, count, max_frames,
     return state._replace(settings=state.settings._replace(trailing=trailing, max_frames=max_frames))
 
 
-def _kernel_or_reference(name: str, what: str, reference, kernel):
-    """`reference` ("jnp"), the Pallas `kernel()` ("pallas"; interpreted on CPU, for tests), or "auto": the
-    kernel on GPU, the reference elsewhere (no Triton on CPU)."""
+def _kernel_or_reference(name: str, what: str, reference, kernel, on_gpu: str = "pallas"):
+    """`reference` ("jnp"), the Pallas `kernel(interpret)` ("pallas"; interpreted on CPU, for tests), or "auto":
+    `on_gpu` on a GPU, the reference elsewhere (no Triton on CPU)."""
     if name == "auto":
-        name = "pallas" if jax.default_backend() == "gpu" else "jnp"
+        name = on_gpu if jax.default_backend() == "gpu" else "jnp"
     if name == "jnp":
         return reference
     if name == "pallas":
-        return partial(kernel(), interpret=jax.default_backend() == "cpu")
+        return kernel(jax.default_backend() == "cpu")
     raise ValueError(f"unknown {what} {name!r} (jnp, pallas or auto)")
 
 
 def chooser(name: str):
     """The per-row token chooser the frame step uses."""
 
-    def kernel():
+    def kernel(interpret):
         from qtts_jax.kernels.sampling import choose_row
 
-        return choose_row
+        return partial(choose_row, interpret=interpret)
 
     pick = _kernel_or_reference(name, "sampler", sampling.choose, kernel)
 
@@ -181,27 +181,25 @@ def chooser(name: str):
 def attender(name: str):
     """How the frame step's talker reads each row's keys and values from the shared cache."""
 
-    def kernel():
+    def kernel(interpret):
         from qtts_jax.kernels.attention import rows_attention
 
-        return rows_attention
+        return partial(rows_attention, interpret=interpret)
 
     return _kernel_or_reference(name, "attention", transformer.gather_rows_attention, kernel)
 
 
 def layer_kernels(name: str):
     """How the frame step runs the talker's and the code predictor's layers: "pallas" (four fused kernels a layer,
-    `kernels.layer`), "jnp" (XLA's own fusions of the model's code: None), or "auto": XLA's, since the kernels'
-    Triton products are slower than cuBLAS's (docs/benchmarks.md)."""
-    if name == "auto":
-        name = "jnp"
-    if name == "jnp":
-        return None
-    if name == "pallas":
+    `kernels.layer`), "jnp" (XLA's own fusions of the model's code: None), or "auto": XLA's on a GPU too, since
+    the kernels' Triton products are slower than cuBLAS's (docs/benchmarks.md)."""
+
+    def kernel(interpret):
         from qtts_jax.kernels import layer
 
-        return layer.kernels(interpret=jax.default_backend() == "cpu")
-    raise ValueError(f"unknown layers {name!r} (jnp, pallas or auto)")
+        return layer.kernels(interpret=interpret)
+
+    return _kernel_or_reference(name, "layers", None, kernel, on_gpu="jnp")
 
 
 def step(params, state: EngineState, idx, limit, *, graph, cfg, choose, attention, layers=None, seeded_ends=False,
