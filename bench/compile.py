@@ -215,7 +215,7 @@ def _read(f) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     engine_args(p)
-    p.add_argument("--programs", default="step:256:1,step:256:4,codec:256:8,first:256:1,insert:128:32",
+    p.add_argument("--programs", default="step:256:1,step:256:4,codec:256:8,insert:128:32",
                    help="kind:rung:size of step|first|codec|insert, comma-separated")
     p.add_argument("--variants", default="default=",
                    help='"name=XLA flags;name=flags" (an empty value: none; a NAME=VALUE token sets an environment '

@@ -8,7 +8,7 @@ frame. With
 --variants, each program is profiled once per engine configuration, side by side in one run; compile seconds are
 beside each (all programs compile at once, so they are comparable within a run only). Writes JSON.
 
-    python bench/kernels.py --model 0.6b --slots 256 --programs step:256:1,codec:256:1,first:16:1 \
+    python bench/kernels.py --model 0.6b --slots 256 --programs step:256:1,codec:256:1,step:16:1 \
         --variants "fp32=;bf16=codec_dtype=bfloat16" --out runs/kernels-0.6b.json
 """
 
@@ -175,7 +175,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--slots", type=int, default=256)
     p.add_argument("--context", type=int, default=512)
-    p.add_argument("--programs", default="step:256:1,codec:256:1,first:16:1",
+    p.add_argument("--programs", default="step:256:1,codec:256:1,step:16:1",
                    help="kind:a:b of step|codec|first|insert (insert: bucket and requests), comma-separated")
     p.add_argument("--variants", default="default=",
                    help='engine configurations side by side: "name=field=value,...;name2=..." (EngineConfig fields)')
@@ -227,7 +227,7 @@ def main() -> None:
             "wall_ms": round(wall * 1e3, 3), "frames": frames, "wall_ms_per_frame": round(wall * 1e3 / frames, 3),
             "kernels_per_frame": round(kernels["kernels_per_call"] / frames, 1),
             "busy_share": round(kernels["busy_ms_per_call"] / (wall * 1e3), 3),
-            **costs(exe, wall, key[1], frames, frame_flops(model.cfg) if key[0] in ("step", "first") else None),
+            **costs(exe, wall, key[1], frames, frame_flops(model.cfg) if key[0] == "step" else None),
             "parts": by_part(events.get("kernels", []), op_parts(hlo), args.calls),
             "compile_s": round(compile_s, 2), "trace_lines_s": lines,
             **{kind: summarise(e, args.calls, args.top) for kind, e in events.items()}}

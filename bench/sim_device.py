@@ -136,7 +136,7 @@ class NumpyRunner:
         return Calibration(
             steps={(a, n): k * (step_s(a, n) + codec_s(a, min(n, max(c.schedule))))
                    for kind, a, n in keys if kind == "step"},
-            firsts={a: k * first_s(a) for kind, a, _ in keys if kind == "first"},
+            firsts={a: k * first_s(a) for kind, a, n in keys if kind == "step" and n == 1 and a in c.first_sizes},
             prefills={n: k * prefill_s(n) for kind, a, n in keys if kind == "insert"})
 
 

@@ -36,7 +36,7 @@ def test_calibrating_on_the_live_state_leaves_a_playing_slot_untouched(tiny_mode
     jax.tree.map(np.testing.assert_array_equal, after, before)
     assert isinstance(timed, Calibration)
     assert set(timed.steps) == {(a, n) for kind, a, n in keys if kind == "step"}
-    assert set(timed.firsts) == {a for kind, a, _ in keys if kind == "first"}
+    assert set(timed.firsts) == {a for kind, a, n in keys if kind == "step" and n == 1 and a in SMALL.first_sizes}
     assert set(timed.prefills) == set(SMALL.prefill_sizes)  # timed at the largest bucket only
     assert all(v > 0 for costs in (timed.steps, timed.firsts, timed.prefills) for v in costs.values())
 

@@ -1,7 +1,7 @@
 """The engine's compiled programs, as pure functions of (params, state, inputs): the state layout every slot
 shares, prefill into slots, a step of n frames for some rows (which also writes them into the state's codes ring),
-the newcomers' first frame with its audio, one streaming-codec call that reads its frames from that ring,
-and live text appended to a slot's trailing text. The loop (`core.Engine`) jits them once per ladder rung and
+one streaming-codec call that reads its frames from that ring (a newcomer's first frame is a one-frame step and
+codec call), and live text appended to a slot's trailing text. The loop (`core.Engine`) jits them once per ladder rung and
 donates the state.
 
 Rows are slots gathered by index; a row aimed past the last slot is padding: it reads the last slot (clipped) and
@@ -39,9 +39,9 @@ class EngineState(NamedTuple):
 
 
 def outcome_shapes(kind: str, rows: int, frames: int, groups: int) -> tuple:
-    """What the loop reads of a call of program `kind` ("step", "first" or "codec") for `rows` rows and `frames`
-    frames: a step's frames [frames, rows, groups] and valid flags [frames, rows]; a first frame's, with its audio
-    [rows, one frame's samples]; a codec call's audio [rows, frames' samples]."""
+    """What the loop reads of a call of program `kind` ("step" or "codec") for `rows` rows and `frames` frames: a
+    step's frames [frames, rows, groups] and valid flags [frames, rows]; a codec call's audio [rows, frames'
+    samples]."""
     def codes(n):
         return jax.ShapeDtypeStruct((n, rows, groups), jnp.int32), jax.ShapeDtypeStruct((n, rows), jnp.bool_)
 
@@ -50,8 +50,6 @@ def outcome_shapes(kind: str, rows: int, frames: int, groups: int) -> tuple:
 
     if kind == "step":
         return codes(frames)
-    if kind == "first":
-        return (*codes(1), audio(1))
     return audio(frames)
 
 
@@ -228,19 +226,6 @@ def step(params, state: EngineState, idx, limit, *, graph, cfg, choose, attentio
     (rows, cache, k, codes), out = jax.lax.scan(body, (rows, state.cache, k0, state.codes), jnp.arange(n))
     return state._replace(rows=put_rows(state.rows, idx, rows), cache=cache, k=put_rows(state.k, idx, k),
                           codes=codes), out
-
-
-def first(params, codec_params, state: EngineState, codec_state, idx, live, fresh, decode, *, graph, cfg, codec_cfg,
-          choose, attention, layers=None, seeded_ends=False):
-    """Newcomers' first frame and its audio in one program, so their first chunk is ready before the longer
-    step of the playing streams that is queued behind it. Row j decodes its frame where `decode[j]` (its
-    schedule starts with a one-frame chunk) and the frame is valid; `fresh[j]` starts its codec state at zero."""
-    state, (frames, valid) = step(params, state, idx, live.astype(jnp.int32), graph=graph, cfg=cfg, choose=choose,
-                                  attention=attention, layers=layers, seeded_ends=seeded_ends, n=1)
-    count = (decode & valid[0]).astype(jnp.int32)
-    audio, codec_state = decode_frames(codec_params, codec_state, idx, fresh, jnp.moveaxis(frames, 0, 1), count,
-                                       cfg=codec_cfg)
-    return state, codec_state, (frames, valid, audio)
 
 
 def codec(params, state: codec_streaming.StreamState, ring, idx, fresh, start, count, *, cfg, n: int):

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 APPEND_IDS = 8  # live text ids one append call writes (more take several calls)
 
-# ("insert", bucket, requests) | ("step"|"codec", rung, frames) | ("first", rung, 1) | ("append", 1, ids)
+# ("insert", bucket, requests) | ("step"|"codec", rung, frames) | ("append", 1, ids)
 Key = tuple[str, int, int]
 
 
@@ -126,7 +126,7 @@ class HeldInputs(NamedTuple):
 
 
 # where a program's outcome (what the loop reads) is in its output; the rest is the state it carries on
-_OUTCOME_AT = {"step": 1, "first": 2, "codec": 0}
+_OUTCOME_AT = {"step": 1, "codec": 0}
 
 
 def _writing_into(program, kind: str):
@@ -146,21 +146,20 @@ def _writing_into(program, kind: str):
 
 def stages(c: EngineConfig) -> list[list[Key]]:
     """Every program of an engine of config `c`, in the order a background warm-up makes them usable: first the
-    least that serves (a prefill of one request per prompt bucket, and the smallest rung's one-frame step, one-frame
-    codec call and first frame), then that rung's other step and codec sizes and the other prefill sizes, then each
+    least that serves (a prefill of one request per prompt bucket, and the smallest rung's one-frame step and
+    one-frame codec call, which newcomers' first frames run too), then that rung's other step and codec sizes and
+    the other prefill sizes, then each
     larger rung whole."""
     least = ([("insert", bucket, c.prefill_sizes[0]) for bucket in c.prompt_buckets]
-             + [("step", c.ladder[0], 1), ("codec", c.ladder[0], 1), ("first", c.ladder[0], 1),
-                ("append", 1, APPEND_IDS)])
+             + [("step", c.ladder[0], 1), ("codec", c.ladder[0], 1), ("append", 1, APPEND_IDS)])
     prefills = [("insert", bucket, r) for bucket in c.prompt_buckets for r in c.prefill_sizes]
     rest = [key for key in prefills + _rung_keys(c, c.ladder[0]) if key not in least]
     return [least, rest] + [_rung_keys(c, b) for b in c.ladder[1:]]
 
 
 def _rung_keys(c: EngineConfig, b: int) -> list[Key]:
-    """The programs of one ladder rung: its step and codec sizes, and its first-frame program if it has one."""
-    return ([("step", b, n) for n in c.step_sizes] + [("codec", b, n) for n in c.codec_sizes]
-            + ([("first", b, 1)] if b in c.first_sizes else []))
+    """The programs of one ladder rung: its step and codec sizes."""
+    return [("step", b, n) for n in c.step_sizes] + [("codec", b, n) for n in c.codec_sizes]
 
 
 class Runner:
@@ -178,11 +177,6 @@ class Runner:
                                  donate_argnums=(1,), donate_argnames="into", static_argnames="n")
         self._jit_codec = jax.jit(_writing_into(partial(programs.codec, cfg=codec_cfg), "codec"),
                                   donate_argnums=(1,), donate_argnames="into", static_argnames="n")
-        self._jit_first = jax.jit(_writing_into(partial(programs.first, graph=model.graph, cfg=cfg,
-                                                        codec_cfg=codec_cfg, choose=choose, attention=attention,
-                                                        layers=layers, seeded_ends=config.seeded_ends),
-                                                "first"),
-                                  donate_argnums=(2, 3), donate_argnames="into")
         self._codec_one = jax.jit(
             lambda p, st, codes: codec_streaming.decode_step(p, codec_cfg, st, codes, jnp.full(1, codes.shape[1]))[1],
             donate_argnums=(1,),
@@ -215,9 +209,20 @@ class Runner:
 
     def first(self, idx: np.ndarray, live: np.ndarray, fresh: np.ndarray, decode: np.ndarray) -> FirstOutcome:
         """The first frame of the slots `idx` (the rows where `live`), and its audio where `decode` (`fresh`:
-        their codec state starts at zero)."""
-        return FirstOutcome(*self._run(("first", len(idx), 1), (self.model.params, self.codec_params, self.state,
-                                                                 self.codec_state, idx, live, fresh, decode)))
+        their codec state starts at zero): the rung's one-frame step and one-frame codec call, queued together, so
+        a first frame costs no programs of its own to compile."""
+        return self._first(self, idx, live, fresh, decode)
+
+    def _first(self, target, idx, live, fresh, decode) -> FirstOutcome:
+        # Outcome buffers of their own (role "first"): the playing streams' step and codec call of the same rung,
+        # queued behind these, must not write where this outcome is still to be read. A newcomer's first frame is
+        # its frame 0; a frame not made (the row ended, or padding) is -1 in the ring, so the codec skips it.
+        b, zeros = len(idx), np.zeros(len(idx), np.int32)
+        frames, valid = self._run(("step", b, 1), (self.model.params, target.state, idx, live.astype(np.int32)),
+                                  target, role="first")
+        audio = self._run(("codec", b, 1), (self.codec_params, target.codec_state, target.state.codes, idx, fresh,
+                                            zeros, decode.astype(np.int32)), target, role="first")
+        return FirstOutcome(frames, valid, audio)
 
     def step(self, idx: np.ndarray, limits: np.ndarray, frames: int) -> StepOutcome:
         """`frames` frames for the slots `idx`, row j making at most `limits[j]` (padding rows 0)."""
@@ -268,7 +273,7 @@ class Runner:
 
     def lower(self, kind: str, a: int, b: int):
         """The program `kind` for one ladder rung, lowered on padding inputs (the shapes the loop passes)."""
-        jit = {"insert": self._jit_insert, "step": self._jit_step, "first": self._jit_first, "codec": self._jit_codec,
+        jit = {"insert": self._jit_insert, "step": self._jit_step, "codec": self._jit_codec,
                "append": self._jit_append}[kind]
         static = {"n": b} if kind in ("step", "codec") else {}
         if kind in _OUTCOME_AT:
@@ -297,19 +302,20 @@ class Runner:
         target = on if on is not None else self
         return self._run(key, self._padding_call(*key, target.state, target.codec_state), target)
 
-    def _run(self, key: Key, args: tuple, target: Runner | Scratch | None = None):
+    def _run(self, key: Key, args: tuple, target: Runner | Scratch | None = None, role: str = ""):
         """Program `key` on `args`, whose state it donates: `target` (this runner, or a `Scratch`) keeps the new
         state, and the rest of the program's output is returned (an append's is its state).
 
         A step's, first frame's or codec call's outcome is written into the buffers of the same program's last
         outcome (donated), so it has the same device addresses every call: XLA records a program's CUDA graph again
         whenever a buffer it writes has moved, as for the inputs (`_inputs_held`). So an outcome is readable until
-        the next call of the same program, which the loop makes only after it has read it."""
+        the next call of the same program, which the loop makes only after it has read it; a call with another
+        `role` keeps its inputs and outcome in buffers of its own."""
         target = self if target is None else target
-        kind, exe = key[0], self.program(*key)
-        args = self._inputs_held(key, args, target.held)
+        kind, exe, place = key[0], self.program(*key), (role, *key) if role else key
+        args = self._inputs_held(place, args, target.held)
         if kind in _OUTCOME_AT:
-            into = target.outcomes.pop(key, None)
+            into = target.outcomes.pop(place, None)
             if into is None:
                 into = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._outcome_shapes(*key))
             out = exe(*args, into=into)
@@ -317,20 +323,18 @@ class Runner:
             out = exe(*args)
         if kind in ("insert", "step"):
             target.state, out = out
-        elif kind == "first":
-            target.state, target.codec_state, out = out
         elif kind == "codec":
             out, target.codec_state = out
         else:
             target.state = out
         if kind in _OUTCOME_AT:
-            target.outcomes[key] = out
+            target.outcomes[place] = out
         return out
 
-    def _inputs_held(self, key: Key, args: tuple, held: dict[Key, tuple]) -> tuple:
+    def _inputs_held(self, place: tuple, args: tuple, held: dict[tuple, HeldInputs]) -> tuple:
         """`args` with its host arrays (rows, limits, prompts: what changes from call to call) written into device
-        buffers that program `key` keeps from call to call (`held[key]`). XLA records each CUDA graph of a program
-        against the addresses of the buffers it reads and records it again whenever one has moved, which inputs
+        buffers that program `place` (a role and a key) keeps from call to call (`held[place]`). XLA records each
+        CUDA graph of a program against the addresses of the buffers it reads and records it again whenever one has moved, which inputs
         copied to the device afresh for every call always have: a one-stream step ran 7.3 ms with them and 6.6 with
         its inputs kept in place (an H100, bench/results/placed-args-0.6b-h100.json). Writing them costs a copy and a
         program of its own (one-stream frame 6.99 ms against 6.46 placed once, an H100,
@@ -339,13 +343,13 @@ class Runner:
         if not where:
             return args
         new = tuple(args[i] for i in where)
-        last = held.get(key)
+        last = held.get(place)
         if last is not None and all(np.array_equal(a, b) for a, b in zip(new, last.values)):
             buffers = last.buffers  # the values are there already (a stable batch's steps): no copy, no program
         else:  # the first call's buffers are the device's own (a CPU's device_put may borrow numpy's memory instead)
             into = last.buffers if last is not None else jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), new)
             buffers = _refill(into, new)
-            held[key] = HeldInputs(buffers, tuple(np.array(a) for a in new))
+            held[place] = HeldInputs(buffers, tuple(np.array(a) for a in new))
         args = list(args)
         for i, a in zip(where, buffers):
             args[i] = a
@@ -360,8 +364,6 @@ class Runner:
             return (params, state, *self._dummy_inserts(a, b))
         if kind == "step":
             return (params, state, idx, ints)
-        if kind == "first":
-            return (params, codec_params, state, codec_state, idx, zeros, zeros, zeros)
         if kind == "codec":
             return (codec_params, codec_state, state.codes, idx, zeros, ints, np.full(a, b, np.int32))
         scalar = np.int32(0)
@@ -369,7 +371,8 @@ class Runner:
 
     def calibrate(self, keys: list[Key], on: Scratch | None = None) -> Calibration:
         """Run every compiled program of `keys` once (`idle_call`), then time some of them on a second call: a
-        step's iteration cost is the step plus a codec call of as many rows at the chunk it would feed, prefill is
+        step's iteration cost is the step plus a codec call of as many rows at the chunk it would feed, a first
+        frame is timed on every rung of `first_sizes` whose one-frame step and codec call are compiled, prefill is
         timed at the largest bucket. An executable's first call pays a one-off set-up (loading its kernels; the
         codec's convolution plans): run here, not in the loop's first live call of it. Timing only left the
         codec's largest chunk and the smaller prompt buckets for the loop, and a fresh H200 server's first seconds
@@ -392,8 +395,13 @@ class Runner:
                 codec_sizes = [s for s in c.codec_sizes if ("codec", a, s) in self.programs]
                 chunk = min(s for s in codec_sizes if s >= min(max(c.schedule), n, max(codec_sizes)))
                 steps[a, n] = timed((kind, a, n)) + timed(("codec", a, chunk))
-            elif kind == "first":
-                firsts[a] = timed((kind, a, n))
+        for a in c.first_sizes:
+            if ("step", a, 1) in keys and ("codec", a, 1) in self.programs:
+                padding, none = np.full(a, c.slots, np.int32), np.zeros(a, bool)
+                for _ in range(2):  # the first call makes the role's own buffers
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(self._first(target, padding, none, none, none))
+                    firsts[a] = time.perf_counter() - t0
         return Calibration(steps, firsts, prefills)
 
     # ---- inputs -----------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def use(engine, keys: list[Key], timed: Calibration, left: int, settle: bool = F
             costs.update({k: v for k, v in new.items() if k not in costs})  # live measurements stay
         e._ready = ready
         e._ladder = tuple(b for b in c.ladder if {("step", b, 1), ("codec", b, 1)} <= ready)
-        e._first_sizes = tuple(b for b in c.first_sizes if ("first", b, 1) in ready)
+        e._first_sizes = tuple(b for b in c.first_sizes if {("step", b, 1), ("codec", b, 1)} <= ready)
         e._step_sizes = tuple(n for n in c.step_sizes if ("step", c.ladder[0], n) in ready)
         e._codec_sizes = tuple(n for n in c.codec_sizes if ("codec", c.ladder[0], n) in ready)
         e._prefill_sizes = tuple(r for r in c.prefill_sizes if all(("insert", b, r) in ready for b in c.prompt_buckets))
