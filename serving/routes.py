@@ -197,12 +197,18 @@ async def health(request):
 
 
 async def ready(request):
+    """200 only at full capacity: warmed up and every rung of the configured slots compiled. Before that the server
+    may already serve the rungs it has (503 "warming", with its progress), so a router or a probe never counts a
+    replica that would refuse most of its share."""
     app = request.app
     sched = app[SCHEDULER]
     if sched.accepting:
         stats = app[ENGINE].stats()  # the engine's published snapshot: its slots and queue are its thread's
-        return web.json_response({"status": "ready", "slots": stats.slots, "active": stats.live,
-                                  "queued": stats.queued, "compiling": stats.compiling})
+        body = {"slots": stats.slots, "active": stats.live, "queued": stats.queued, "compiling": stats.compiling}
+        if not stats.compiling:
+            return web.json_response({"status": "ready", **body})
+        return web.json_response({"status": "warming", "slots_configured": app[ENGINE].config.slots, **body},
+                                 status=503, headers={"Retry-After": "5"})
     status = "draining" if sched.draining else ("failed" if app[WARMUP_ERROR] else "warming")
     body = {"status": status}
     if app[WARMUP_ERROR]:

@@ -372,6 +372,37 @@ async def test_ready_503_until_warm_and_requests_refused(make_client, engine, mo
     await wait_ready(client)
 
 
+async def test_ready_only_at_full_capacity_while_it_serves_the_rungs_it_has(aiohttp_client, model, offline,
+                                                                         monkeypatch):
+    """A GPU server serves its smallest rung while the larger ones compile in the background: /ready stays 503
+    ("warming", with the slots it serves now and the programs left) until every rung is compiled, so a probe or a
+    router never counts it at full capacity too early; requests meanwhile are served."""
+    fresh = Engine(model, dataclasses.replace(CONFIG, batch_sizes=(1,)))
+    gate, real_warmup, real_compile = threading.Event(), fresh.warmup, fresh.runner.compile
+    monkeypatch.setattr(fresh, "warmup", lambda background=False: real_warmup(background=True))
+    monkeypatch.setattr(fresh.runner, "compile", lambda keys: (
+        gate.wait(60) if threading.current_thread().name == "qtts-warmup" else None, real_compile(keys))[1])
+    client = await app_client(aiohttp_client, SETTINGS, fresh, ready=False)
+    try:
+        for _ in range(600):
+            r = await client.get("/ready")
+            body = await r.json()
+            if body.get("compiling"):
+                break
+            await asyncio.sleep(0.05)
+        assert r.status == 503 and body["status"] == "warming" and "Retry-After" in r.headers
+        assert body["slots"] == 1 < body["slots_configured"] == CONFIG.slots and body["compiling"] > 0
+        speech = {**SPEECH, "input": "Served while warming.", "response_format": "pcm"}
+        served = await client.post("/v1/audio/speech", json={**speech, "max_frames": 6})
+        assert served.status == 200, await served.text()
+        assert_same_audio(pcm(await served.read()), offline("Served while warming.", max_frames=6)[0])
+    finally:
+        gate.set()
+    await wait_ready(client)
+    body = await (await client.get("/ready")).json()
+    assert (body["status"], body["slots"], body["compiling"]) == ("ready", CONFIG.slots, 0)
+
+
 async def test_a_server_started_without_warmup_leaves_compiles_out_of_its_estimates(aiohttp_client, model, offline,
                                                                                    monkeypatch):
     """QTTS_WARMUP=0 (a quick start): each program compiles when a request first needs it, which takes seconds on

@@ -1,23 +1,35 @@
-"""Persistent XLA compilation cache, so a restarted server loads its compiled programs instead of compiling
-them again (a 256-slot engine spends most of its 80-90 s start in XLA).
+"""The compilation cache: XLA's persistent cache, and the engine's own compiled programs kept beside it, so a
+restarted server, or another replica on the same kind of device, starts without compiling.
 
-Every program is cached, however fast it compiled or small it is (jax's defaults skip programs under 1 s,
-which would leave most of the engine's per-bucket programs out). Hits are counted through
-`jax.monitoring`, so the server can say at start-up how much came from the cache.
+XLA's cache is keyed by the lowered program, so a hit still traces and lowers every program first (a second or so
+each, one at a time under the GIL). The engine's programs are therefore also kept whole (`ProgramStore`), keyed
+by everything they are built from, and loaded without tracing. Every program is cached, however fast it compiled
+or small it is (jax's defaults skip programs under 1 s). Hits are counted, so the server can say at start-up how
+much came from the cache.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
+import logging
 import os
+import pickle
+import tempfile
+import threading
 from pathlib import Path
 
 import jax
+from jax.experimental import serialize_executable
+
+log = logging.getLogger(__name__)
 
 _counts: collections.Counter = collections.Counter()
+_this_thread = threading.local()  # XLA's cache events of this thread's compiles (jax records them in the caller)
 _dir: Path | None = None  # set by `enable`
 _HIT = "/jax/compilation_cache/cache_hits"
 _REQUEST = "/jax/compilation_cache/compile_requests_use_cache"
+_PACKAGE = Path(__file__).resolve().parents[1]  # qtts_jax/: its source is part of every program's key
 
 
 def default_dir() -> Path:
@@ -43,14 +55,74 @@ def enable(where: str) -> Path | None:
 
 
 def summary() -> str:
-    """What the cache did so far in this process, for the start-up log: XLA programs (an engine program may be
-    several) loaded from the cache and compiled, in one line, so a warm restart reads as "0 compiled"."""
+    """What the cache did so far in this process, for the start-up log, in one line, so a warm restart reads as
+    "0 compiled": engine programs loaded whole, then XLA programs (an engine program may be several) loaded and
+    compiled."""
     if _dir is None:
         return "compilation cache off"
     hits, total = _counts[_HIT], _counts[_REQUEST]
-    return f"{total} XLA programs: {hits} loaded from the compilation cache {_dir}, {total - hits} compiled"
+    return (f"{_counts['stored']} engine programs loaded whole and {_counts['made']} made; "
+            f"{total} XLA programs: {hits} loaded from the compilation cache {_dir}, {total - hits} compiled")
 
 
 def _count(event: str, **_) -> None:
     if event in (_HIT, _REQUEST):
         _counts[event] += 1
+        setattr(_this_thread, event, getattr(_this_thread, event, 0) + 1)
+
+
+def program_store(built_from: str) -> ProgramStore | None:
+    """The store of the programs built from `built_from` (a text naming the model's and engine's shapes and
+    settings) on this device, with this JAX and this package's source; None when the cache is off."""
+    if _dir is None:
+        return None
+    device = jax.devices()[0]
+    source = hashlib.sha256()
+    for path in sorted(_PACKAGE.rglob("*.py")):
+        source.update(str(path.relative_to(_PACKAGE)).encode() + b"\0" + path.read_bytes())
+    key = "\n".join([built_from, jax.__version__, jax.lib.__version__, device.platform, device.device_kind,
+                     getattr(device.client, "platform_version", ""), os.environ.get("XLA_FLAGS", ""),
+                     source.hexdigest()])
+    return ProgramStore(_dir / "engine" / hashlib.sha256(key.encode()).hexdigest()[:32])
+
+
+class ProgramStore:
+    """Compiled programs, serialized one file each under `root`. The files are trusted as the cache directory is:
+    a program is loaded with pickle, as jax's own cache loads its entries."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def _path(self, key: tuple) -> Path:
+        return self.root / ("-".join(map(str, key)) + ".pkl")
+
+    def load(self, key: tuple):
+        """The program `key` stored earlier, or None (not stored, or unreadable by this process)."""
+        path = self._path(key)
+        if not path.exists():
+            return None
+        try:
+            exe = serialize_executable.deserialize_and_load(*pickle.loads(path.read_bytes()))
+        except Exception as e:  # a partial or foreign file costs a compile, not a failed start
+            log.warning("compiling %s again: its stored program did not load (%s)", path.name, e)
+            return None
+        _counts["stored"] += 1
+        return exe
+
+    @staticmethod
+    def compile(lowered) -> tuple:
+        """`lowered` compiled, and whether XLA really compiled it here: a program that XLA's cache (or jax's memory
+        of this process's compiles) handed back instead may have been loaded, and a loaded program does not
+        serialize whole again (on a CPU its kernels are gone), so the store keeps only fresh ones."""
+        before = (getattr(_this_thread, _REQUEST, 0), getattr(_this_thread, _HIT, 0))
+        exe = lowered.compile()
+        return exe, (getattr(_this_thread, _REQUEST, 0), getattr(_this_thread, _HIT, 0)) == (before[0] + 1, before[1])
+
+    def save(self, key: tuple, exe) -> None:
+        """Keep `exe` (compiled here: `compile`) as program `key`, written whole or not at all (replicas may share
+        the directory)."""
+        _counts["made"] += 1
+        self.root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=self.root, delete=False, suffix=".tmp") as f:
+            f.write(pickle.dumps(serialize_executable.serialize(exe)))
+        os.replace(f.name, self._path(key))

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qtts_jax.codec import streaming as codec_streaming
-from qtts_jax.engine import programs
+from qtts_jax.engine import compile_cache, programs
 from qtts_jax.engine.config import EngineConfig
 from qtts_jax.engine.job import Job
 from qtts_jax.generate import pad_prompts
@@ -37,6 +37,7 @@ from qtts_jax.request import Request
 log = logging.getLogger(__name__)
 
 APPEND_IDS = 8  # live text ids one append call writes (more take several calls)
+_UNSET = object()
 
 # ("insert", bucket, requests) | ("step"|"codec", rung, frames) | ("append", 1, ids)
 Key = tuple[str, int, int]
@@ -185,6 +186,7 @@ class Runner:
         self._codec_load = jax.jit(  # a one-slot state into slot `slot` of the batched one
             lambda st, one, slot: programs.set_slot(st, slot, jax.tree.map(lambda v: v[0], one)), donate_argnums=(0,))
         self.programs: dict[Key, jax.stages.Compiled] = {}
+        self._program_store = _UNSET  # the compilation cache's, looked up when first compiling (`_store`)
         self.compiled_on_demand = 0  # programs `program` had to compile (none after a warm-up): the engine's timings
         # leave out what waited on one
         self.held: dict[Key, HeldInputs] = {}  # each program's per-call inputs on the device (`_inputs_held`)
@@ -250,21 +252,47 @@ class Runner:
     # ---- programs ---------------------------------------------------------------------------
 
     def compile(self, keys: list[Key]) -> None:
-        """Compile `keys` at once (tracing holds the GIL; compiling does not) into the program table."""
-        lowered = [self.lower(*key) for key in keys]
+        """Compile `keys` at once (tracing holds the GIL; compiling does not) into the program table. Those the
+        compilation cache holds whole are loaded instead, untraced, and those compiled are kept there."""
+        store = self._store()
+        stored = self._pool(store.load, keys) if store is not None else [None] * len(keys)
+        todo = [key for key, exe in zip(keys, stored) if exe is None]
+        self.programs.update({key: exe for key, exe in zip(keys, stored) if exe is not None})
+        lowered = [self.lower(*key) for key in todo]
 
         def compile_one(low):
             t = time.perf_counter()
-            return low.compile(), time.perf_counter() - t
+            exe, fresh = (low.compile(), False) if store is None else store.compile(low)
+            return exe, fresh, time.perf_counter() - t
 
         report = []
-        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(keys), os.cpu_count() or 1))) as pool:
-            for key, (exe, seconds) in zip(keys, pool.map(compile_one, lowered)):
-                self.programs[key] = exe
-                temp = getattr(exe.memory_analysis(), "temp_size_in_bytes", 0)
-                report.append((seconds, "/".join(map(str, key)), temp / 2**30))
-        log.info("slowest compiles (s, program, temp GiB): %s",
-                 [(round(t, 1), k, round(m, 2)) for t, k, m in sorted(report, reverse=True)[:8]])
+        for key, (exe, fresh, seconds) in zip(todo, self._pool(compile_one, lowered)):
+            self.programs[key] = exe
+            if fresh:
+                store.save(key, exe)
+            temp = getattr(exe.memory_analysis(), "temp_size_in_bytes", 0)
+            report.append((seconds, "/".join(map(str, key)), temp / 2**30))
+        if report:
+            log.info("slowest compiles (s, program, temp GiB): %s",
+                     [(round(t, 1), k, round(m, 2)) for t, k, m in sorted(report, reverse=True)[:8]])
+
+    @staticmethod
+    def _pool(fn, items: list) -> list:
+        """`fn` over `items` on as many threads as there are cores (XLA compiles and loads off the GIL)."""
+        if not items:
+            return []
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(items), os.cpu_count() or 1))) as pool:
+            return list(pool.map(fn, items))
+
+    def _store(self) -> compile_cache.ProgramStore | None:
+        """Where the compilation cache keeps this runner's programs whole: keyed by the model's configuration,
+        graph and weight shapes, the engine's configuration and the state's shapes (None when the cache is off)."""
+        if self._program_store is _UNSET:
+            m = self.model
+            shapes = jax.tree.map(lambda a: (a.shape, str(a.dtype)), (m.params, self.codec_params))
+            self._program_store = compile_cache.program_store(
+                "\n".join(map(str, (m.cfg, m.codec_cfg, m.graph, self.config, shapes, self._specs))))
+        return self._program_store
 
     def warm_voices(self) -> None:
         """Base models: compile what an ICL voice's first use runs (priming at every chunk size, and loading)."""
@@ -284,12 +312,12 @@ class Runner:
         return programs.outcome_shapes(kind, a, b, self.model.cfg.num_code_groups)
 
     def program(self, kind: str, a: int, b: int):
-        """A compiled program; `compile` makes them ahead, and one not made yet is compiled on demand."""
-        exe = self.programs.get((kind, a, b))
-        if exe is None:
-            exe = self.programs[kind, a, b] = self.lower(kind, a, b).compile()
+        """A compiled program; `compile` makes them ahead, and one not made yet is made on demand (loaded from the
+        compilation cache, or compiled)."""
+        if (kind, a, b) not in self.programs:
+            self.compile([(kind, a, b)])
             self.compiled_on_demand += 1
-        return exe
+        return self.programs[kind, a, b]
 
     # ---- calibration ------------------------------------------------------------------------
 
