@@ -28,7 +28,7 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def local_server(model: str = "tiny-random", slots: int | str = 4, context: int = 256, frames_per_step: int = 1,
-                 serialised: bool = False, log_path: str | Path | None = None, ready_timeout_s: float = 300.0,
+                 serialised: bool = False, log_path: str | Path | None = None, ready_timeout_s: float = 900.0,
                  extra_args: tuple[str, ...] = ()):
     """Yields the base URL of a ready server on 127.0.0.1, at its full size (nothing left compiling in the
     background); SIGTERM (then kill) on exit. `slots` may be "auto"."""

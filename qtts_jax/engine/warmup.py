@@ -44,8 +44,12 @@ def rest(engine, later: list[list[Key]], t0: float) -> None:
     try:
         scratch = engine.runner.scratch()
         for i, keys in enumerate(later):
+            t1 = time.perf_counter()
             engine.runner.compile(keys)
+            t2 = time.perf_counter()
             timed, last = engine.runner.calibrate(keys, on=scratch), i == len(later) - 1
+            log.info("warm-up stage %d of %d: %d programs made in %.1f s, timed in %.1f s", i + 2, len(later) + 1,
+                     len(keys), t2 - t1, time.perf_counter() - t2)
             if last:
                 del scratch
                 if engine.on_compiled is not None:
