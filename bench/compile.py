@@ -12,6 +12,9 @@ none times beside a compile. Writes JSON.
 
     python bench/compile.py --model 0.6b --slots 256 --programs step:256:1,step:256:4,codec:256:8 \
         --variants "default=;no-remat=--xla_disable_hlo_passes=rematerialization" --out runs/compile-0.6b.json
+
+A variant's environment token QTTS_BENCH_PROGRAMS=kind:a:b,... gives it programs of its own (e.g. one program per
+variant, so a set compiles in processes side by side: compare with one variant compiling the set alone).
 """
 
 from __future__ import annotations
@@ -113,7 +116,9 @@ def child(args) -> dict:
 
     engine = engine_for(args)
     rows, compiled = {}, {}
-    for spec in args.programs.split(","):
+    # a variant's own programs (QTTS_BENCH_PROGRAMS in its environment): variants that split one set of programs
+    # between them compile it in processes side by side, against one variant compiling it alone
+    for spec in os.environ.get("QTTS_BENCH_PROGRAMS", args.programs).split(","):
         kind, a, b = spec.split(":")
         a, b = int(a), int(b)
         t0 = time.perf_counter()
