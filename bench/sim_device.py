@@ -125,6 +125,9 @@ class NumpyRunner:
     def compile(self, keys) -> None:
         pass
 
+    def stored(self, keys) -> bool:
+        return False
+
     def warm_voices(self) -> None:
         pass
 

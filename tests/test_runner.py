@@ -92,9 +92,9 @@ def test_a_programs_outcome_takes_the_last_ones_buffers_and_is_read_before_the_n
 
 
 def test_programs_kept_whole_load_untraced_for_the_same_engine_only(tiny_model, tmp_path, monkeypatch, caplog):
-    """The compilation cache keeps each compiled program whole: a second runner of the same model and
-    configuration loads it without tracing and computes the same frames; another configuration, or a file that
-    does not load, compiles afresh."""
+    """The compilation cache keeps each compiled program whole, with its idle timings: a second runner of the
+    same model and configuration loads it without tracing, computes the same frames and reads the same timings;
+    another configuration, or a file that does not load, compiles afresh."""
     import dataclasses
 
     from qtts_jax.engine import Engine, compile_cache
@@ -103,11 +103,11 @@ def test_programs_kept_whole_load_untraced_for_the_same_engine_only(tiny_model, 
     # a context no other test compiles for: these programs are compiled here, not handed back by XLA's cache
     config = dataclasses.replace(SMALL, context=SMALL.context + 8)
     job = Engine(tiny_model, config).prepare(Request("Kept whole.", speaker="ryan", max_frames=8, **GREEDY))
-    keys = [("insert", job.bucket, 1), ("step", 2, 2)]
+    keys = [("insert", job.bucket, 1), ("step", 2, 1), ("codec", 2, 1)]
 
     def frames(runner):
         runner.prefill(job.bucket, [(0, job)], 1)
-        return np.asarray(runner.step(np.array([0, config.slots], np.int32), np.array([2, 0], np.int32), 2).frames)
+        return np.asarray(runner.step(np.array([0, config.slots], np.int32), np.array([1, 0], np.int32), 1).frames)
 
     def traced(runner):
         calls = []
@@ -119,8 +119,10 @@ def test_programs_kept_whole_load_untraced_for_the_same_engine_only(tiny_model, 
     first, second = Runner(tiny_model, config), Runner(tiny_model, config)
     assert traced(first) == keys and traced(second) == []
     np.testing.assert_array_equal(frames(second), frames(first))
+    assert second.calibrate(keys) == first.calibrate(keys)  # timed once, when made: the second start reads them
+    assert second.stored(keys) and not second.stored([*keys, ("step", 1, 1)])
     other = Runner(tiny_model, dataclasses.replace(config, frames_per_step=config.frames_per_step + 1))
     assert traced(other) == keys  # built from another configuration: a store of its own
     (stored,) = [p for p in first._store().root.iterdir() if p.name.startswith("step")]
     stored.write_bytes(b"not a program")
-    assert traced(Runner(tiny_model, config)) == [("step", 2, 2)] and "did not load" in caplog.text
+    assert traced(Runner(tiny_model, config)) == [("step", 2, 1)] and "did not load" in caplog.text

@@ -33,15 +33,16 @@ def test_background_warmup_serves_its_smallest_rung_at_once_then_grows_to_every_
             runner.programs[key] = lambda *args, key=key, exe=exe, **kwargs: (ran.add(key), exe(*args, **kwargs))[1]
 
     runner.compile = compile_counting
+    monkeypatch.setattr(runner, "stored", lambda keys: False)  # a cold start: nothing kept whole to load at once
     engine.on_compiled = lambda: hooked.append((threading.current_thread().name, engine.stats().compiling,
                                                 ran == set(runner.programs)))
     monkeypatch.setattr(warming, "rest", lambda *args: gate.wait() and rest(*args))
     engine.warmup(background=True)
     assert ran == set(runner.programs) and ("append", 1, 8) in ran  # the live-text append: no timing needs it
     st = engine.stats()
-    # to come: a prefill of 2 and rung 1's 2-frame step; rung 2's two steps, codec and first frame
-    assert (st.slots, st.ladder, st.step_sizes, st.compiling) == (1, (1,), (1,), 6)
-    assert engine.compiling == 6  # what admission's observer reads, without the snapshot
+    # to come: a prefill of 2 and rung 1's 2-frame step; rung 2's two steps and codec call
+    assert (st.slots, st.ladder, st.step_sizes, st.compiling) == (1, (1,), (1,), 5)
+    assert engine.compiling == 5  # what admission's observer reads, without the snapshot
     reqs = [Request("One at a time.", speaker="ryan", seed=3, max_frames=4),
             Request("Then me.", speaker="eric", seed=4, max_frames=3)]
     alone = run(engine, [(0, r) for r in reqs])
@@ -56,8 +57,19 @@ def test_background_warmup_serves_its_smallest_rung_at_once_then_grows_to_every_
     assert {(2, 1), (2, 2)} <= set(st.step_costs) and 2 in st.first_costs and 2 in st.prefill_costs
     # what the loop measured while XLA compiled is dropped: the idle timings again, iteration time measured anew
     assert st.step_costs == engine._idle_step_costs and st.iteration_s == 0.0
-    assert hooked == [("qtts-warmup", 4, True)]  # rung 2's four programs not yet published
+    assert hooked == [("qtts-warmup", 3, True)]  # rung 2's three programs not yet published
     together = run(engine, [(0, r) for r in reqs])
     assert together[0][0].timings.admitted == together[1][0].timings.admitted
     assert_same_codes(together, alone)
 
+
+
+def test_a_warmup_whose_programs_are_all_kept_whole_serves_every_slot_at_once(tiny_model, monkeypatch):
+    """When the compilation cache holds every program whole, loading them takes seconds: the warm-up does it all
+    before it returns, even when asked to go on in the background, and the engine is at full size at once."""
+    engine = Engine(tiny_model, dataclasses.replace(SMALL, batch_sizes=(1,), frames_per_step=2))
+    monkeypatch.setattr(engine.runner, "stored", lambda keys: True)
+    monkeypatch.setattr(warming, "rest", lambda *args: (_ for _ in ()).throw(AssertionError("a background stage")))
+    engine.warmup(background=True)
+    st = engine.stats()
+    assert (st.slots, st.ladder, st.step_sizes, st.compiling) == (2, (1, 2), (1, 2), 0)

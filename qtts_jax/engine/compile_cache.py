@@ -96,6 +96,9 @@ class ProgramStore:
     def _path(self, key: tuple) -> Path:
         return self.root / ("-".join(map(str, key)) + ".pkl")
 
+    def has(self, key: tuple) -> bool:
+        return self._path(key).exists()
+
     def load(self, key: tuple):
         """The program `key` stored earlier, or None (not stored, or unreadable by this process)."""
         path = self._path(key)
@@ -122,7 +125,24 @@ class ProgramStore:
         """Keep `exe` (compiled here: `compile`) as program `key`, written whole or not at all (replicas may share
         the directory)."""
         _counts["made"] += 1
+        self._write(self._path(key), pickle.dumps(serialize_executable.serialize(exe)))
+
+    def _write(self, path: Path, data: bytes) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=self.root, delete=False, suffix=".tmp") as f:
-            f.write(pickle.dumps(serialize_executable.serialize(exe)))
-        os.replace(f.name, self._path(key))
+            f.write(data)
+        os.replace(f.name, path)
+
+    def load_timings(self) -> dict:
+        """Idle seconds per call of the programs made here, timed when they were made, by program (with
+        ("first", rung, 1): a first frame). They seed the loop's costs until live measurements replace them."""
+        path = self.root / "timings.pkl"
+        try:
+            return pickle.loads(path.read_bytes()) if path.exists() else {}
+        except Exception as e:
+            log.warning("timing the programs again: their kept timings did not load (%s)", e)
+            return {}
+
+    def save_timings(self, timings: dict) -> None:
+        """`timings` (what `load_timings` gave, and more) kept for the next start."""
+        self._write(self.root / "timings.pkl", pickle.dumps(timings))
