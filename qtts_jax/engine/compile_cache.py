@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import importlib.metadata
 import logging
 import os
 import pickle
@@ -80,7 +81,13 @@ def program_store(built_from: str) -> ProgramStore | None:
     source = hashlib.sha256()
     for path in sorted(_PACKAGE.rglob("*.py")):
         source.update(str(path.relative_to(_PACKAGE)).encode() + b"\0" + path.read_bytes())
-    key = "\n".join([built_from, jax.__version__, jax.lib.__version__, device.platform, device.device_kind,
+    versions = []
+    for package in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin"):
+        try:
+            versions.append(f"{package} {importlib.metadata.version(package)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    key = "\n".join([built_from, *versions, device.platform, device.device_kind,
                      getattr(device.client, "platform_version", ""), os.environ.get("XLA_FLAGS", ""),
                      source.hexdigest()])
     return ProgramStore(_dir / "engine" / hashlib.sha256(key.encode()).hexdigest()[:32])
