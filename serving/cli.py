@@ -39,22 +39,6 @@ def add_server_flags(s: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                                    "size a program per prompt bucket (QTTS_MAX_PREFILL; default 32)")
     s.add_argument("--max-first", type=_count, help="newcomers one engine iteration starts at most, a first-frame "
                                                  "program per ladder rung up to it (QTTS_MAX_FIRST; default 128)")
-    s.add_argument("--cap-iteration", type=_on_off, metavar="{on,off}",
-                   help="on: --max-step-ms bounds the whole engine iteration, the newcomers' prefill and first frame "
-                        "ahead of the step included, except while requests wait for a free slot; off: the step alone "
-                        "(QTTS_CAP_ITERATION; default off)")
-    s.add_argument("--newcomer-guard", type=_on_off, metavar="{on,off}",
-                   help="on: an engine iteration starts only the waiting requests whose prefill and first frame "
-                        "every playing stream's audio in hand outlasts, the others wait an iteration; off: all that "
-                        "have a free slot start at once (QTTS_NEWCOMER_GUARD; default on)")
-    s.add_argument("--margin-quantile", type=_fraction,
-                   help="the share of the lateness measured between the engine and its listeners (iterations over "
-                        "their prediction, audio handed out late) that the playback margin covers: higher, fewer "
-                        "chunks late, for shorter steps while requests join (QTTS_MARGIN_QUANTILE; default 0.99)")
-    s.add_argument("--hold-first", type=_on_off, metavar="{on,off}",
-                   help="on: a newcomer's one-frame first chunk waits to go out with its first step's frames when "
-                        "the lateness measured would let it play out before its next audio arrives (first audio a "
-                        "step later, no stall); off: it always goes out alone (QTTS_HOLD_FIRST; default off)")
     s.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
                    help="weights dtype (QTTS_DTYPE; default auto: bfloat16 on a GPU, float32 elsewhere)")
     s.add_argument("--codec-dtype", choices=["float32", "bfloat16"],
@@ -118,10 +102,6 @@ def _number(text: str, ok, expected: str) -> float:
     raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
 
 
-def _fraction(text: str) -> float:
-    return _number(text, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
-
-
 def _positive(text: str) -> float:
     return _number(text, lambda v: 0.0 < v < float("inf"), "a positive number")
 
@@ -134,9 +114,8 @@ def settings_from_args(args):
     """Settings: the flags of `add_server_flags`, over QTTS_* environment variables, over the defaults."""
     from serving.settings import Settings
 
-    keys = ("model", "host", "port", "slots", "context", "frames_per_step", "lead_ms", "max_step_ms", "cap_iteration",
-            "max_prefill", "max_first", "dtype", "codec_dtype", "ttfa_target_ms", "newcomer_guard", "margin_quantile",
-            "hold_first", "starvation_ms", "max_queue", "max_input_chars", "drain_timeout_s", "voices_dir")
+    keys = ("model", "host", "port", "slots", "context", "frames_per_step", "lead_ms", "max_step_ms",
+            "max_prefill", "max_first", "dtype", "codec_dtype", "ttfa_target_ms", "starvation_ms", "max_queue", "max_input_chars", "drain_timeout_s", "voices_dir")
     keys += ("compile_cache", "header_timeout_s", "idle_timeout_s", "max_connections", "voice_aliases",
              "switch_interval_ms", "api_key", "api_keys_file", "public_metrics")
     return Settings.from_env(**{k: getattr(args, k) for k in keys})

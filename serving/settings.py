@@ -20,12 +20,8 @@ class Settings:
     frames_per_step: int = 4
     lead_ms: float = 1000.0  # playback lead each stream builds from spare compute (EngineConfig.lead_s)
     max_step_ms: float = 60.0  # the longest step; a request arriving during it waits for it (EngineConfig.max_step_s)
-    cap_iteration: bool = False  # max_step_ms bounds the newcomers' programs ahead of the step too (EngineConfig)
     max_prefill: int = 32  # requests one prefill call takes (EngineConfig.max_prefill)
     max_first: int = 128  # newcomers one iteration starts at most (EngineConfig.max_first)
-    newcomer_guard: bool = True  # start only the newcomers the playing streams' headroom pays for (EngineConfig)
-    margin_quantile: float = 0.99  # share of the measured lateness the playback margin covers (EngineConfig)
-    hold_first: bool = False  # a newcomer's first frame waits for its step's if it could play out first (EngineConfig)
     # the weights: "auto" is bfloat16 on a GPU (the checkpoints' own dtype, and what capacity is measured at) and
     # float32 elsewhere (the reference's arithmetic, which parity is checked in)
     dtype: str = "auto"
@@ -101,9 +97,7 @@ class Settings:
         return EngineConfig(slots=self.slots, context=self.context, frames_per_step=self.frames_per_step,
                             prompt_buckets=buckets, max_trailing=min(256, self.context // 2),
                             lead_s=self.lead_ms / 1000, max_step_s=self.max_step_ms / 1000,
-                            cap_iteration=self.cap_iteration, max_prefill=self.max_prefill, max_first=self.max_first,
-                            guard_newcomers=self.newcomer_guard, codec_dtype=self.codec_dtype,
-                            margin_quantile=self.margin_quantile, hold_first=self.hold_first,
+                            max_prefill=self.max_prefill, max_first=self.max_first, codec_dtype=self.codec_dtype,
                             seeded_ends=self.seeded_ends)
 
     def admission(self) -> AdmissionConfig:

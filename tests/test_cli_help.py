@@ -38,39 +38,6 @@ def test_qtts_jax_assembles_the_library_server_and_study_commands(capsys):
     assert capsys.readouterr().out.startswith("usage: qtts-jax serve")
 
 
-def test_newcomer_guard_flag_is_on_or_off_and_nothing_else():
-    parser = _serve_parser()
-    assert parser.parse_args(["--newcomer-guard", "off"]).newcomer_guard is False
-    assert parser.parse_args(["--newcomer-guard", "on"]).newcomer_guard is True
-    assert parser.parse_args([]).newcomer_guard is None  # unset: QTTS_NEWCOMER_GUARD, then the default
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--newcomer-guard", "maybe"])
-
-
-def test_margin_quantile_flag_is_a_share_and_reaches_the_engine(capsys):
-    from serving.cli import settings_from_args
-
-    parser = _serve_parser()
-    assert settings_from_args(parser.parse_args(["--margin-quantile", "0.999"])).engine_config().margin_quantile == 0.999
-    assert settings_from_args(parser.parse_args([])).engine_config().margin_quantile == 0.99
-    for bad in ("0", "1.5", "high"):
-        with pytest.raises(SystemExit):
-            parser.parse_args(["--margin-quantile", bad])
-        assert "--margin-quantile: expected a number in (0, 1]" in capsys.readouterr().err
-
-
-def test_cap_iteration_flag_reaches_the_engine(monkeypatch):
-    from serving.cli import settings_from_args
-
-    parser = _serve_parser()
-    monkeypatch.delenv("QTTS_CAP_ITERATION", raising=False)
-    assert settings_from_args(parser.parse_args([])).engine_config().cap_iteration is False
-    assert settings_from_args(parser.parse_args(["--cap-iteration", "on"])).engine_config().cap_iteration is True
-    monkeypatch.setenv("QTTS_CAP_ITERATION", "on")
-    assert settings_from_args(parser.parse_args([])).engine_config().cap_iteration is True
-    assert settings_from_args(parser.parse_args(["--cap-iteration", "off"])).engine_config().cap_iteration is False
-
-
 def test_prefill_and_first_frame_widths_reach_the_engines_programs(monkeypatch):
     from serving.cli import settings_from_args
 
@@ -119,21 +86,6 @@ def test_key_flags_and_variables_reach_the_settings_and_the_key_is_never_shown(m
     assert "key-from-the-environment" not in repr(settings)  # what a log line of the settings would show
     settings = settings_from_args(parser.parse_args(["--api-key", "none", "--public-metrics", "off"]))
     assert (settings.api_key, settings.public_metrics) == ("none", False)
-
-
-def test_hold_first_flag_is_on_or_off_and_reaches_the_engine(capsys, monkeypatch):
-    from serving.cli import settings_from_args
-
-    parser = _serve_parser()
-    monkeypatch.delenv("QTTS_HOLD_FIRST", raising=False)
-    assert settings_from_args(parser.parse_args(["--hold-first", "on"])).engine_config().hold_first is True
-    assert settings_from_args(parser.parse_args([])).engine_config().hold_first is False
-    monkeypatch.setenv("QTTS_HOLD_FIRST", "on")
-    assert settings_from_args(parser.parse_args([])).engine_config().hold_first is True
-    assert settings_from_args(parser.parse_args(["--hold-first", "off"])).engine_config().hold_first is False
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--hold-first", "sometimes"])
-    assert "--hold-first" in capsys.readouterr().err
 
 
 def test_study_help_names_each_default_once(capsys):

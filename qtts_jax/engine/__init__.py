@@ -12,10 +12,9 @@ from qtts_jax.engine.core import Engine
 from qtts_jax.engine.preparation import PromptTooLong
 from qtts_jax.engine.programs import EngineState, init_state
 from qtts_jax.engine.runner import Calibration, DeviceRunner, FirstOutcome, Runner, StepOutcome
-from qtts_jax.engine.scheduler import (Jitter, StepPlan, chunks_due, first_chunk_alone, newcomers_that_fit,
-                                       step_frames)
+from qtts_jax.engine.scheduler import Jitter, StepPlan, chunks_due, newcomers_that_fit, step_frames
 from qtts_jax.engine.stats import EngineStats
 
 __all__ = ["Calibration", "DeviceRunner", "Engine", "EngineConfig", "EngineState", "EngineStats", "FirstOutcome", "Jitter",
-           "PromptTooLong", "Runner", "StepOutcome", "StepPlan", "chunks_due", "first_chunk_alone", "init_state",
+           "PromptTooLong", "Runner", "StepOutcome", "StepPlan", "chunks_due", "init_state",
            "newcomers_that_fit", "rung", "step_frames"]

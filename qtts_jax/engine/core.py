@@ -128,7 +128,7 @@ class Engine:
         self._profile = IterationProfile()
         # hands audio out while the loop dispatches the step; its idle thread ends when the engine is collected
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qtts-audio-out")
-        self.jitter = Jitter(c.min_margin_s, quantile=c.margin_quantile)  # lateness beyond plan
+        self.jitter = Jitter(c.min_margin_s)  # lateness beyond plan
         self._margin_s = c.min_margin_s  # this iteration's margin, read once from `jitter`
         self.late_chunks = 0  # chunks handed out after their stream's listener ran dry
         self.iterations = 0
@@ -222,7 +222,7 @@ class Engine:
         self._delivery.clear()
         self._first_late.clear()
         self._late.clear()
-        self.jitter = Jitter(self.config.min_margin_s, quantile=self.config.margin_quantile)
+        self.jitter = Jitter(self.config.min_margin_s)
 
     def observe_delivery_lag(self, seconds: float) -> None:
         """A batch of chunks was taken by its listeners (their event loop's coroutines) `seconds` after the engine
@@ -287,12 +287,12 @@ class Engine:
         plan = schedule(prefill_calls, np.array([h for s in playing if (h := s.buffered(t0)) is not None], float),
                         np.array([s.next_chunk_frames() for s in new], int), allowed, self._costs(),
                         Sizes(self._ladder, self._first_sizes, self._step_sizes), self.config, self._margin_s,
-                        self._late.get(ahead, 0.0), self.config.cap_iteration and not self._waiting_for_slot())
+                        self._late.get(ahead, 0.0))
         result = self._execute(plan, candidates, new, joined, prefill_done, handing, parts)
         self._audio = self._update(plan, result, t0, ahead, compiled, parts)
         step = plan.step
         self._profile.add(parts, live=len(live), new=len(new), frames=step.frames if step else 0,
-                          margin_ms=self._margin_s * 1e3, held=len(result.held))
+                          margin_ms=self._margin_s * 1e3)
         elapsed = self.clock() - t0
         if self.runner.compiled_on_demand == compiled:
             self._iteration_s = _ema(self._iteration_s or None, elapsed)
@@ -313,7 +313,6 @@ class Engine:
         thread is given the newcomers' prefill stamp and first chunks, so they go out as the device finishes them
         while this thread is held by the step's dispatch. The codec call is not here: which frames it decodes
         depends on the newcomers' first frames, read back in `_update`."""
-        held = frozenset(s for s, h in zip(new, plan.held) if h)
         first = self._dispatch_first(new, plan) if new else None
         stamping = None if prefill_done is None else self._sender.submit(stamp_prefilled, self.clock, joined,
                                                                           prefill_done)
@@ -325,7 +324,7 @@ class Engine:
             idx, _ = self._rows(stepping, plan.step_rung)
             out = self.runner.step(idx, np.pad(limits, (0, plan.step_rung - len(stepping))), plan.step.frames)
         parts.mark("dispatch")
-        return IterationResult(new, stepping, held, limits, out, handing, stamping, sending)
+        return IterationResult(new, stepping, limits, out, handing, stamping, sending)
 
     def _update(self, plan: IterationPlan, result: IterationResult, t0: float, ahead: tuple[int, int] | None,
                 compiled: int, parts: PartTimer) -> HandOut | None:
@@ -349,7 +348,7 @@ class Engine:
             parts.mark("first")
         step = plan.step
         coming = {} if step is None else {s: int(f) for s, f in zip(result.stepping, result.limits) if not s.lm_done}
-        handout = self._decode_audio(self.clock(), coming, None if step is None else step.frames, result.held)
+        handout = self._decode_audio(self.clock(), coming, None if step is None else step.frames)
         parts.mark("codec_dispatch")
         if result.step is not None:
             frames, valid = np.asarray(result.step.frames), np.asarray(result.step.valid)
@@ -394,10 +393,6 @@ class Engine:
                     if self._running and not self.queue:
                         self._wake.wait(timeout=0.05)
 
-    def _waiting_for_slot(self) -> bool:
-        """Requests are queued and `_admit` has no slot to give them: a short step only keeps them waiting longer."""
-        return bool(self.queue) and self.active >= max(self._ladder)
-
     def _costs(self) -> Costs:
         """The cost model over what the loop has measured so far (its own tables, not copies)."""
         return Costs(self.step_costs, self.prefill_costs, self.first_costs, self._ladder, self._delivery_s,
@@ -433,7 +428,7 @@ class Engine:
             heads = [h for s in self.slots if s is not None and not s.waiting_text and (h := s.buffered(now)) is not None]
             limit = admissions(min(len(free), len(self.queue), max(self._first_sizes)), min(heads, default=None),
                                sum(s is not None and not s.lm_done for s in self.slots), self._costs(),
-                               self._margin_s, self.config.guard_newcomers)
+                               self._margin_s)
             while free and self.queue and len(joined) < limit:
                 stream = self.queue.popleft()
                 if stream.cancelled:
@@ -457,25 +452,20 @@ class Engine:
             done = self.runner.prefill(call.bucket, [(joined[j].slot, joined[j].job) for j in call.rows], call.size)
         return joined, calls, done
 
-    def _decode_audio(self, now: float, coming: dict[Stream, int], step: int | None,
-                      held: frozenset[Stream] = frozenset()) -> HandOut | None:
+    def _decode_audio(self, now: float, coming: dict[Stream, int], step: int | None) -> HandOut | None:
         """Hand every stream's due frames (`plan.codec_call`: below its lead, all it has; past it, its
         schedule's next size) to ONE codec call, each row with its own frame count. `coming` are the streams
         whose frames are being made by the step queued ahead of this call, and how many: they count as made (a
         stream that ends early makes fewer; `_settle_audio` corrects the counts once the step is read). While a
         stream below its lead waits on it, the call is no wider than the codec chunk that the cost of a step of
-        `step` frames counts (the calibration's), so it ends when the step planner said. `held`: newcomers whose
-        first frame waited for this step (`IterationPlan.held`): their first chunk is every frame they have, up to the
-        codec's largest chunk."""
+        `step` frames counts (the calibration's), so it ends when the step planner said."""
         c = self.config
         waiting = [s for s in self.slots if s is not None and s.pending + coming.get(s, 0) > 0]
         if not waiting:
             return None
-        most = max(self._codec_sizes)
         call = codec_call(
             pending=np.array([s.pending + coming.get(s, 0) for s in waiting]),
-            want=np.array([min(s.pending + coming.get(s, 0), most) if s in held else s.next_chunk_frames()
-                           for s in waiting]),
+            want=np.array([s.next_chunk_frames() for s in waiting]),
             lm_done=np.array([s.lm_done or s.waiting_text for s in waiting]),  # none coming soon: all out
             # a listener that ran dry waiting for live text gets what there is at once, as one below its lead
             headroom=np.array([0.0 if s.resumes else np.nan if (h := s.buffered(now)) is None else h

@@ -23,7 +23,6 @@ class IterationResult:
 
     new: list[Stream]
     stepping: list[Stream]
-    held: frozenset[Stream]  # newcomers whose one-frame first chunk waits for the step's frames
     limits: np.ndarray  # per step row: the most frames it may make
     step: StepOutcome | None
     handed: concurrent.futures.Future | None
