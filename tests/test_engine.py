@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from serving.bridge import AsyncEngine
-from qtts_jax.engine import Engine, PromptTooLong, core, plan
+from qtts_jax.engine import Engine, PromptTooLong, admission, iteration, plan
 from qtts_jax.engine.stream import FRAME_SECONDS
 from qtts_jax.request import Request, RequestError
 from support import GREEDY, STREAMING, Collector, assert_same_codes, run, run_small
@@ -73,7 +73,7 @@ def clock(engine):
 def admit_all(monkeypatch):
     """Every waiting request with a free slot starts: on a CPU the playing streams' listeners run dry, and the
     newcomer guard would hold every newcomer back from what a test looks at."""
-    monkeypatch.setattr(core, "admissions", lambda waiting, *args: waiting)
+    monkeypatch.setattr(admission, "admissions", lambda waiting, *args: waiting)
 
 
 @pytest.fixture
@@ -452,7 +452,7 @@ def test_a_failed_step_ends_each_stream_after_the_audio_the_sender_still_had(eng
     thread was still handing out (here slowed to 0.2 s) goes out before it, never after."""
     col = Collector()
     engine.submit(engine.prepare(Request("Doomed.", speaker="ryan", max_frames=20, **GREEDY)), col)
-    send_first = core.send_first
+    send_first = iteration.send_first
 
     def slow_send_first(*args):
         time.sleep(0.2)
@@ -461,7 +461,7 @@ def test_a_failed_step_ends_each_stream_after_the_audio_the_sender_still_had(eng
     def failing(*args):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(core, "send_first", slow_send_first)
+    monkeypatch.setattr(iteration, "send_first", slow_send_first)
     monkeypatch.setattr(engine.runner, "step", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         engine.run_once()
