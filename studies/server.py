@@ -65,9 +65,10 @@ def local_server(model: str = "tiny-random", slots: int | str = 4, context: int 
 
 def server_command(*flags: str, engine: dict | None = None, admission: dict | None = None,
                    warmup: bool = True) -> list[str]:
-    """The command line of a server subprocess: `serve` flags, and the library configuration `main` takes."""
-    return [sys.executable, "-m", "studies.server", *flags, "--engine", json.dumps(engine or {}),
-            "--admission", json.dumps(admission or {}), *(() if warmup else ("--no-warmup",))]
+    """The command line of a server subprocess: the library configuration `main` takes, then `flags` (`serve`'s, or
+    more `--engine`/`--admission` fields, which win)."""
+    return [sys.executable, "-m", "studies.server", "--engine", json.dumps(engine or {}),
+            "--admission", json.dumps(admission or {}), *(() if warmup else ("--no-warmup",)), *flags]
 
 
 async def _ready_or_died(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
@@ -89,14 +90,17 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m studies.server", description=main.__doc__)
     add_server_flags(p)
-    p.add_argument("--engine", type=json.loads, default={},
-                   help='EngineConfig fields over its defaults, as JSON: {"frames_per_step": 1, "seeded_ends": true}')
-    p.add_argument("--admission", type=json.loads, default={},
-                   help='AdmissionConfig fields over its defaults, as JSON: {"starvation_s": 1e9}')
+    p.add_argument("--engine", type=json.loads, action="append", default=[],
+                   help='EngineConfig fields over its defaults, as JSON: {"frames_per_step": 1, "seeded_ends": true} '
+                        "(repeatable: merged, the later winning)")
+    p.add_argument("--admission", type=json.loads, action="append", default=[],
+                   help='AdmissionConfig fields over its defaults, as JSON: {"starvation_s": 1e9} (repeatable)')
     p.add_argument("--no-warmup", action="store_true",
                    help="compile each program when first needed: a quick start, slow first requests")
     args = p.parse_args(argv)
-    return run(settings_from_args(args, engine=args.engine, admission=args.admission, warmup=not args.no_warmup))
+    engine = {k: v for fields in args.engine for k, v in fields.items()}
+    admission = {k: v for fields in args.admission for k, v in fields.items()}
+    return run(settings_from_args(args, engine=engine, admission=admission, warmup=not args.no_warmup))
 
 
 if __name__ == "__main__":

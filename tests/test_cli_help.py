@@ -121,3 +121,21 @@ def test_cluster_without_the_fleet_extra_names_a_make_target_that_exists(capsys,
     named = re.findall(r"\bmake ([a-z-]+)", err)
     targets = re.findall(r"^([a-z-]+):", (Path(__file__).parents[1] / "Makefile").read_text(), re.M)
     assert named and set(named) <= set(targets), (named, err)
+
+
+def test_a_study_server_takes_serve_flags_and_engine_and_admission_fields_the_later_winning(monkeypatch):
+    """`studies.server`'s command: the library configuration a benchmark varies beside `serve`'s flags; a policy's
+    `--engine` given after `local_server`'s merges with it and wins where both name a field."""
+    import serving.app
+    from studies.server import main, server_command
+
+    seen = []
+    monkeypatch.setattr(serving.app, "run", lambda settings: seen.append(settings) or 0)
+    command = server_command("--slots", "2", "--engine", '{"frames_per_step": 2, "lead_s": 0.3}',
+                             engine={"frames_per_step": 1, "seeded_ends": True}, admission={"starvation_s": 1e9},
+                             warmup=False)
+    assert command[1:3] == ["-m", "studies.server"] and main(command[3:]) == 0
+    (settings,) = seen
+    assert settings.slots == 2 and settings.warmup is False
+    assert settings.engine == {"frames_per_step": 2, "seeded_ends": True, "lead_s": 0.3}
+    assert settings.engine_config().frames_per_step == 2 and settings.admission_config().starvation_s == 1e9
