@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
+import shlex
 import sys
 import time
 import urllib.request
@@ -65,7 +65,8 @@ def start(args, out: Path, name: str, serialised: bool, policy: tuple[str, ...] 
     extra = ("--dtype", args.dtype, "--compile-cache", args.compile_cache or str(out / "xla"), *policy)
     return local_server(args.model, slots=args.slots, context=args.context, frames_per_step=args.frames_per_step,
                         serialised=serialised, log_path=out / f"server-{name}.log",
-                        ready_timeout_s=args.ready_timeout_s, extra_args=extra)
+                        ready_timeout_s=args.ready_timeout_s, extra_args=extra,
+                        engine={"seeded_ends": True} if args.seeded_ends else None)
 
 
 def server_log(path: Path) -> dict:
@@ -307,14 +308,15 @@ def main() -> None:
                                                 "closed, --poisson-seconds of arrivals open)")
     p.add_argument("--poisson-seconds", type=float, default=20.0, help="seconds of Poisson arrivals per rate")
     p.add_argument("--policies", default="",
-                   help='the batched server once per policy, side by side: "name=serve flags;name=flags", e.g. '
-                        '"lead1s=;lead300=--lead-ms 300" (the first start compiles, the others load its programs '
-                        'from the compilation cache)')
+                   help='the batched server once per policy, side by side: "name=flags;name=flags" (flags of '
+                        'studies/server.py: serve\'s, --engine and --admission), e.g. '
+                        '"lead1s=;lead300=--engine \'{"lead_s": 0.3}\'" (the first start compiles, the others load '
+                        'its programs from the compilation cache)')
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests at the start of each condition")
     p.add_argument("--max-frames", type=int, default=48)
     p.add_argument("--seeded-ends", action="store_true",
                    help="each request ends at a frame drawn from its seed and prompt length inside the step (2 to "
-                        "--max-frames), unforeseeable as real speech's end (QTTS_SEEDED_ENDS on the servers)")
+                        "--max-frames), unforeseeable as real speech's end (EngineConfig.seeded_ends on the servers)")
     p.add_argument("--restart", action="store_true", help="stop and start each server once more; time that start")
     p.add_argument("--compile-cache", help="the servers' compilation cache (default: a fresh one under --out, so "
                                            "the first start is cold; 'default' for the user's cache; 'off')")
@@ -326,8 +328,6 @@ def main() -> None:
     p.add_argument("--out", required=True, help="directory: records per condition, server logs, summary.json, "
                                                 "table.md")
     args = p.parse_args()
-    if args.seeded_ends:
-        os.environ["QTTS_SEEDED_ENDS"] = "1"  # the servers' environment
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"model": args.model, "dtype": args.dtype, "context": args.context, "max_frames": args.max_frames,
@@ -336,7 +336,7 @@ def main() -> None:
               "contract": vars(Contract(args.contract_ttfa_ms)), "servers": {}}
     batched = {"closed": numbers(args.loads), "open-poisson": numbers(args.rates)}
     policies = [v.partition("=") for v in args.policies.split(";") if v.strip()]
-    runs = [(f"batched-{name}", False, batched, tuple(flags.split())) for name, _, flags in policies]
+    runs = [(f"batched-{name}", False, batched, tuple(shlex.split(flags))) for name, _, flags in policies]
     runs = runs or [("batched", False, batched, ())]
     if not args.no_serialised:
         runs.append(("serialised", True, {"closed": numbers(args.serialised_loads)}, ()))

@@ -91,9 +91,8 @@ async def first_audio(urls: dict[str, str], rounds: int, options: dict, text: st
 
 def overhead(url: str, settings: Settings, args, options: dict, text: str) -> dict:
     """The fleet's first-audio cost over `qtts-jax serve` (the target: at most +15 ms at the median)."""
-    with local_server(args.model, slots=args.slots, context=args.context, frames_per_step=settings.frames_per_step,
-                      extra_args=("--compile-cache", settings.compile_cache, "--dtype", settings.dtype,
-                                  "--codec-dtype", settings.codec_dtype)) as plain:
+    with local_server(args.model, slots=args.slots, context=args.context, engine=settings.engine,
+                      extra_args=("--compile-cache", settings.compile_cache, "--dtype", settings.dtype)) as plain:
         ttfa = run_sync(first_audio({"serve": plain, "fleet": url}, args.ttfa_rounds, options, text))
     out = {label: {"p50_ms": percentile(v, 50), "p95_ms": percentile(v, 95), "n": len(v)} for label, v in ttfa.items()}
     out["p50_difference_ms"] = out["fleet"]["p50_ms"] - out["serve"]["p50_ms"]
@@ -141,8 +140,8 @@ def main() -> int:
     from ray import serve
 
     os.environ.update(RAY_ENV)
-    settings = Settings(model=args.model, slots=args.slots, context=args.context, frames_per_step=args.frames_per_step,
-                        dtype=args.dtype, codec_dtype=args.dtype,
+    settings = Settings(model=args.model, slots=args.slots, context=args.context, dtype=args.dtype,
+                        engine={"frames_per_step": args.frames_per_step, "codec_dtype": args.dtype},
                         compile_cache=os.environ.get("QTTS_COMPILE_CACHE", "/tmp/qtts-fleet-scaling-xla"))
     engine_factory = None
     if args.sim_device:

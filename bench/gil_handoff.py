@@ -5,7 +5,7 @@ the event loop does while it takes a burst of requests. The call lets go of the 
 several times; each taking-back waits until the spinning thread is made to let go, at most one switch interval.
 Per program: its host time alone (the call's return, before the device is waited on), then per switch interval
 its host time beside the spinning thread and the longest pause the spinner saw. `serving.app.serve_alone` sets
-the interval from `--switch-interval-ms`. Writes JSON.
+it to `SWITCH_INTERVAL_S`, which this measured. Writes JSON.
 
     python bench/gil_handoff.py --model 0.6b --programs step:16:1,step:256:4 --out runs/gil-handoff.json
 """

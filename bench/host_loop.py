@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.sim_device import Clock, NumpyRunner  # noqa: E402
-from qtts_jax.engine import Engine, EngineConfig, core, handout  # noqa: E402
+from qtts_jax.engine import Engine, EngineConfig, core, handout, iteration  # noqa: E402
 from qtts_jax.model import load_model  # noqa: E402
 from qtts_jax.request import Request  # noqa: E402
 
@@ -60,8 +60,8 @@ def measure(model, slots: int, iterations: int, frames: int) -> dict:
                 sender[0] += time.perf_counter() - t0
         return wrapped
 
-    # the loop calls these by core's names; wrapping handout's own, each run times them once
-    core.send_audio, core.send_first = timed(handout.send_audio), timed(handout.send_first)
+    # the loop calls these by core's and iteration's names; wrapping handout's own, each run times them once
+    core.send_audio, iteration.send_first = timed(handout.send_audio), timed(handout.send_first)
     walls, live, sent = [], [], []
     for i in range(iterations):
         while engine.active + len(engine.queue) < slots:

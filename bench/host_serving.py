@@ -7,10 +7,10 @@ long as the H200's did: sim_device.py): what this shows comes from the loop's de
 and from the host's own work (the event loop, the engine's threads, the GIL between them).
 
 Each variant is one server process started with its own settings (`name=flags`, flags of this script's `--serve`
-mode, e.g. `--xla-host` or `--setting switch_interval_ms=5`), all variants in one run, one after another. Writes
+mode, e.g. `--xla-host` or `--setting max_step_s=0.04`), all variants in one run, one after another. Writes
 JSON: per variant and rate the study's columns, the refusals and the engine's iteration profile.
 
-    python bench/host_serving.py --rates 40,60 --variants "default=;switch-5ms=--setting switch_interval_ms=5" \
+    python bench/host_serving.py --rates 40,60 --variants "default=;step-40ms=--setting max_step_s=0.04" \
         --out bench/results/host-serving-cpu.json
 """
 
@@ -39,21 +39,26 @@ def serve(argv: list[str]) -> int:
     p.add_argument("--xla-host", action="store_true",
                    help="each device call holds the engine's thread for XLA's host work in it, as on the H200")
     p.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
-                   help="a serving.settings.Settings field other than those fixed here (port, slots, context, "
-                        "compile_cache, warm_voice_encoders), e.g. max_step_ms=60 (repeatable)")
+                   help="an EngineConfig or AdmissionConfig field over its default, its value as JSON, e.g. "
+                        "max_step_s=0.04 (repeatable)")
     args = p.parse_args(argv)
     from bench.sim_device import sim_engine
+    from qtts_jax.engine import EngineConfig
     from serving.app import run
+    from serving.scheduler import AdmissionConfig
     from serving.settings import Settings
 
-    fields = {f.name for f in dataclasses.fields(Settings)}
-    for item in args.setting:  # read as `qtts-jax serve` reads QTTS_<FIELD>, with its conversions
+    engine, admission = {}, {}
+    for item in args.setting:
         name, _, value = item.partition("=")
-        if name not in fields:
-            p.error(f"--setting {item}: no such field of serving.settings.Settings")
-        os.environ[f"QTTS_{name.upper()}"] = value
+        for config, fields in ((engine, EngineConfig), (admission, AdmissionConfig)):
+            if name in {f.name for f in dataclasses.fields(fields)}:
+                config[name] = json.loads(value)
+                break
+        else:
+            p.error(f"--setting {item}: no such field of EngineConfig or AdmissionConfig")
     settings = Settings.from_env(port=args.port, slots=args.slots, context=512, compile_cache="off",
-                                 warm_voice_encoders=False)
+                                 warm_voice_encoders=False, engine=engine, admission=admission)
     return run(settings, sim_engine(settings, xla_host=args.xla_host))
 
 

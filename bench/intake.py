@@ -61,7 +61,8 @@ async def measure(requests: int) -> dict:
 
     config = EngineConfig(slots=2, context=128, prompt_buckets=(64,), max_trailing=32, frames_per_step=1, schedule=(1,))
     engine = Engine(load_model("tiny-random"), config)
-    app = create_app(Settings(slots=2, context=128, ttfa_target_ms=1e9, starvation_ms=1e9, max_queue=10 * requests),
+    app = create_app(Settings(slots=2, context=128, ttfa_target_ms=1e9,
+                              admission={"starvation_s": 1e9, "max_queue": 10 * requests}),
                      engine=engine)
     client = TestClient(TestServer(app), connector=aiohttp.TCPConnector(limit=0))  # every request at once
     await client.start_server()

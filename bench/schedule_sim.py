@@ -97,7 +97,7 @@ def run_rate(model, config: EngineConfig, rate: float, seconds: float, frames: i
     next request as soon as their last one ends (its final chunk, or a refusal: the study's closed-loop client
     does not wait out a Retry-After), 2N requests in all, all N at once at the start. `chunk_s`: the event loop's
     time a chunk (`EventLoop`); 0, each listener hears its chunk when the engine hands it out. `warmup` False: the
-    engine starts with nothing timed (a server's QTTS_WARMUP=0) and times its calls as they first run."""
+    engine starts with nothing timed (a server's `Settings.warmup` off) and times its calls as they first run."""
     clock = Clock()
     runner = RealTimeRunner(config, seed, clock=clock, scale=scale, jitter_s=jitter_s, xla_host=xla_host)
     engine = Engine(model, config, runner=runner)
@@ -105,7 +105,7 @@ def run_rate(model, config: EngineConfig, rate: float, seconds: float, frames: i
     engine._sender = Inline()
     if warmup:
         engine.warmup()
-    admission = Scheduler(engine, Settings().admission())
+    admission = Scheduler(engine, Settings().admission_config())
     admission.ready = True
     job = engine.prepare(Request("A request of the study's length.", speaker="ryan", max_frames=frames))
     if closed:

@@ -37,6 +37,9 @@ from serving.settings import Settings
 from serving.voices import VoiceStore
 
 log = logging.getLogger("serving")
+# Python's thread switch interval in a serving process (5 ms by default): the engine thread, back from a device call,
+# waits up to this for the GIL while the event loop takes a burst; 0.1 ms measured best (docs/serving.md, the GIL)
+SWITCH_INTERVAL_S = 1e-4
 
 
 def json_error(err: ApiError, request_id: str | None = None) -> web.Response:
@@ -131,7 +134,7 @@ def create_app(settings: Settings = Settings(), model=None, engine: Engine | Non
     app[ALIASES] = aliases.table(settings.voice_aliases, cfg.model_type, cfg.speakers)  # ValueError if wrong
     app[ENGINE] = engine
     app[BRIDGE] = AsyncEngine(engine)
-    app[SCHEDULER] = Scheduler(engine, settings.admission())
+    app[SCHEDULER] = Scheduler(engine, settings.admission_config())
     app[METRICS] = Metrics(engine, app[SCHEDULER], model=engine.model.name, info=_build_info(settings, engine))
     app[SOCKETS] = weakref.WeakSet()
     app[WARMUP_ERROR] = []
@@ -165,7 +168,8 @@ def _build_info(settings: Settings, engine: Engine) -> dict[str, str]:
             "model_type": engine.model.cfg.model_type, "dtype": jnp.dtype(engine.model.dtype).name,
             "slots": str(cfg.slots),
             "context": str(cfg.context), "frames_per_step": str(cfg.frames_per_step),
-            "ttfa_target_ms": f"{settings.ttfa_target_ms:g}", "starvation_ms": f"{settings.starvation_ms:g}"}
+            "ttfa_target_ms": f"{settings.ttfa_target_ms:g}",
+            "starvation_ms": f"{settings.admission_config().starvation_s * 1000:g}"}
 
 
 async def _engine_ctx(app: web.Application):
@@ -243,16 +247,8 @@ def serve_alone(app: web.Application) -> None:
 
     - The garbage collector: startup's objects leave its passes once the warm-up lets it serve, and again once
       the engine's background warm-up has compiled the larger rungs (`Engine.on_compiled`).
-    - The GIL: Python's switch interval becomes `Settings.switch_interval_ms`. The engine thread lets go of the
-      GIL inside every device call and takes it back several times per call; while the event loop holds it,
-      taking a burst, each taking-back waited out the interval (5 ms by default). On an H100 a 16-row step
-      whose call returns in 2.2 ms alone took 43 ms beside a spinning thread at 5 ms, 5.5 ms at 0.5 ms
-      (bench/results/gil-handoff-h100.json). 0.1 ms shortened a closed burst's first audio and moved no Poisson
-      rate (docs/benchmarks.md, "The switch interval in a burst")."""
-    interval_ms = app[SETTINGS].switch_interval_ms
-    if not 0 < interval_ms < float("inf"):
-        raise ValueError(f"switch_interval_ms {interval_ms} must be a positive number")
-    sys.setswitchinterval(interval_ms / 1e3)
+    - The GIL: Python's switch interval becomes `SWITCH_INTERVAL_S`."""
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     app[ENGINE].on_compiled = freeze_startup
 
     async def on_startup(app: web.Application) -> None:  # after `_engine_ctx` has started the warm-up

@@ -1,6 +1,7 @@
 """API keys: who may speak, who may change the voices, who may read the metrics.
 
-The operator gives the keys (`--api-key`, `QTTS_API_KEY`, or a keys file); a request only presents one. A key
+The operator gives the keys (`--api-key KEY`, or `--api-key @FILE` for a keys file; `QTTS_API_KEY` likewise); a
+request only presents one. A key
 comes as `Authorization: Bearer KEY`, or, on the WebSocket, which a browser cannot give headers, as the
 subprotocol `qtts-key.KEY`. Each key has a role:
 
@@ -142,20 +143,19 @@ def is_loopback(host: str) -> bool:
 
 
 def keyring(settings) -> Keyring:
-    """The keys `settings` give (api_key, api_keys_file, public_metrics). Raises ValueError, naming the fix, for a
-    server bound beyond loopback with no key (unless api_key is "none": a gateway in front checks them), and
-    naming the line of a malformed keys file."""
-    single, path = settings.api_key, settings.api_keys_file
-    if single == "none":
-        if path:
-            raise ValueError("--api-key none turns keys off, but --api-keys-file gives keys: drop one of them")
+    """The keys `settings` give (api_key: a key, "@FILE" or "none"; public_metrics). Raises ValueError, naming the
+    fix, for a server bound beyond loopback with no key (unless api_key is "none": a gateway in front checks them),
+    and naming the line of a malformed keys file."""
+    given = settings.api_key
+    if given == "none":
         return Keyring(public_metrics=settings.public_metrics)
-    keys = [_key(single, "--api-key (QTTS_API_KEY)", "admin")] if single else []
-    if path:
-        keys += _read(Path(path))
+    if given.startswith("@"):
+        keys = _read(Path(given[1:]))
+    else:
+        keys = [_key(given, "--api-key (QTTS_API_KEY)", "admin")] if given else []
     if not keys and not is_loopback(settings.host):
         raise ValueError(f"--host {settings.host} is reachable beyond this machine and no API key is set: give one "
-                         "with --api-key KEY (or QTTS_API_KEY), several with --api-keys-file FILE, or --api-key none "
+                         "with --api-key KEY (or QTTS_API_KEY), several with --api-key @FILE, or --api-key none "
                          f"if a gateway in front checks keys. A key: {_GENERATE}")
     digests = [k.digest for k in keys]
     for k in keys:
@@ -169,7 +169,7 @@ def _read(path: Path) -> list[Key]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--api-keys-file {path}: cannot be read ({exc.__class__.__name__})") from None
+        raise ValueError(f"--api-key @{path}: cannot be read ({exc.__class__.__name__})") from None
     keys = []
     for n, line in enumerate(text.splitlines(), 1):
         fields = line.split()
@@ -185,7 +185,7 @@ def _read(path: Path) -> list[Key]:
             cap = int(fields[2])
         keys.append(_key(fields[0], where, fields[1], cap))
     if not keys:
-        raise ValueError(f"--api-keys-file {path}: holds no key")
+        raise ValueError(f"--api-key @{path}: holds no key")
     return keys
 
 

@@ -35,6 +35,7 @@ import math
 import time
 
 from qtts_jax.engine.costs import newcomer_budget
+from qtts_jax.engine.measurements import ema
 from qtts_jax.engine.stream import FRAME_SECONDS
 from serving.errors import ApiError
 
@@ -115,7 +116,7 @@ class Scheduler:
         if self.engine.compiling or self.engine.compiled_on_demand != t.compiled_before:
             return
         if t.admitted is not None and t.first_chunk is not None:
-            self._service = _ema(self._service, t.first_chunk - t.admitted)
+            self._service = ema(self._service, t.first_chunk - t.admitted)
 
     def min_headroom(self) -> float:
         now = time.perf_counter()
@@ -216,7 +217,3 @@ class Scheduler:
 
 
 _KEEP_AHEAD_S = 0.008  # an iteration must beat its audio by this much (host jitter, a scrape, a GC pause)
-
-
-def _ema(old, new, alpha=0.2):
-    return new if old is None else (1 - alpha) * old + alpha * new

@@ -10,6 +10,12 @@ from qtts_jax.engine import EngineConfig
 from serving.scheduler import AdmissionConfig
 
 
+# What `qtts-jax serve` takes, as a flag or a QTTS_<NAME> variable (serving/cli.py): each one a user can judge, its
+# trade in docs/serving.md. The other fields are fixed for `serve`; tests, studies and benchmarks set them in Python.
+SERVE = ("model", "host", "port", "slots", "context", "dtype", "ttfa_target_ms", "max_input_chars", "drain_timeout_s",
+         "voices_dir", "voice_aliases", "api_key", "public_metrics", "compile_cache")
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     model: str = "tiny-random"
@@ -17,25 +23,26 @@ class Settings:
     port: int = 8000
     slots: int | str = 8  # or "auto": as many as the accelerator's free memory holds (qtts_jax/engine/sizing.py)
     context: int = 1024
-    frames_per_step: int = 4
-    lead_ms: float = 1000.0  # playback lead each stream builds from spare compute (EngineConfig.lead_s)
-    max_step_ms: float = 60.0  # the longest step; a request arriving during it waits for it (EngineConfig.max_step_s)
-    cap_iteration: bool = False  # max_step_ms bounds the newcomers' programs ahead of the step too (EngineConfig)
-    max_prefill: int = 32  # requests one prefill call takes (EngineConfig.max_prefill)
-    max_first: int = 128  # newcomers one iteration starts at most (EngineConfig.max_first)
-    newcomer_guard: bool = True  # start only the newcomers the playing streams' headroom pays for (EngineConfig)
-    margin_quantile: float = 0.99  # share of the measured lateness the playback margin covers (EngineConfig)
-    hold_first: bool = False  # a newcomer's first frame waits for its step's if it could play out first (EngineConfig)
     # the weights: "auto" is bfloat16 on a GPU (the checkpoints' own dtype, and what capacity is measured at) and
     # float32 elsewhere (the reference's arithmetic, which parity is checked in)
     dtype: str = "auto"
-    codec_dtype: str = "float32"  # the streaming codec's arithmetic (EngineConfig.codec_dtype)
     ttfa_target_ms: float = 300.0
-    starvation_ms: float = 0.0  # the zero-underrun contract: no admitted stream may stall
-    max_queue: int | None = None
     max_input_chars: int = 4096
-    max_body_bytes: int = 256 * 1024
     drain_timeout_s: float = 30.0
+    voices_dir: str = "voices"  # Base models: registered voices, one file each, reloaded at start-up
+    # OpenAI voice names -> this model's voices: "" (the default table), "a=b,c=d" over it, a JSON file, or "none"
+    voice_aliases: str = ""
+    # API keys (serving/auth.py): one admin key, "@FILE" (several, with roles), or "none" (a gateway checks them)
+    api_key: str = dataclasses.field(default="", repr=False)
+    public_metrics: bool = False  # /metrics without a key, where keys are on
+    compile_cache: str = "default"  # persistent XLA cache (`run` only): "default", "off" or a directory
+    # ---- fixed for `serve` (docs/serving.md lists them) ----
+    warmup: bool = True  # False: each program compiles when first needed (quick starts in tests)
+    # EngineConfig fields over its defaults (benchmarks: frames_per_step, seeded_ends, codec_dtype ...)
+    engine: dict = dataclasses.field(default_factory=dict)
+    # AdmissionConfig fields over its defaults (a serialised study: no limits; tests on a slow CPU: no stall limit)
+    admission: dict = dataclasses.field(default_factory=dict)
+    max_body_bytes: int = 256 * 1024
     ws_max_messages_per_s: float = 200.0  # an LLM's tokens sent one message each (~100/s) stay under it
     ws_max_message_bytes: int = 64 * 1024
     ws_max_pending_utterances: int = 8
@@ -43,40 +50,27 @@ class Settings:
     header_timeout_s: float = 10.0  # from a request's first byte to its last header line, else 408 and closed
     idle_timeout_s: float = 75.0  # a connection with no request in progress is closed after this
     max_connections: int = 512  # open HTTP and WebSocket connections; one more gets 503 and is closed
-    # Python's thread switch interval in a serving process (`serve_alone`): how long the engine thread may wait
-    # for the GIL while the event loop runs Python (the interpreter's default is 5; serve_alone says why 0.1)
-    switch_interval_ms: float = 0.1
-    warmup: bool = True
-    seeded_ends: bool = False  # benchmarks on random weights: streams end at a seeded frame (EngineConfig)
-    voices_dir: str = "voices"  # Base models: registered voices, one file each, reloaded at start-up
     max_voices: int = 1000
     max_voice_upload_bytes: int = 16 * 1024 * 1024
     voice_min_seconds: float = 1.0
     voice_max_seconds: float = 30.0
     voice_trailing_silence_ms: int = 500  # appended before encoding ICL codes, against phoneme bleed
     warm_voice_encoders: bool = True  # after /ready: compile the encoders for every recording length bucket
-    compile_cache: str = "default"  # persistent XLA cache (`run` only): "default", "off" or a directory
-    # OpenAI voice names -> this model's voices: "" (the default table), "a=b,c=d" over it, a JSON file, or "none"
-    voice_aliases: str = ""
     inline_voice_cache: int = 32  # Base models: voices cloned from a request's ref_audio, kept by content hash
-    # API keys (serving/auth.py): one admin key, or "none" (a gateway in front checks them); a keys file of several
-    api_key: str = dataclasses.field(default="", repr=False)
-    api_keys_file: str = ""
-    public_metrics: bool = False  # /metrics without a key, where keys are on
 
     @classmethod
     def from_env(cls, **overrides) -> "Settings":
-        """QTTS_<FIELD> environment variables (e.g. QTTS_SLOTS=16), then explicit overrides."""
+        """QTTS_<NAME> environment variables of the `SERVE` settings (e.g. QTTS_SLOTS=16), then explicit overrides."""
         values = {}
         for f in dataclasses.fields(cls):
+            if f.name not in SERVE:
+                continue
             raw = os.environ.get(f"QTTS_{f.name.upper()}")
             if raw is None:
                 continue
             kind = f.type if isinstance(f.type, str) else f.type.__name__
             if kind == "int | str":  # a count or a word (slots: "auto")
                 values[f.name] = int(raw) if raw.isdigit() else raw
-            elif "int" in kind and "None" in kind:
-                values[f.name] = None if raw.lower() in ("", "none") else int(raw)
             elif kind.startswith("int"):
                 values[f.name] = int(raw)
             elif kind.startswith("float"):
@@ -98,14 +92,8 @@ class Settings:
 
     def engine_config(self) -> EngineConfig:
         buckets = tuple(b for b in EngineConfig.prompt_buckets if b < self.context // 2) or (min(32, self.context // 2),)
-        return EngineConfig(slots=self.slots, context=self.context, frames_per_step=self.frames_per_step,
-                            prompt_buckets=buckets, max_trailing=min(256, self.context // 2),
-                            lead_s=self.lead_ms / 1000, max_step_s=self.max_step_ms / 1000,
-                            cap_iteration=self.cap_iteration, max_prefill=self.max_prefill, max_first=self.max_first,
-                            guard_newcomers=self.newcomer_guard, codec_dtype=self.codec_dtype,
-                            margin_quantile=self.margin_quantile, hold_first=self.hold_first,
-                            seeded_ends=self.seeded_ends)
+        return EngineConfig(**{"slots": self.slots, "context": self.context, "prompt_buckets": buckets,
+                               "max_trailing": min(256, self.context // 2), **self.engine})
 
-    def admission(self) -> AdmissionConfig:
-        return AdmissionConfig(ttfa_target_s=self.ttfa_target_ms / 1000, starvation_s=self.starvation_ms / 1000,
-                               max_queue=self.max_queue)
+    def admission_config(self) -> AdmissionConfig:
+        return AdmissionConfig(**{"ttfa_target_s": self.ttfa_target_ms / 1000, **self.admission})

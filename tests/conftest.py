@@ -137,7 +137,7 @@ def codec_checkpoint(reference_codec, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def keys_file(tmp_path_factory) -> str:
-    """A keys file (`--api-keys-file`) with support.py's keys: admin, speak, speak capped at one stream, metrics."""
+    """A keys file (`--api-key @FILE`) with support.py's keys: admin, speak, speak capped at one stream, metrics."""
     from support import ADMIN_KEY, CAPPED_KEY, SCRAPE_KEY, SPEAK_KEY
 
     path = tmp_path_factory.mktemp("keys") / "keys.txt"

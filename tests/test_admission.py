@@ -399,7 +399,7 @@ def test_above_capacity_refuses_and_keeps_admitted_streams_playing(parts, second
 
 
 def test_costs_not_timed_yet_count_as_none():
-    """An engine not warmed up has timed nothing: its snapshot's costs are zero, not a failure (QTTS_WARMUP=0)."""
+    """An engine not warmed up has timed nothing: its snapshot's costs are zero, not a failure (`Settings.warmup` off)."""
     st = dataclasses.replace(snapshot(live=(10,)), step_costs={}, prefill_costs={}, first_costs={})
     assert st.costs.step(1, 1) == st.costs.prefill(3) == st.costs.first(3) == 0.0
     timed = snapshot(live=(10,))

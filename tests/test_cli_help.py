@@ -9,18 +9,27 @@ import pytest
 
 from qtts_cli.main import main
 from serving.app import Settings
-from serving.cli import ENV_ONLY, add_serve_parser
+from serving.cli import add_serve_parser
+from serving.settings import SERVE
 
 
 def _serve_parser() -> argparse.ArgumentParser:
     return add_serve_parser(argparse.ArgumentParser().add_subparsers())
 
 
-def test_serve_help_lists_every_setting_that_has_no_flag():
-    flags = {a.dest for a in _serve_parser()._actions if a.dest != "help"}
-    env_only = {f"QTTS_{f.name.upper()}" for f in dataclasses.fields(Settings) if f.name not in flags}
-    assert set(ENV_ONLY) == env_only
-    assert all(name in _serve_parser().format_help().replace("\n", " ") for name in ENV_ONLY)
+def test_serve_has_at_most_15_settings_each_a_flag_with_help_and_its_variable(monkeypatch):
+    """Flags and QTTS_* variables together: each flag has a variable twin its help names, and no other variable
+    is read (the tuning a user cannot judge is the engine's, from its measurements)."""
+    actions = [a for a in _serve_parser()._actions if a.dest != "help"]
+    assert {a.dest for a in actions} == set(SERVE) and len(SERVE) <= 15
+    for a in actions:
+        assert a.help and f"QTTS_{a.dest.upper()}" in a.help, a.option_strings
+    for f in dataclasses.fields(Settings):
+        if f.name in SERVE:
+            monkeypatch.delenv(f"QTTS_{f.name.upper()}", raising=False)
+        else:
+            monkeypatch.setenv(f"QTTS_{f.name.upper()}", "1")
+    assert Settings.from_env() == Settings()
 
 
 def test_every_serve_flag_names_its_default():
@@ -38,73 +47,13 @@ def test_qtts_jax_assembles_the_library_server_and_study_commands(capsys):
     assert capsys.readouterr().out.startswith("usage: qtts-jax serve")
 
 
-def test_newcomer_guard_flag_is_on_or_off_and_nothing_else():
-    parser = _serve_parser()
-    assert parser.parse_args(["--newcomer-guard", "off"]).newcomer_guard is False
-    assert parser.parse_args(["--newcomer-guard", "on"]).newcomer_guard is True
-    assert parser.parse_args([]).newcomer_guard is None  # unset: QTTS_NEWCOMER_GUARD, then the default
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--newcomer-guard", "maybe"])
-
-
-def test_margin_quantile_flag_is_a_share_and_reaches_the_engine(capsys):
-    from serving.cli import settings_from_args
-
-    parser = _serve_parser()
-    assert settings_from_args(parser.parse_args(["--margin-quantile", "0.999"])).engine_config().margin_quantile == 0.999
-    assert settings_from_args(parser.parse_args([])).engine_config().margin_quantile == 0.99
-    for bad in ("0", "1.5", "high"):
-        with pytest.raises(SystemExit):
-            parser.parse_args(["--margin-quantile", bad])
-        assert "--margin-quantile: expected a number in (0, 1]" in capsys.readouterr().err
-
-
-def test_cap_iteration_flag_reaches_the_engine(monkeypatch):
-    from serving.cli import settings_from_args
-
-    parser = _serve_parser()
-    monkeypatch.delenv("QTTS_CAP_ITERATION", raising=False)
-    assert settings_from_args(parser.parse_args([])).engine_config().cap_iteration is False
-    assert settings_from_args(parser.parse_args(["--cap-iteration", "on"])).engine_config().cap_iteration is True
-    monkeypatch.setenv("QTTS_CAP_ITERATION", "on")
-    assert settings_from_args(parser.parse_args([])).engine_config().cap_iteration is True
-    assert settings_from_args(parser.parse_args(["--cap-iteration", "off"])).engine_config().cap_iteration is False
-
-
-def test_prefill_and_first_frame_widths_reach_the_engines_programs(monkeypatch):
-    from serving.cli import settings_from_args
-
-    parser = _serve_parser()
-    for name in ("QTTS_MAX_PREFILL", "QTTS_MAX_FIRST"):
-        monkeypatch.delenv(name, raising=False)
-    args = ["--slots", "256", "--context", "512"]
-    config = settings_from_args(parser.parse_args(args)).engine_config()
+def test_prefill_and_first_frame_widths_reach_the_engines_programs():
+    config = Settings(slots=256, context=512).engine_config()
     assert (config.prefill_sizes, config.first_sizes) == ((1, 8, 32), (16, 64, 128))
-    wide = parser.parse_args([*args, "--max-prefill", "128", "--max-first", "256"])
-    config = settings_from_args(wide).engine_config()
+    config = Settings(slots=256, context=512, engine={"max_prefill": 128, "max_first": 256}).engine_config()
     assert (config.prefill_sizes, config.first_sizes) == ((1, 8, 64, 128), (16, 64, 128, 256))
-    monkeypatch.setenv("QTTS_MAX_PREFILL", "64")
-    assert settings_from_args(parser.parse_args(args)).engine_config().prefill_sizes == (1, 8, 64)
-    monkeypatch.setenv("QTTS_MAX_PREFILL", "0")
     with pytest.raises(ValueError, match="max_prefill"):
-        settings_from_args(parser.parse_args(args)).engine_config()
-    for bad in ("0", "-8", "many"):
-        with pytest.raises(SystemExit):
-            parser.parse_args(["--max-first", bad])
-
-
-def test_switch_interval_flag_takes_a_positive_number_of_milliseconds(monkeypatch):
-    from serving.cli import settings_from_args
-
-    parser = _serve_parser()
-    monkeypatch.delenv("QTTS_SWITCH_INTERVAL_MS", raising=False)
-    assert settings_from_args(parser.parse_args([])).switch_interval_ms == 0.1
-    assert settings_from_args(parser.parse_args(["--switch-interval-ms", "2.5"])).switch_interval_ms == 2.5
-    monkeypatch.setenv("QTTS_SWITCH_INTERVAL_MS", "5")
-    assert settings_from_args(parser.parse_args([])).switch_interval_ms == 5.0
-    for bad in ("0", "-1", "soon", "nan", "inf"):
-        with pytest.raises(SystemExit):
-            parser.parse_args(["--switch-interval-ms", bad])
+        Settings(engine={"max_prefill": 0}).engine_config()
 
 
 def test_key_flags_and_variables_reach_the_settings_and_the_key_is_never_shown(monkeypatch):
@@ -113,27 +62,12 @@ def test_key_flags_and_variables_reach_the_settings_and_the_key_is_never_shown(m
     parser = _serve_parser()
     monkeypatch.setenv("QTTS_API_KEY", "key-from-the-environment")
     monkeypatch.setenv("QTTS_PUBLIC_METRICS", "on")
-    settings = settings_from_args(parser.parse_args(["--api-keys-file", "keys.txt"]))
-    assert (settings.api_key, settings.api_keys_file, settings.public_metrics) == (
-        "key-from-the-environment", "keys.txt", True)
+    settings = settings_from_args(parser.parse_args([]))
+    assert (settings.api_key, settings.public_metrics) == ("key-from-the-environment", True)
     assert "key-from-the-environment" not in repr(settings)  # what a log line of the settings would show
+    assert settings_from_args(parser.parse_args(["--api-key", "@keys.txt"])).api_key == "@keys.txt"
     settings = settings_from_args(parser.parse_args(["--api-key", "none", "--public-metrics", "off"]))
     assert (settings.api_key, settings.public_metrics) == ("none", False)
-
-
-def test_hold_first_flag_is_on_or_off_and_reaches_the_engine(capsys, monkeypatch):
-    from serving.cli import settings_from_args
-
-    parser = _serve_parser()
-    monkeypatch.delenv("QTTS_HOLD_FIRST", raising=False)
-    assert settings_from_args(parser.parse_args(["--hold-first", "on"])).engine_config().hold_first is True
-    assert settings_from_args(parser.parse_args([])).engine_config().hold_first is False
-    monkeypatch.setenv("QTTS_HOLD_FIRST", "on")
-    assert settings_from_args(parser.parse_args([])).engine_config().hold_first is True
-    assert settings_from_args(parser.parse_args(["--hold-first", "off"])).engine_config().hold_first is False
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--hold-first", "sometimes"])
-    assert "--hold-first" in capsys.readouterr().err
 
 
 def test_study_help_names_each_default_once(capsys):
@@ -187,3 +121,21 @@ def test_cluster_without_the_fleet_extra_names_a_make_target_that_exists(capsys,
     named = re.findall(r"\bmake ([a-z-]+)", err)
     targets = re.findall(r"^([a-z-]+):", (Path(__file__).parents[1] / "Makefile").read_text(), re.M)
     assert named and set(named) <= set(targets), (named, err)
+
+
+def test_a_study_server_takes_serve_flags_and_engine_and_admission_fields_the_later_winning(monkeypatch):
+    """`studies.server`'s command: the library configuration a benchmark varies beside `serve`'s flags; a policy's
+    `--engine` given after `local_server`'s merges with it and wins where both name a field."""
+    import serving.app
+    from studies.server import main, server_command
+
+    seen = []
+    monkeypatch.setattr(serving.app, "run", lambda settings: seen.append(settings) or 0)
+    command = server_command("--slots", "2", "--engine", '{"frames_per_step": 2, "lead_s": 0.3}',
+                             engine={"frames_per_step": 1, "seeded_ends": True}, admission={"starvation_s": 1e9},
+                             warmup=False)
+    assert command[1:3] == ["-m", "studies.server"] and main(command[3:]) == 0
+    (settings,) = seen
+    assert settings.slots == 2 and settings.warmup is False
+    assert settings.engine == {"frames_per_step": 2, "seeded_ends": True, "lead_s": 0.3}
+    assert settings.engine_config().frames_per_step == 2 and settings.admission_config().starvation_s == 1e9

@@ -82,7 +82,7 @@ def server(tiny_model, keys_file):
     engine = Engine(tiny_model, CONFIG)
     engine.warmup()
     live = Live(engine, Settings(slots=CONFIG.slots, context=CONFIG.context, ttfa_target_ms=5000, warmup=False,
-                                 api_keys_file=keys_file))
+                                 api_key="@" + keys_file))
     yield live
     live.close()
 

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from serving.bridge import AsyncEngine
-from qtts_jax.engine import Engine, PromptTooLong, core, plan
-from qtts_jax.engine.scheduler import step_frames
+from qtts_jax.engine import Engine, PromptTooLong, admission, iteration, plan
 from qtts_jax.engine.stream import FRAME_SECONDS
 from qtts_jax.request import Request, RequestError
 from support import GREEDY, STREAMING, Collector, assert_same_codes, run, run_small
@@ -71,6 +70,13 @@ def clock(engine):
 
 
 @pytest.fixture
+def admit_all(monkeypatch):
+    """Every waiting request with a free slot starts: on a CPU the playing streams' listeners run dry, and the
+    newcomer guard would hold every newcomer back from what a test looks at."""
+    monkeypatch.setattr(admission, "admissions", lambda waiting, *args: waiting)
+
+
+@pytest.fixture
 def lead(engine, monkeypatch):
     """Run the engine with another playback lead (a policy setting: no program depends on it)."""
     return lambda seconds: monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, lead_s=seconds))
@@ -81,17 +87,6 @@ def cheap(engine, monkeypatch):
     """Every measured cost 1 ms: well inside a frame of audio, so headroom never holds a step back."""
     for name in ("step_costs", "first_costs", "prefill_costs"):
         monkeypatch.setattr(engine, name, {k: 1e-3 for k in getattr(engine, name)})
-
-
-@pytest.fixture
-def burst_lateness(engine, clock, lead, cheap, monkeypatch):
-    """A fast engine (every cost 1 ms, no lead to build), `hold_first` on, that has measured 200 ms of lateness at
-    its listeners, as in a burst: more than a one-frame first chunk's 80 ms of audio."""
-    clock(1e-4)
-    lead(0.0)
-    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, hold_first=True))
-    for _ in range(10):
-        engine.observe_delivery_lag(0.2)
 
 
 def test_ahead_of_playback_chunks_follow_the_schedule(engine, clock, lead, cheap):
@@ -115,48 +110,6 @@ def test_each_chunk_after_the_first_carries_when_its_listener_runs_dry_without_i
     assert first.due == -math.inf and col.final.due == math.inf and len(rest) >= 3
     for c in rest:
         assert c.due == pytest.approx(stream.timings.first_chunk + c.first_frame * FRAME_SECONDS)
-
-
-def test_when_measured_lateness_outlasts_a_frame_the_first_chunk_carries_the_steps_frames_too(engine, model,
-                                                                                          burst_lateness):
-    """With 200 ms of lateness measured (a burst's busy event loop), a one-frame first chunk would play out before
-    its next audio reached the listener: the newcomer's first frame is decoded with its first step's frames and
-    goes out with them, the same audio as `Model.generate`'s."""
-    req = Request("Held first frame.", speaker="aiden", max_frames=12, **GREEDY)
-    (stream, col), = run(engine, [(0, req)])
-    sizes = [c.frames for c in col.chunks if not c.final]
-    assert sizes[0] > 1 and sum(sizes) == len(stream.codes)
-    assert col.chunks[0].due == -math.inf and col.chunks[0].first_frame == 0
-    (expected,) = model.generate([req])
-    np.testing.assert_array_equal(np.stack(stream.codes), expected.codes)
-    np.testing.assert_allclose(col.audio, expected.audio, atol=1e-5, rtol=0)
-
-
-def test_a_held_first_chunk_is_no_longer_than_the_codecs_largest_and_no_frame_is_lost(engine, model, burst_lateness,
-                                                                                       monkeypatch):
-    """Held for a three-frame step, a first chunk would hold four frames; with two-frame codec calls the largest
-    (a schedule of 1 and 2 frames), it holds two and the rest follow: every frame decoded once, the same audio as
-    `Model.generate`'s (a chunk wider than the call dropped a frame's audio)."""
-    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, schedule=(1, 2)))
-    monkeypatch.setattr(engine, "_codec_sizes", (1, 2))  # the schedule's, compiled already
-    req = Request("Held, then capped.", speaker="aiden", max_frames=12, **GREEDY)
-    (stream, col), = run(engine, [(0, req)])
-    sizes = [c.frames for c in col.chunks if not c.final]
-    assert sizes[0] == 2 and max(sizes) == 2 and sum(sizes) == len(stream.codes)
-    (expected,) = model.generate([req])
-    np.testing.assert_allclose(col.audio, expected.audio, atol=1e-5, rtol=0)
-
-
-def test_a_first_chunk_the_client_sized_is_never_held_to_another_size(engine, burst_lateness):
-    """Holding concerns one-frame first chunks: a client whose schedule starts with two frames gets two, with
-    the same lateness measured that holds a one-frame first chunk for the step."""
-    col = Collector()
-    stream = engine.submit(engine.prepare(Request("Two first.", speaker="aiden", max_frames=12, **GREEDY), (2, 4)),
-                           col)
-    while not col.final:
-        engine.run_once()
-    sizes = [c.frames for c in col.chunks if not c.final]
-    assert sizes[0] == 2 and sum(sizes) == len(stream.codes)
 
 
 def test_a_stream_sends_every_frame_at_once_until_it_has_its_lead_then_follows_the_schedule(engine, clock, lead,
@@ -198,11 +151,9 @@ def test_while_a_newcomer_builds_its_lead_no_codec_call_is_wider_than_the_step(e
     assert playing.final.error is None and newcomer.final.error is None
 
 
-def test_short_of_headroom_frames_go_out_at_once_one_per_step(engine, clock, monkeypatch):
+def test_short_of_headroom_frames_go_out_at_once_one_per_step(engine, clock):
     """An engine slower than playback (0.3 s per clock reading) sends each frame as soon as it exists instead
-    of holding it back for a bigger chunk, and steps one frame at a time, the cheapest wait for the next (the
-    first frame going out alone: `hold_first` off)."""
-    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, hold_first=False))
+    of holding it back for a bigger chunk, and steps one frame at a time, the cheapest wait for the next."""
     clock(0.3)
     (stream, col), = run(engine, [(0, Request("Hurry up.", speaker="aiden", max_frames=12, **GREEDY))])
     sizes = [c.frames for c in col.chunks if not c.final]
@@ -236,10 +187,8 @@ def test_cancel_frees_slot_at_next_step(engine):
     assert len(stream.codes) < 100
 
 
-def test_a_stream_submitted_ahead_takes_the_next_free_slot_before_waiting_requests(engine, monkeypatch):
+def test_a_stream_submitted_ahead_takes_the_next_free_slot_before_waiting_requests(engine, admit_all):
     """The next part of a long response (its listener is playing) goes before requests waiting for a slot."""
-    # on a CPU the playing streams' listeners run dry, and the newcomer guard would hold every newcomer back
-    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, guard_newcomers=False))
     playing = [engine.submit(engine.prepare(Request(f"Holding slot {i}.", speaker="ryan", max_frames=100, **GREEDY)),
                              Collector()) for i in range(engine.config.slots)]
     engine.run_once()
@@ -250,36 +199,6 @@ def test_a_stream_submitted_ahead_takes_the_next_free_slot_before_waiting_reques
     engine.run_once()
     assert ahead.slot is not None and waiting.slot is None
     for s in (*playing, waiting, ahead):
-        s.cancel()
-    while engine.run_once():
-        pass
-
-
-def test_the_iteration_is_capped_only_while_no_request_waits_for_a_free_slot(engine, monkeypatch):
-    """With `cap_iteration`, the longest step counts the newcomers' programs ahead of it, but not while requests
-    wait for a free slot: shorter steps would only keep them waiting longer."""
-    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, guard_newcomers=False,
-                                                              cap_iteration=True))
-    capped = []
-
-    def recording(*args, **kwargs):
-        capped.append(args[-1])
-        return step_frames(*args, **kwargs)
-
-    monkeypatch.setattr(plan, "step_frames", recording)
-    playing = [engine.submit(engine.prepare(Request(f"Holding slot {i}.", speaker="ryan", max_frames=100, **GREEDY)),
-                             Collector()) for i in range(engine.config.slots)]
-    engine.run_once()
-    waiting = [engine.submit(engine.prepare(Request(f"Waiting {i}.", speaker="eric", max_frames=100)), Collector())
-               for i in range(2)]
-    playing[0].cancel()
-    engine.run_once()  # one newcomer takes the freed slot; the other still waits for one
-    assert waiting[0].slot is not None and waiting[1].slot is None
-    playing[1].cancel()
-    engine.run_once()  # the last one joins: nobody waits
-    assert waiting[1].slot is not None
-    assert capped == [True, False, True]
-    for s in (*playing, *waiting):
         s.cancel()
     while engine.run_once():
         pass
@@ -382,7 +301,7 @@ def test_asyncio_bridge_streams_chunks_with_timings(engine):
         assert chunks[-1].final and chunks[-1].error is None
         assert sum(c.frames for c in chunks) == len(s.stream.codes) <= 6
         assert all(v is not None for v in s.timings.as_dict().values())
-    assert first.frames >= 1 and len(first.pcm) == first.frames * 1920  # one frame, or more if held (hold_first)
+    assert first.frames >= 1 and len(first.pcm) == first.frames * 1920
     assert rest[-1].final and rest[-1].error == "cancelled"
 
 
@@ -442,14 +361,13 @@ def test_newcomer_gets_its_first_chunk_at_once_and_joins_the_long_step_of_the_pl
 
 
 def test_how_late_newcomers_first_audio_goes_out_behind_a_codec_call_is_measured_and_published(engine, cheap, lead,
-                                                                                              monkeypatch):
+                                                                                              admit_all):
     """A newcomer's first frame runs on the device after the previous iteration's codec call, so its first audio
     goes out later than its own programs' (here 2 ms) cost after the iteration's start: the loop measures by how
     much (the step planner and admission count the newcomer's deadline from then), only in iterations with a
     codec call ahead of it, and publishes it in the stats."""
     engine.set_clock(time.perf_counter)  # a new clock: nothing measured yet
     lead(10.0)  # every frame of the playing stream goes to the codec in the iteration that made it
-    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, guard_newcomers=False))
     playing, newcomer = Collector(), Collector()
     engine.submit(engine.prepare(Request("Already playing.", speaker="ryan", max_frames=30, **GREEDY)), playing)
     for _ in range(2):
@@ -534,7 +452,7 @@ def test_a_failed_step_ends_each_stream_after_the_audio_the_sender_still_had(eng
     thread was still handing out (here slowed to 0.2 s) goes out before it, never after."""
     col = Collector()
     engine.submit(engine.prepare(Request("Doomed.", speaker="ryan", max_frames=20, **GREEDY)), col)
-    send_first = core.send_first
+    send_first = iteration.send_first
 
     def slow_send_first(*args):
         time.sleep(0.2)
@@ -543,7 +461,7 @@ def test_a_failed_step_ends_each_stream_after_the_audio_the_sender_still_had(eng
     def failing(*args):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(core, "send_first", slow_send_first)
+    monkeypatch.setattr(iteration, "send_first", slow_send_first)
     monkeypatch.setattr(engine.runner, "step", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         engine.run_once()
@@ -563,19 +481,13 @@ def test_delivery_lag_reported_by_the_bridge_widens_the_margin(engine):
     assert engine.jitter.margin() == floor
 
 
-def test_the_margin_covers_the_configured_share_of_the_measured_lateness(model):
-    """`margin_quantile` 1.0: the margin covers every lateness measured in its window, the rarest included; the
-    default 0.99 leaves one sample in a hundred above it."""
-    samples = [0.012] * 99 + [0.05]
-    margins = {}
-    for q in (0.99, 1.0):
-        engine = Engine(model, dataclasses.replace(CONFIG, margin_quantile=q))
-        for late in samples:
-            engine.observe_delivery_lag(late)
-        margins[q] = engine.jitter.margin()
-    assert margins[1.0] == pytest.approx(0.05) and margins[0.99] < 0.05
-    with pytest.raises(ValueError, match="margin_quantile 0 must be in"):
-        dataclasses.replace(CONFIG, margin_quantile=0)
+def test_the_margin_covers_all_but_the_rarest_measured_lateness(model):
+    """The margin is the 99th percentile of the lateness measured in its window: one sample in a hundred (a
+    rare pause) stays above it rather than shortening every step."""
+    engine = Engine(model, CONFIG)
+    for late in [0.012] * 99 + [0.05]:
+        engine.observe_delivery_lag(late)
+    assert engine.jitter.margin() == pytest.approx(0.012, abs=1e-3)
 
 
 class ManualClock:
@@ -588,12 +500,10 @@ class ManualClock:
         return self.now
 
 
-@pytest.mark.parametrize("guard", [True, False])
-def test_a_burst_waits_while_a_playing_streams_headroom_cannot_pay_for_its_prefill(engine, monkeypatch, guard):
+def test_a_burst_waits_while_a_playing_streams_headroom_cannot_pay_for_its_prefill(engine, monkeypatch):
     """Newcomers' prefill and first frame run before the playing streams' next frame: with 70 ms of audio in
     hand and 90 ms of work ahead of that frame, arrivals wait in the queue; once the playing stream has stepped
-    ahead, they start. Without the guard (`--newcomer-guard off`) they start at once."""
-    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, guard_newcomers=guard))
+    ahead, they start."""
     for name in ("step_costs", "first_costs", "prefill_costs"):
         monkeypatch.setattr(engine, name, {k: 0.030 for k in getattr(engine, name)})
     clock = ManualClock()
@@ -607,9 +517,8 @@ def test_a_burst_waits_while_a_playing_streams_headroom_cannot_pay_for_its_prefi
         late = [engine.submit(engine.prepare(Request(t, speaker="aiden", max_frames=8, **GREEDY)), Collector())
                 for t in ("Burst one.", "Burst two.")]
         engine.run_once()
-        if guard:
-            assert all(s.slot is None for s in late) and len(engine.queue) == 2
-            engine.run_once()  # the playing stream stepped three more frames meanwhile: 310 ms in hand
+        assert all(s.slot is None for s in late) and len(engine.queue) == 2
+        engine.run_once()  # the playing stream stepped three more frames meanwhile: 310 ms in hand
         assert all(s.slot is not None for s in late) and not engine.queue
     finally:
         while engine.run_once():  # leave the shared engine idle, whatever happened
@@ -620,7 +529,7 @@ def test_a_burst_waits_while_a_playing_streams_headroom_cannot_pay_for_its_prefi
 
 def test_bfloat16_codec_keeps_the_codes_and_the_audio_it_decodes(model):
     """The codec in bfloat16 changes only the arithmetic of the audio: the same codes, and audio that follows the
-    fp32 codec's within bf16 rounding (the choice `serve --codec-dtype bfloat16` offers for speed)."""
+    fp32 codec's within bf16 rounding (`EngineConfig.codec_dtype`, a choice for speed)."""
     reqs = [Request("The codec in half precision.", speaker="ryan", max_frames=8, **GREEDY),
             Request("A second stream.", speaker="eric", seed=3, max_frames=6)]
     fp32, bf16 = run_small(model, reqs, codec_dtype="float32"), run_small(model, reqs, codec_dtype="bfloat16")

@@ -106,7 +106,7 @@ def test_a_cpu_replica_of_one_cpu_runs_xla_on_one_thread_and_keeps_the_users_fla
 
 
 def _settings(**overrides) -> Settings:
-    return Settings(**{"model": "tiny-random", "slots": 2, "context": 1024, "frames_per_step": 1,
+    return Settings(**{"model": "tiny-random", "slots": 2, "context": 1024, "engine": {"frames_per_step": 1},
                        "drain_timeout_s": 60, "compile_cache": os.environ["QTTS_TEST_COMPILE_CACHE"], **overrides})
 
 
@@ -202,7 +202,7 @@ def _kill(replica: str) -> None:
 def fleet_of_two(url, keys_file):
     """Two replicas whose admission takes a stream only when idle (a 1 ms TTFA target): a busy replica refuses.
     They and the front check keys."""
-    settings = _settings(ttfa_target_ms=1, api_keys_file=keys_file)
+    settings = _settings(ttfa_target_ms=1, api_key="@" + keys_file)
     # one replica first: it compiles into the shared compilation cache, and the second loads from it in seconds
     # (two compiling at once on two cores take about as long as one after the other)
     _deploy(url, settings, FleetConfig(replicas=1, stats_period_s=0.2))

@@ -60,7 +60,7 @@ class Served:
     def __init__(self, engine: Engine, voices_dir: pathlib.Path, keys_file: str):
         self.settings = Settings(slots=CONFIG.slots, context=CONFIG.context, ttfa_target_ms=5000, warmup=False,
                                  voices_dir=str(voices_dir), warm_voice_encoders=False, max_input_chars=512,
-                                 api_keys_file=keys_file,
+                                 api_key="@" + keys_file,
                                  ws_max_messages_per_s=10_000, header_timeout_s=HEADER_TIMEOUT_S,
                                  idle_timeout_s=IDLE_TIMEOUT_S, max_connections=MAX_CONNECTIONS)
         self.engine = engine
@@ -515,24 +515,6 @@ def test_a_burst_of_as_many_connections_as_the_cap_is_queued_while_the_event_loo
         return len(clients)
 
     assert asyncio.run(burst()) == 300
-
-
-def test_connection_limits_are_settings_env_and_flags(monkeypatch):
-    import argparse
-
-    from serving import app as app_mod
-    from serving.cli import add_serve_parser, serve
-
-    monkeypatch.setenv("QTTS_HEADER_TIMEOUT_S", "4.5")
-    monkeypatch.setenv("QTTS_MAX_CONNECTIONS", "99")
-    assert (Settings.from_env().header_timeout_s, Settings.from_env().max_connections) == (4.5, 99)
-    parser = argparse.ArgumentParser()
-    add_serve_parser(parser.add_subparsers())
-    args = parser.parse_args(["serve", "--header-timeout-s", "3", "--idle-timeout-s", "9", "--max-connections", "7"])
-    seen = []
-    monkeypatch.setattr(app_mod, "run", lambda s: seen.append(s) or 0)
-    assert serve(args) == 0
-    assert (seen[0].header_timeout_s, seen[0].idle_timeout_s, seen[0].max_connections) == (3.0, 9.0, 7)
 
 
 def test_openapi_document_is_valid_for_the_version_it_declares(served):

@@ -34,7 +34,7 @@ def url(tmp_path_factory, keys_file):
     """A `qtts-jax serve` subprocess with keys, as a user starts one; its programs come from the compilation cache
     that test_studies_server's server of the same configuration filled."""
     with local_server(slots=2, context=256, log_path=tmp_path_factory.mktemp("page") / "serve.log",
-                      extra_args=("--api-keys-file", keys_file)) as u:
+                      extra_args=("--api-key", "@" + keys_file)) as u:
         body = json.dumps({"input": "Warm.", "voice": "alloy", "response_format": "pcm", "stream": False, "max_frames": 4}).encode()
         urllib.request.urlopen(urllib.request.Request(u + "/v1/audio/speech", body, JSON), timeout=60).read()  # a first
         yield u  # request after start-up does work once that would otherwise land in the page's first stream

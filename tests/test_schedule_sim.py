@@ -46,7 +46,7 @@ def test_a_closed_loop_as_wide_as_the_slots_is_served_whole_within_the_seed_slo(
 
 
 def test_an_engine_started_without_a_warm_up_serves_every_stream_as_its_rungs_first_run(tiny_model):
-    """Nothing timed before the first requests (a server's QTTS_WARMUP=0), and each rung's step cost only once a
+    """Nothing timed before the first requests (a server's `Settings.warmup` off), and each rung's step cost only once a
     step that wide has run: arrivals that fill the slots climb the ladder rung by rung, and every decision that
     reads a cost (admission, the newcomer guard, the step planner) takes one not timed yet as none. Each request
     is served or refused, none fails and none runs dry (the newcomer guard once failed every stream on a rung with

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qtts_jax.engine import Jitter, chunks_due, first_chunk_alone, step_frames
+from qtts_jax.engine import Jitter, chunks_due, step_frames
 from qtts_jax.engine.costs import prefill_calls
 from qtts_jax.engine.stream import FRAME_SECONDS
 
@@ -42,29 +42,12 @@ def test_newcomers_whose_first_audio_goes_out_late_may_join_a_longer_step():
     assert step_frames(COSTS, np.array([0.07]), FRAME_SECONDS, 0.015, 0.01, 0.2, flat(0.010), 0.040).frames == 1
 
 
-def test_a_newcomers_first_frame_goes_out_alone_only_if_its_next_audio_can_follow_within_it():
-    """Its next audio comes with the shortest step and that step's delivery; it must arrive before the first
-    frame's 80 ms have played, the margin spared, else the first frame waits to go out with it."""
-    assert first_chunk_alone(0.030, 0.0, 0.010)  # 30 + 10 ms within 80
-    assert first_chunk_alone(FRAME_SECONDS - 0.010, 0.0, 0.010)  # exactly the frame
-    assert not first_chunk_alone(0.030, 0.0, 0.060)  # a 60 ms margin (a burst's lateness): 90 ms > 80
-    assert first_chunk_alone(0.030, 0.020, 0.060)  # its listener starts 20 ms later: 90 ms within 100
-
-
 def test_a_long_step_is_avoided_unless_only_it_keeps_up():
     # within the headroom, but longer than max_step_s: an arrival would wait for it
     assert step_frames(COSTS, np.array([2.0]), None, 0.0, 0.01, 0.06).frames == 2
     # a one-frame iteration slower than its 80 ms of audio: only the long step keeps up, so it is taken
     slow = {1: 0.085, 2: 0.120, 4: 0.200}
     assert step_frames(slow, np.array([2.0]), None, 0.0, 0.01, 0.1).frames == 4
-
-
-def test_capping_the_iteration_counts_the_newcomers_programs_ahead_of_the_step():
-    """A request arriving during an iteration waits for all of it: with `cap_iteration` the newcomers' prefill and
-    first frame (10 ms here) count toward `max_step_s`, and a two-frame step's 55 ms no longer fits 60 ms."""
-    assert step_frames(COSTS, np.array([2.0]), None, 0.010, 0.01, 0.06).frames == 2
-    assert step_frames(COSTS, np.array([2.0]), None, 0.010, 0.01, 0.06, cap_iteration=True).frames == 1
-    assert step_frames(COSTS, np.array([2.0]), None, 0.0, 0.01, 0.06, cap_iteration=True).frames == 2
 
 
 def test_nothing_fits_steps_one_frame():
@@ -156,13 +139,6 @@ def test_newcomers_start_only_as_far_as_the_least_headroom_pays_for_their_prefil
     assert newcomers_that_fit(0, 1.0, 0.010, iteration_s) == 0
 
 
-def test_newcomer_guard_setting_reaches_the_engine_config():
-    from serving.settings import Settings
-
-    assert Settings().engine_config().guard_newcomers is True
-    assert Settings(newcomer_guard=False).engine_config().guard_newcomers is False
-
-
 def test_the_wait_until_audio_is_handed_out_shortens_the_step_it_follows():
     """An iteration's audio goes out only after the next iteration's admission and dispatch: 30 ms measured
     there come out of a newcomer's one frame of audio and out of a playing stream's headroom."""
@@ -192,8 +168,8 @@ def test_prefill_calls_are_the_cheapest_mix_of_the_measured_sizes():
 
 def test_an_iterations_plan_groups_prefills_by_bucket_and_steps_what_its_streams_allow():
     """`plan.schedule` from numbers alone: newcomers' prefills go in the cheapest calls per prompt bucket; a
-    newcomer's one-frame first chunk goes out alone only while the margin leaves its next audio time to follow,
-    and then the step is no longer than that audio; a stream waiting for text is not stepped, and one whose text
+    newcomer's one-frame first chunk goes out alone, ahead of the step, and the step is no longer than that
+    audio; a stream waiting for text is not stepped, and one whose text
     runs out sooner is limited to it."""
     from qtts_jax.engine import EngineConfig
     from qtts_jax.engine.costs import Costs
@@ -202,19 +178,14 @@ def test_an_iterations_plan_groups_prefills_by_bucket_and_steps_what_its_streams
     costs = Costs(steps={(8, 1): 0.01, (8, 4): 0.09}, prefills={1: 0.002, 8: 0.004}, firsts={8: 0.005}, ladder=(8,))
     calls = prefills([64, 128, 64], costs, (1, 8))
     assert calls == (PrefillCall(64, (0, 2), 8), PrefillCall(128, (1,), 1))
-    config = EngineConfig(slots=8, max_step_s=0.5, hold_first=True)
-
-    def plan(margin_s):  # two playing streams (the second waits for text), two newcomers (next chunks 1 and 2)
-        return schedule(calls, np.array([1.0, 1.0]), np.array([1, 2]), [None, 0, None, 3], costs,
-                        Sizes((8,), (8,), (1, 4)), config, margin_s, 0.0, cap_iteration=False)
-
-    held = plan(margin_s=0.1)  # one frame of audio cannot outlast even a one-frame step and the margin
-    assert held.decode_first == (False, False) and held.held == (True, False) and held.first_rung == 8
-    assert held.step.frames == 4 and held.step_rows == (0, 2, 3) and held.limits == (4, 4, 3)
-    assert held.extra_s == pytest.approx(0.004 + 0.005)  # three requests in one call of 8, two first frames
-    alone = plan(margin_s=0.01)
-    assert alone.decode_first == (True, False) and alone.held == (False, False)
-    assert alone.step.frames == 1 and alone.limits == (1, 1, 1)  # a 4-frame step would outlast its first chunk
+    config = EngineConfig(slots=8, max_step_s=0.5)
+    # two playing streams (the second waits for text), two newcomers (next chunks 1 and 2)
+    plan = schedule(calls, np.array([1.0, 1.0]), np.array([1, 2]), [None, 0, None, 3], costs,
+                    Sizes((8,), (8,), (1, 4)), config, 0.01, 0.0)
+    assert plan.decode_first == (True, False) and plan.first_rung == 8
+    assert plan.step.frames == 1 and plan.step_rows == (0, 2, 3)
+    assert plan.limits == (1, 1, 1)  # a 4-frame step would outlast the newcomer's one-frame first chunk
+    assert plan.extra_s == pytest.approx(0.004 + 0.005)  # three requests in one call of 8, two first frames
 
 
 def test_a_codec_call_takes_the_rows_with_a_chunk_due_at_their_rungs():

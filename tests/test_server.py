@@ -31,7 +31,7 @@ from support import (ADMIN_KEY, CAPPED_KEY, SCRAPE_KEY, SMALL, SPEAK_KEY, app_cl
 CONFIG = SMALL
 # a generous TTFA target: functional tests must not flake on a slow CI machine (admission has its own tests)
 # tiny-random on a CPU may be slower than real time: no real-time limit here (test_admission tests it)
-SETTINGS = Settings(slots=CONFIG.slots, context=CONFIG.context, ttfa_target_ms=2000, starvation_ms=1e9)
+SETTINGS = Settings(slots=CONFIG.slots, context=CONFIG.context, ttfa_target_ms=2000, admission={"starvation_s": 1e9})
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +51,12 @@ def serve_process(request, tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    from studies.server import server_command
+
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "QTTS_DRAIN_TIMEOUT_S": "20"}
     log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "qtts_cli", "serve", "--model", "tiny-random", "--port",
-                             str(port), "--slots", "1", "--context", "256", "--frames-per-step", "1"], env=env, stdout=log, stderr=log)
+    proc = subprocess.Popen(server_command("--model", "tiny-random", "--port", str(port), "--slots", "1", "--context",
+                                           "256", engine={"frames_per_step": 1}), env=env, stdout=log, stderr=log)
     yield proc, f"http://127.0.0.1:{port}", log
     if proc.poll() is None:
         proc.kill()
@@ -405,7 +407,7 @@ async def test_ready_only_at_full_capacity_while_it_serves_the_rungs_it_has(aioh
 
 async def test_a_server_started_without_warmup_leaves_compiles_out_of_its_estimates(aiohttp_client, model, offline,
                                                                                    monkeypatch):
-    """QTTS_WARMUP=0 (a quick start): each program compiles when a request first needs it, which takes seconds on
+    """`Settings.warmup` off (a quick start): each program compiles when a request first needs it, which takes seconds on
     a real model. Admission has no cost timed before the first request (an untimed cost counts as none), and what
     waited on a compile (the calibration request's first audio, the iterations that compiled) goes into no
     estimate: else it predicts seconds of first audio for every request after it and refuses them."""
@@ -561,7 +563,7 @@ async def test_a_request_is_resolved_once_from_validation_to_the_engine(client, 
 
 @pytest_asyncio.fixture
 async def keyed(make_client, keys_file):
-    return await make_client(dataclasses.replace(SETTINGS, api_keys_file=keys_file))
+    return await make_client(dataclasses.replace(SETTINGS, api_key="@" + keys_file))
 
 
 def assert_refused(r, status: int, code: str, body: dict) -> None:

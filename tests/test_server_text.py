@@ -19,7 +19,7 @@ from serving.script import build
 from support import SMALL, app_client, pcm
 
 pytestmark = pytest.mark.asyncio
-SETTINGS = Settings(slots=SMALL.slots, context=SMALL.context, ttfa_target_ms=2000, starvation_ms=1e9)
+SETTINGS = Settings(slots=SMALL.slots, context=SMALL.context, ttfa_target_ms=2000, admission={"starvation_s": 1e9})
 BODY = dict(voice="ryan", seed=3, max_frames=6, response_format="pcm", stream=True)
 # four sentences, each fitting SMALL's 64-token prompt bucket alone (tiny-random: a token a character), no two together
 SENTENCES = ["The first sentence is here and fits.", "A second one follows it right away.",

@@ -67,7 +67,7 @@ async def make_client(aiohttp_client, engine, tmp_path):
     async def make(voices_dir=tmp_path / "voices", **overrides):
         overrides.setdefault("warm_voice_encoders", False)  # compiled on demand; one test checks the warm-up
         # tiny-random on a CPU is slower than real time: no real-time limit here (test_admission tests it)
-        settings = Settings(slots=CONFIG.slots, context=CONFIG.context, ttfa_target_ms=5000, starvation_ms=1e9,
+        settings = Settings(slots=CONFIG.slots, context=CONFIG.context, ttfa_target_ms=5000, admission={"starvation_s": 1e9},
                             voices_dir=str(voices_dir), **overrides)
         return await app_client(aiohttp_client, settings, engine)
 

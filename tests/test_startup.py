@@ -21,6 +21,7 @@ from qtts_jax.engine import compile_cache, sizing
 from qtts_jax.codec import streaming as codec_streaming
 from qtts_jax.engine import EngineConfig, init_state
 from serving.app import ENGINE, SETTINGS, Settings, create_app, run, serve_alone
+from studies.server import server_command
 
 CONFIG = EngineConfig(slots=1, context=128, prompt_buckets=(32, 64), max_trailing=64)
 
@@ -116,8 +117,9 @@ def free_port() -> int:
 def start_and_stop(tmp_path, *args: str, warmup: bool = False,
                    stop_on: str | None = None) -> tuple[int, str, float, float]:
     """Runs `qtts-jax serve` until /ready is 200 (with `stop_on`, until that line is in its log), then SIGTERM;
-    returns (exit code, log, seconds to the signal, seconds from the signal to the exit). Without `warmup`,
-    QTTS_WARMUP=0: only the calibration request's programs compile, which keeps the starts short on a CPU."""
+    returns (exit code, log, seconds to the signal, seconds from the signal to the exit). Without `warmup` (the
+    server's `--no-warmup`), only the calibration request's programs compile, which keeps the starts short on a
+    CPU."""
     port = free_port()
     log_path = tmp_path / f"serve-{time.monotonic_ns()}.log"
 
@@ -131,10 +133,9 @@ def start_and_stop(tmp_path, *args: str, warmup: bool = False,
             return False
 
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "qtts_cli", "serve", "--model", "tiny-random", "--port",
-                                 str(port), "--frames-per-step", "1", *args], stdout=log, stderr=log,
-                                env={**os.environ, "JAX_PLATFORMS": "cpu", "QTTS_DRAIN_TIMEOUT_S": "1",
-                                     "QTTS_WARMUP": "1" if warmup else "0"})
+        proc = subprocess.Popen(server_command("--model", "tiny-random", "--port", str(port), *args,
+                                               engine={"frames_per_step": 1}, warmup=warmup), stdout=log, stderr=log,
+                                env={**os.environ, "JAX_PLATFORMS": "cpu", "QTTS_DRAIN_TIMEOUT_S": "1"})
         t0 = time.monotonic()
         try:
             while proc.poll() is None and time.monotonic() - t0 < 120 and not up():
@@ -157,27 +158,18 @@ def test_run_refuses_slots_that_do_not_fit_before_listening(caplog):
     assert "listening" not in caplog.text
 
 
-def test_a_serving_process_takes_the_switch_interval_of_its_settings():
-    """The engine thread, back from a device call, waits at most this long for the GIL the event loop holds."""
+def test_a_serving_process_shortens_the_switch_interval():
+    """The engine thread, back from a device call, waits at most 0.1 ms for the GIL the event loop holds."""
     from aiohttp import web
 
     app = web.Application()
-    app[SETTINGS], app[ENGINE] = Settings(switch_interval_ms=1.25), type("Engine", (), {})()
+    app[SETTINGS], app[ENGINE] = Settings(), type("Engine", (), {})()
     before = sys.getswitchinterval()
     try:
         serve_alone(app)
-        assert sys.getswitchinterval() == pytest.approx(0.00125)
+        assert sys.getswitchinterval() == pytest.approx(1e-4)
     finally:
         sys.setswitchinterval(before)
-
-
-def test_run_refuses_a_switch_interval_that_is_not_positive_before_listening(caplog):
-    caplog.set_level(logging.INFO)
-    before = sys.getswitchinterval()
-    settings = Settings(slots=1, port=free_port(), warmup=False, compile_cache="off", switch_interval_ms=0.0)
-    assert run(settings) == 2
-    assert "not starting: switch_interval_ms 0.0 must be a positive number" in caplog.text
-    assert "listening" not in caplog.text and sys.getswitchinterval() == before
 
 
 def test_run_refuses_to_listen_beyond_loopback_without_a_key_and_names_the_fix(caplog, tmp_path):
@@ -186,7 +178,7 @@ def test_run_refuses_to_listen_beyond_loopback_without_a_key_and_names_the_fix(c
     caplog.set_level(logging.INFO)
     assert run(Settings(host="0.0.0.0", compile_cache="off")) == 2
     assert ("not starting: --host 0.0.0.0 is reachable beyond this machine and no API key is set: give one with "
-            "--api-key KEY (or QTTS_API_KEY), several with --api-keys-file FILE, or --api-key none") in caplog.text
+            "--api-key KEY (or QTTS_API_KEY), several with --api-key @FILE, or --api-key none") in caplog.text
     keys = tmp_path / "keys.txt"
     for text, why in (("key-on-line-one-xx admin\nkey-on-line-two-xx admin 0\n", "line 2: MAX_STREAMS must be a"),
                       ("# a comment\n\nkey-on-line-three-x owner\n", "line 3: role 'owner' is not one of speak,"),
@@ -194,9 +186,9 @@ def test_run_refuses_to_listen_beyond_loopback_without_a_key_and_names_the_fix(c
                       ("short speak\n", "line 1: a key must be at least 16 characters"),
                       ("key-on-line-one-xx speak\nkey-on-line-one-xx admin\n", "line 1: this key is given twice")):
         keys.write_text(text)
-        assert run(Settings(host="0.0.0.0", api_keys_file=str(keys), compile_cache="off")) == 2
+        assert run(Settings(host="0.0.0.0", api_key=f"@{keys}", compile_cache="off")) == 2
         assert f"not starting: {keys} {why}" in caplog.text
-    assert run(Settings(api_keys_file=str(tmp_path / "missing"), compile_cache="off")) == 2
+    assert run(Settings(api_key=f"@{tmp_path / 'missing'}", compile_cache="off")) == 2
     assert "cannot be read (FileNotFoundError)" in caplog.text
     assert "key-on-line" not in caplog.text and "listening" not in caplog.text
 

@@ -28,7 +28,7 @@ def url(tmp_path_factory):
     records 429s that are no part of what these tests check (test_admission tests the limit); the queue still
     refuses what does not fit."""
     with local_server(slots=2, context=256, log_path=tmp_path_factory.mktemp("serve") / "serve.log",
-                      extra_args=("--ttfa-target-ms", "5000", "--starvation-ms", "1e9")) as u:
+                      extra_args=("--ttfa-target-ms", "5000"), admission={"starvation_s": 1e9}) as u:
         yield u
 
 

@@ -71,42 +71,18 @@ class EngineConfig:
     # bench/schedule_sim.py it moved the 0.6B shape's rates with p95 <= 100 ms from 40 rps to 100 at the same
     # throughput, and cost nothing at the costs x1.8 (bench/results/schedule-sim-max-step-cpu.json).
     max_step_s: float = 0.06
-    # With this on, `max_step_s` bounds the whole iteration, the newcomers' prefill and first frame ahead of the
-    # step included (a request arriving meanwhile waits for all of it), except while requests wait for a free slot
-    # (a short step then keeps them waiting longer: each stream holds its slot for more iterations). Off: the step
-    # alone. On the simulated H200 (bench/results/host-serving-cap-iteration-cpu.json) on cut TTFA p95 at 80 rps
-    # from 97 to 78-82 ms and in a closed loop of 256 from 304-371 to 285-312, but raised it at 100 rps from 103 to
-    # 98-117 and at 120 rps from 197-199 to 238-249; run 16 on the H200 stepped 3.8 frames a step at 80 rps (p95
-    # 103 ms) where run 14 had stepped 2. Off until measured on the GPU.
-    cap_iteration: bool = False
     # Playback policy. Every stream builds a lead of `lead_s` of audio from spare compute, each frame going
     # out as soon as it exists until then; beyond it chunks follow `schedule`. The margin kept in hand beyond
     # an iteration's predicted cost is the jitter measured between prediction, engine and listener (see
     # `scheduler.Jitter`), never less than `min_margin_s`.
     lead_s: float = 1.0
     min_margin_s: float = 0.01
-    # The share of the measured lateness samples the margin covers (`scheduler.Jitter`): higher, fewer chunks late
-    # beyond it, for shorter steps while newcomers join.
-    margin_quantile: float = 0.99
-    # Start only the newcomers whose prefill and first frame the playing streams' headroom pays for
-    # (`scheduler.newcomers_that_fit`); off, every waiting request with a free slot starts at once.
-    guard_newcomers: bool = True
-    # With this on, a newcomer's one-frame first chunk goes out alone only while its next audio can follow before
-    # that frame has played, the measured margin spared (`scheduler.first_chunk_alone`); otherwise its first frame
-    # waits for its first step's frames and goes out with them: first audio one step later, never a listener run
-    # dry 80 ms into its stream by lateness the engine measured. Off (the default): the first frame always goes
-    # alone. Since the previous iteration's audio no longer waits for the newcomers' admission, a closed burst of
-    # 256 has no such stall either way, and holding cost 30-60 ms of TTFA p95 (bench/results/
-    # host-serving-handout-cpu.json, capacity-0.6b-256-h100-run15.json).
-    hold_first: bool = False
     # The streaming codec's arithmetic: "float32" (the reference's), or "bfloat16", which puts its convolutions on
     # tensor cores in the channels-last layout cuDNN runs natively; in fp32 XLA hands cuDNN channels-first tensors
     # and cuDNN converts them back, a fifth of a codec call's time on the H200 (bench/results/kernels-*.json).
     codec_dtype: str = "float32"
 
     def __post_init__(self):
-        if not 0.0 < self.margin_quantile <= 1.0:
-            raise ValueError(f"margin_quantile {self.margin_quantile} must be in (0, 1]")
         for name in ("max_prefill", "max_first"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)} must be at least 1")

@@ -2,7 +2,7 @@
 
 The loop's scheduler, admission and the stats snapshot all predict with these functions, so a rule for how a cost
 adds up lives in one place. A cost not timed yet counts as none: only a warm-up times the prefill and first-frame
-programs, and a server started without one (QTTS_WARMUP=0) still answers.
+programs, and a server started without one (`Settings.warmup` off) still answers.
 """
 
 from __future__ import annotations

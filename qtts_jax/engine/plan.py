@@ -16,7 +16,7 @@ import numpy as np
 
 from qtts_jax.engine.config import EngineConfig, rung
 from qtts_jax.engine.costs import Costs
-from qtts_jax.engine.scheduler import StepPlan, chunks_due, first_chunk_alone, newcomers_that_fit, step_frames
+from qtts_jax.engine.scheduler import StepPlan, chunks_due, newcomers_that_fit, step_frames
 from qtts_jax.engine.stream import FRAME_SECONDS
 
 
@@ -37,7 +37,6 @@ class IterationPlan:
     prefills: tuple[PrefillCall, ...]
     first_rung: int  # rows of the first-frame program (0: no newcomer)
     decode_first: tuple[bool, ...]  # per newcomer: its first frame is decoded in that program (goes out alone)
-    held: tuple[bool, ...]  # per newcomer: its one-frame first chunk waits for the step's frames instead
     step_rows: tuple[int, ...]  # positions among the candidates (the playing streams, then the newcomers)
     step_rung: int
     limits: tuple[int, ...]  # per step row: the most frames it may make (its live text may end sooner)
@@ -65,12 +64,11 @@ class Sizes:
     step: tuple[int, ...]
 
 
-def admissions(waiting: int, min_headroom_s: float | None, live: int, costs: Costs, margin_s: float,
-               guard: bool) -> int:
+def admissions(waiting: int, min_headroom_s: float | None, live: int, costs: Costs, margin_s: float) -> int:
     """How many of `waiting` requests start now: `scheduler.newcomers_that_fit`, each m newcomers' prefill and first
     frame then a one-frame step of the `live` rows and m, against the least headroom of the streams with audio out.
-    All of them when unguarded or nothing is timed yet (no costs to judge by)."""
-    if not waiting or not guard or not costs.steps:
+    All of them when nothing is timed yet (no costs to judge by)."""
+    if not waiting or not costs.steps:
         return waiting
     return newcomers_that_fit(waiting, min_headroom_s, margin_s,
                               lambda m: costs.newcomers(m, m) + costs.until_audio(live + m, 1))
@@ -94,19 +92,16 @@ def prefills(buckets: list[int], costs: Costs, sizes: tuple[int, ...]) -> tuple[
 
 def schedule(calls: tuple[PrefillCall, ...], headroom: np.ndarray, new_next: np.ndarray,
              allowed: list[int | None], costs: Costs, sizes: Sizes, config: EngineConfig, margin_s: float,
-             first_late_s: float, cap_iteration: bool) -> IterationPlan:
+             first_late_s: float) -> IterationPlan:
     """The iteration's plan from numbers: `calls` the newcomers' prefills; `headroom` the playing streams' audio in
     hand (those with audio out); `new_next` each newcomer's next chunk in frames; `allowed` per candidate (the
     playing streams, then the newcomers) the frames its text allows this step (None: no limit; a newcomer's
     counts its first frame out); `first_late_s` how much later than their programs newcomers' first audio goes
-    out (measured behind the codec call ahead of them); `cap_iteration` the step bounds the newcomers' programs
-    too (`scheduler.step_frames`)."""
+    out (measured behind the codec call ahead of them). A newcomer whose first chunk is one frame decodes it in its
+    own program, so it goes out ahead of the step."""
     new = len(new_next)
     rows = len(allowed)
-    one = np.asarray(new_next) == 1
-    alone = bool(new) and (not config.hold_first or first_chunk_alone(
-        costs.until_audio(rows, min(sizes.step)), first_late_s, margin_s))
-    decode = one & alone
+    decode = np.asarray(new_next) == 1
     extra = costs.newcomers(sum(len(c.rows) for c in calls), new)
     stepping = tuple(j for j, a in enumerate(allowed) if a is None or a > 0)
     step, limits = None, ()
@@ -115,11 +110,11 @@ def schedule(calls: tuple[PrefillCall, ...], headroom: np.ndarray, new_next: np.
         step_costs = {n: costs.step(b, n) for n in sizes.step}
         delivery = {n: costs.delivery_after(b, n) for n in step_costs}
         step = step_frames(step_costs, headroom, FRAME_SECONDS if decode.any() else None, extra, margin_s,
-                           config.max_step_s, delivery, first_late_s, cap_iteration)
+                           config.max_step_s, delivery, first_late_s)
         limits = tuple(step.frames if allowed[j] is None else min(step.frames, allowed[j]) for j in stepping)
     return IterationPlan(
         prefills=calls, first_rung=rung(sizes.first, new) if new else 0, decode_first=tuple(decode.tolist()),
-        held=tuple((one & ~alone).tolist()), step_rows=stepping,
+        step_rows=stepping,
         step_rung=rung(sizes.ladder, len(stepping)) if stepping else 0, limits=limits, step=step, extra_s=extra)
 
 

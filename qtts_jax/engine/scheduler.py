@@ -11,12 +11,10 @@ the first byte. A stream's *headroom* is the audio it has handed out minus what 
 - **Step size.** The most frames whose predicted iteration, and the wait until its audio is handed out, leave
   every stream's headroom above the margin, where newcomers, joining the step right after their one-frame first
   chunk, must get their next audio before that frame has played; and no longer than `max_step_s` (a request
-  arriving meanwhile waits for it; with `cap_iteration`, for the newcomers' programs ahead of the step too) unless
-  only a longer step keeps up with playback.
+  arriving meanwhile waits for it) unless only a longer step keeps up with playback.
 - **Newcomers.** An iteration starts only as many waiting requests as the playing streams' headroom pays for:
   their prefill and first frame run before the playing streams' next frame, so a burst of arrivals waits an
-  iteration or two rather than making a playing stream run dry. With `hold_first`, their first frame goes out
-  alone only while their next audio can follow it within its 80 ms, the margin spared; else with the step's frames.
+  iteration or two rather than making a playing stream run dry.
 - **Prefill calls.** Waiting newcomers are prefilled in the calls whose measured costs sum least
   (`costs.prefill_calls`, which the cost of a prefill is also counted by).
 - **Margin.** The late side of what was measured: iterations that ran longer than predicted, audio handed out
@@ -47,7 +45,7 @@ class StepPlan:
 
 def step_frames(costs: dict[int, float], headroom: np.ndarray, newcomer_audio_s: float | None, extra_s: float,
                 margin_s: float, max_step_s: float, delivery_s: dict[int, float] | None = None,
-                first_late_s: float = 0.0, cap_iteration: bool = False) -> StepPlan:
+                first_late_s: float = 0.0) -> StepPlan:
     """Frames to step, from `costs` (frames -> seconds of a step iteration at this batch, the codec included):
 
     - `headroom` [N]: seconds of audio each playing stream with audio has in hand now;
@@ -59,8 +57,7 @@ def step_frames(costs: dict[int, float], headroom: np.ndarray, newcomer_audio_s:
       this step reaches its streams that much after it (0 where not given);
     - `first_late_s`: how much later than `extra_s` after the iteration's start the newcomers' first audio goes
       out, measured (it waits on the device behind the previous iteration's codec call, which `costs` count):
-      their listener starts that much later, so their next audio may come that much later too;
-    - `cap_iteration`: `max_step_s` bounds the step and the newcomers' programs ahead of it, not the step alone.
+      their listener starts that much later, so their next audio may come that much later too.
     """
     delivery_s = delivery_s or {}
     budget = math.inf
@@ -70,19 +67,9 @@ def step_frames(costs: dict[int, float], headroom: np.ndarray, newcomer_audio_s:
         budget = min(budget, newcomer_budget(newcomer_audio_s, first_late_s, margin_s))
     sizes = sorted(costs)
     fits = [n for n in sizes if costs[n] + delivery_s.get(n, 0.0) <= budget]
-    ahead = extra_s if cap_iteration else 0.0
-    brief = [n for n in fits if costs[n] + ahead <= max_step_s and costs[n] + extra_s <= n * FRAME_SECONDS]
+    brief = [n for n in fits if costs[n] <= max_step_s and costs[n] + extra_s <= n * FRAME_SECONDS]
     n = max(brief or fits, default=sizes[0])
     return StepPlan(n, extra_s + costs[n])
-
-
-def first_chunk_alone(next_audio_s: float, first_late_s: float, margin_s: float) -> bool:
-    """Whether newcomers' one-frame first chunks go out on their own, ahead of the step: only when their next audio,
-    `next_audio_s` after their own programs (the shortest step and its delivery, measured), reaches them before that
-    frame has played, with the margin to spare. Otherwise the first frame is decoded with the step's frames and goes
-    out with them: a longer first chunk, first audio one step later, and no listener that runs dry after 80 ms
-    because the measured lateness (a burst of arrivals, a busy event loop) exceeds one frame of audio."""
-    return next_audio_s <= newcomer_budget(FRAME_SECONDS, first_late_s, margin_s)
 
 
 def newcomers_that_fit(waiting: int, min_headroom_s: float | None, margin_s: float,
@@ -133,6 +120,11 @@ def chunks_due(pending: np.ndarray, want: np.ndarray, lm_done: np.ndarray, headr
     return np.where(due, np.where(full & ~short & ~lm_done, want, np.minimum(pending, limit)), 0)
 
 
+# The share of the measured lateness the margin covers: the rare late sample beyond it costs one late chunk, a
+# margin over every sample shortens every step while newcomers join (docs/benchmarks.md, the margin quantile).
+MARGIN_QUANTILE = 0.99
+
+
 class Jitter:
     """How late things ran beyond what the loop planned, over a recent window: each sample is seconds late
     (an iteration longer than predicted; its audio handed out later than usual; a batch of chunks taken by its
@@ -141,7 +133,7 @@ class Jitter:
 
     `add` is safe from any thread (a deque append); `margin` is read on the engine thread."""
 
-    def __init__(self, floor_s: float, window: int = 512, quantile: float = 0.99):
+    def __init__(self, floor_s: float, window: int = 512, quantile: float = MARGIN_QUANTILE):
         self.floor_s, self.quantile = floor_s, quantile
         self._samples: collections.deque[float] = collections.deque(maxlen=window)
 
