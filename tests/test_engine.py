@@ -89,6 +89,16 @@ def cheap(engine, monkeypatch):
         monkeypatch.setattr(engine, name, {k: 1e-3 for k in getattr(engine, name)})
 
 
+@pytest.fixture
+def burst_lateness(engine, clock, lead, cheap):
+    """A fast engine (every cost 1 ms, no lead to build) that has measured 200 ms of lateness at its listeners, as
+    in a burst: more than a one-frame first chunk's 80 ms of audio."""
+    clock(1e-4)
+    lead(0.0)
+    for _ in range(10):
+        engine.observe_delivery_lag(0.2)
+
+
 def test_ahead_of_playback_chunks_follow_the_schedule(engine, clock, lead, cheap):
     clock(1e-4)  # far faster than real time: every stream has plenty of headroom
     lead(0.0)  # no lead to build: the schedule alone sizes the chunks
@@ -110,6 +120,48 @@ def test_each_chunk_after_the_first_carries_when_its_listener_runs_dry_without_i
     assert first.due == -math.inf and col.final.due == math.inf and len(rest) >= 3
     for c in rest:
         assert c.due == pytest.approx(stream.timings.first_chunk + c.first_frame * FRAME_SECONDS)
+
+
+def test_when_measured_lateness_outlasts_a_frame_the_first_chunk_carries_the_steps_frames_too(engine, model,
+                                                                                          burst_lateness):
+    """With 200 ms of lateness measured (a burst's busy event loop), a one-frame first chunk would play out before
+    its next audio reached the listener: the newcomer's first frame is decoded with its first step's frames and
+    goes out with them, the same audio as `Model.generate`'s."""
+    req = Request("Held first frame.", speaker="aiden", max_frames=12, **GREEDY)
+    (stream, col), = run(engine, [(0, req)])
+    sizes = [c.frames for c in col.chunks if not c.final]
+    assert sizes[0] > 1 and sum(sizes) == len(stream.codes)
+    assert col.chunks[0].due == -math.inf and col.chunks[0].first_frame == 0
+    (expected,) = model.generate([req])
+    np.testing.assert_array_equal(np.stack(stream.codes), expected.codes)
+    np.testing.assert_allclose(col.audio, expected.audio, atol=1e-5, rtol=0)
+
+
+def test_a_held_first_chunk_is_no_longer_than_the_codecs_largest_and_no_frame_is_lost(engine, model, burst_lateness,
+                                                                                       monkeypatch):
+    """Held for a three-frame step, a first chunk would hold four frames; with two-frame codec calls the largest
+    (a schedule of 1 and 2 frames), it holds two and the rest follow: every frame decoded once, the same audio as
+    `Model.generate`'s (a chunk wider than the call dropped a frame's audio)."""
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, schedule=(1, 2)))
+    monkeypatch.setattr(engine, "_codec_sizes", (1, 2))  # the schedule's, compiled already
+    req = Request("Held, then capped.", speaker="aiden", max_frames=12, **GREEDY)
+    (stream, col), = run(engine, [(0, req)])
+    sizes = [c.frames for c in col.chunks if not c.final]
+    assert sizes[0] == 2 and max(sizes) == 2 and sum(sizes) == len(stream.codes)
+    (expected,) = model.generate([req])
+    np.testing.assert_allclose(col.audio, expected.audio, atol=1e-5, rtol=0)
+
+
+def test_a_first_chunk_the_client_sized_is_never_held_to_another_size(engine, burst_lateness):
+    """Holding concerns one-frame first chunks: a client whose schedule starts with two frames gets two, with
+    the same lateness measured that holds a one-frame first chunk for the step."""
+    col = Collector()
+    stream = engine.submit(engine.prepare(Request("Two first.", speaker="aiden", max_frames=12, **GREEDY), (2, 4)),
+                           col)
+    while not col.final:
+        engine.run_once()
+    sizes = [c.frames for c in col.chunks if not c.final]
+    assert sizes[0] == 2 and sum(sizes) == len(stream.codes)
 
 
 def test_a_stream_sends_every_frame_at_once_until_it_has_its_lead_then_follows_the_schedule(engine, clock, lead,

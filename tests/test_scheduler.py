@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from qtts_jax.engine import Jitter, chunks_due, step_frames
+from qtts_jax.engine.scheduler import first_chunk_alone
 from qtts_jax.engine.costs import prefill_calls
 from qtts_jax.engine.stream import FRAME_SECONDS
 
@@ -40,6 +41,15 @@ def test_newcomers_whose_first_audio_goes_out_late_may_join_a_longer_step():
     assert step_frames(COSTS, np.array([2.0]), FRAME_SECONDS, 0.015, 0.01, 0.2, flat(0.010), 0.0).frames == 2
     # the playing streams' headroom still bounds it
     assert step_frames(COSTS, np.array([0.07]), FRAME_SECONDS, 0.015, 0.01, 0.2, flat(0.010), 0.040).frames == 1
+
+
+def test_a_newcomers_first_frame_goes_out_alone_only_if_its_next_audio_can_follow_within_it():
+    """Its next audio comes with the shortest step and that step's delivery; it must arrive before the first
+    frame's 80 ms have played, the margin spared, else the first frame waits to go out with it."""
+    assert first_chunk_alone(0.030, 0.0, 0.010)  # 30 + 10 ms within 80
+    assert first_chunk_alone(FRAME_SECONDS - 0.010, 0.0, 0.010)  # exactly the frame
+    assert not first_chunk_alone(0.030, 0.0, 0.060)  # a 60 ms margin (a burst's lateness): 90 ms > 80
+    assert first_chunk_alone(0.030, 0.020, 0.060)  # its listener starts 20 ms later: 90 ms within 100
 
 
 def test_a_long_step_is_avoided_unless_only_it_keeps_up():

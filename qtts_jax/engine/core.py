@@ -178,7 +178,7 @@ class Engine:
         result = execute(self, plan, playing + new, new, joined, prefill_done, handing, parts)
         self._audio = update(self, plan, result, t0, ahead, compiled, parts)
         self._profile.add(parts, live=len(live), new=len(new), frames=plan.step.frames if plan.step else 0,
-                          margin_ms=self._margin_s * 1e3)
+                          margin_ms=self._margin_s * 1e3, held=len(result.held))
         if self.runner.compiled_on_demand == compiled:
             measurements.iteration(self, self.clock() - t0, plan)
         self.iterations += 1

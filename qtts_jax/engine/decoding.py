@@ -12,20 +12,23 @@ from qtts_jax.engine.plan import codec_call
 from qtts_jax.engine.stream import Stream
 
 
-def decode_audio(engine, now: float, coming: dict[Stream, int], step: int | None) -> HandOut | None:
+def decode_audio(engine, now: float, coming: dict[Stream, int], step: int | None,
+                 held: frozenset[Stream] = frozenset()) -> HandOut | None:
     """Hand every stream's due frames (`plan.codec_call`: below its lead, all it has; past it, its schedule's next
     size) to ONE codec call, each row with its own frame count. `coming` are the streams whose frames are being
     made by the step queued ahead of this call, and how many: they count as made (a stream that ends early makes
     fewer; `bookkeeping.settle_audio` corrects the counts once the step is read). While a stream below its lead
     waits on it, the call is no wider than the codec chunk that the cost of a step of `step` frames counts (the
-    calibration's), so it ends when the step planner said."""
+    calibration's), so it ends when the step planner said. `held`: newcomers whose first frame waited for this
+    step (`IterationPlan.held`): their first chunk is every frame they have, up to the codec's largest chunk."""
     e, c = engine, engine.config
     waiting = [s for s in e.slots if s is not None and s.pending + coming.get(s, 0) > 0]
     if not waiting:
         return None
     call = codec_call(
         pending=np.array([s.pending + coming.get(s, 0) for s in waiting]),
-        want=np.array([s.next_chunk_frames() for s in waiting]),
+        want=np.array([min(s.pending + coming.get(s, 0), max(e._codec_sizes)) if s in held
+                       else s.next_chunk_frames() for s in waiting]),
         lm_done=np.array([s.lm_done or s.waiting_text for s in waiting]),  # none coming soon: all out
         # a listener that ran dry waiting for live text gets what there is at once, as one below its lead
         headroom=np.array([0.0 if s.resumes else np.nan if (h := s.buffered(now)) is None else h for s in waiting]),

@@ -29,6 +29,7 @@ class IterationResult:
 
     new: list[Stream]
     stepping: list[Stream]
+    held: frozenset[Stream]  # newcomers whose one-frame first chunk waits for the step's frames
     limits: np.ndarray  # per step row: the most frames it may make
     step: StepOutcome | None
     handed: concurrent.futures.Future | None
@@ -59,7 +60,8 @@ def execute(engine, plan: IterationPlan, candidates: list[Stream], new: list[Str
         idx, _ = rows(stepping, plan.step_rung, e.config.slots)
         out = e.runner.step(idx, np.pad(limits, (0, plan.step_rung - len(stepping))), plan.step.frames)
     parts.mark("dispatch")
-    return IterationResult(new, stepping, limits, out, handing, stamping, sending)
+    held = frozenset(s for s, h in zip(new, plan.held) if h)
+    return IterationResult(new, stepping, held, limits, out, handing, stamping, sending)
 
 
 def update(engine, plan: IterationPlan, result: IterationResult, t0: float, ahead: tuple[int, int] | None,
@@ -82,7 +84,7 @@ def update(engine, plan: IterationPlan, result: IterationResult, t0: float, ahea
         parts.mark("first")
     step = plan.step
     coming = {} if step is None else {s: int(f) for s, f in zip(result.stepping, result.limits) if not s.lm_done}
-    handout = decode_audio(e, e.clock(), coming, None if step is None else step.frames)
+    handout = decode_audio(e, e.clock(), coming, None if step is None else step.frames, result.held)
     parts.mark("codec_dispatch")
     if result.step is not None:
         frames, valid = np.asarray(result.step.frames), np.asarray(result.step.valid)

@@ -16,7 +16,7 @@ import numpy as np
 
 from qtts_jax.engine.config import EngineConfig, rung
 from qtts_jax.engine.costs import Costs
-from qtts_jax.engine.scheduler import StepPlan, chunks_due, newcomers_that_fit, step_frames
+from qtts_jax.engine.scheduler import StepPlan, chunks_due, first_chunk_alone, newcomers_that_fit, step_frames
 from qtts_jax.engine.stream import FRAME_SECONDS
 
 
@@ -37,6 +37,7 @@ class IterationPlan:
     prefills: tuple[PrefillCall, ...]
     first_rung: int  # rows of the first-frame program (0: no newcomer)
     decode_first: tuple[bool, ...]  # per newcomer: its first frame is decoded in that program (goes out alone)
+    held: tuple[bool, ...]  # per newcomer: its one-frame first chunk waits for the step's frames instead
     step_rows: tuple[int, ...]  # positions among the candidates (the playing streams, then the newcomers)
     step_rung: int
     limits: tuple[int, ...]  # per step row: the most frames it may make (its live text may end sooner)
@@ -98,10 +99,14 @@ def schedule(calls: tuple[PrefillCall, ...], headroom: np.ndarray, new_next: np.
     playing streams, then the newcomers) the frames its text allows this step (None: no limit; a newcomer's
     counts its first frame out); `first_late_s` how much later than their programs newcomers' first audio goes
     out (measured behind the codec call ahead of them). A newcomer whose first chunk is one frame decodes it in its
-    own program, so it goes out ahead of the step."""
+    own program, so it goes out ahead of the step, only while its next audio can follow before that frame has
+    played (`scheduler.first_chunk_alone`); else it is held for the step's frames: an admitted stream never runs
+    dry 80 ms into its audio because the engine is loaded."""
     new = len(new_next)
     rows = len(allowed)
-    decode = np.asarray(new_next) == 1
+    one = np.asarray(new_next) == 1
+    alone = bool(new) and first_chunk_alone(costs.until_audio(rows, min(sizes.step)), first_late_s, margin_s)
+    decode = one & alone
     extra = costs.newcomers(sum(len(c.rows) for c in calls), new)
     stepping = tuple(j for j, a in enumerate(allowed) if a is None or a > 0)
     step, limits = None, ()
@@ -114,7 +119,7 @@ def schedule(calls: tuple[PrefillCall, ...], headroom: np.ndarray, new_next: np.
         limits = tuple(step.frames if allowed[j] is None else min(step.frames, allowed[j]) for j in stepping)
     return IterationPlan(
         prefills=calls, first_rung=rung(sizes.first, new) if new else 0, decode_first=tuple(decode.tolist()),
-        step_rows=stepping,
+        held=tuple((one & ~alone).tolist()), step_rows=stepping,
         step_rung=rung(sizes.ladder, len(stepping)) if stepping else 0, limits=limits, step=step, extra_s=extra)
 
 

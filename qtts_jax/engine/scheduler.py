@@ -72,6 +72,16 @@ def step_frames(costs: dict[int, float], headroom: np.ndarray, newcomer_audio_s:
     return StepPlan(n, extra_s + costs[n])
 
 
+def first_chunk_alone(next_audio_s: float, first_late_s: float, margin_s: float) -> bool:
+    """Whether newcomers' one-frame first chunks go out on their own, ahead of the step: only when their next audio,
+    `next_audio_s` after their own programs (the shortest step and its delivery, measured), reaches them before that
+    frame has played, with the margin to spare. Otherwise the first frame is decoded with the step's frames and goes
+    out with them: a longer first chunk, first audio one step later, and no listener that runs dry after 80 ms
+    because the engine is loaded or the measured lateness (a burst of arrivals, a busy event loop) exceeds one frame
+    of audio."""
+    return next_audio_s <= newcomer_budget(FRAME_SECONDS, first_late_s, margin_s)
+
+
 def newcomers_that_fit(waiting: int, min_headroom_s: float | None, margin_s: float,
                        iteration_s: Callable[[int], float]) -> int:
     """How many of `waiting` requests (free slots permitting) this iteration starts: the most m for which
