@@ -66,6 +66,12 @@ class Metrics:
         Gauge("qtts_engine_late_chunks", "Chunks the engine handed out after their listener ran dry (since start)",
               registry=r).set_function(lambda: stats().late_chunks)
         Gauge("qtts_ready", "1 when accepting work", registry=r).set_function(lambda: float(scheduler.accepting))
+        # what a router or an autoscaler reads of this replica's room now (a warming replica's rungs grow)
+        Gauge("qtts_capacity_streams", "Streams this replica could start now: the slots its compiled rungs hold, "
+              "less those in use and waiting", registry=r).set_function(
+            lambda: float(max(0, stats().slots - stats().live - stats().queued)))
+        Gauge("qtts_compiling_programs", "Engine programs still to compile before full capacity",
+              registry=r).set_function(lambda: stats().compiling)
         r.register(PauseCollector())
         self._iterations_seen = 0
         self._stats = stats

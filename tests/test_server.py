@@ -273,6 +273,7 @@ async def test_metrics_present(client):
                  "qtts_active_streams 0.0",
                  "qtts_queue_depth 0.0", "qtts_queue_oldest_wait_seconds", "qtts_slot_occupancy",
                  "qtts_step_seconds_count", "qtts_min_headroom_seconds", "qtts_ready 1.0",
+                 f"qtts_capacity_streams {float(CONFIG.slots)}", "qtts_compiling_programs 0.0",
                  'qtts_requests_total{endpoint="/v1/audio/speech",outcome="ok"}',
                  'qtts_requests_total{endpoint="/v1/audio/speech",outcome="bad_request"} 1.0'):
         assert name in text, name
