@@ -203,7 +203,8 @@ async def ready(request):
         stats = app[ENGINE].stats()  # the engine's published snapshot: its slots and queue are its thread's
         return web.json_response({"status": "ready", "slots": stats.slots, "active": stats.live,
                                   "queued": stats.queued, "compiling": stats.compiling})
-    status = "draining" if sched.draining else ("failed" if app[WARMUP_ERROR] else "warming")
+    status = "draining" if sched.draining else ("failed" if app[WARMUP_ERROR] else
+                                                "restarting" if not sched.core_up else "warming")
     body = {"status": status}
     if app[WARMUP_ERROR]:
         body["error"] = app[WARMUP_ERROR][0]
