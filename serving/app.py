@@ -208,6 +208,7 @@ async def _warm_up(app: web.Application) -> None:
             async for _ in stream:
                 pass
             sched.observe(stream.timings)
+        cache = await asyncio.get_running_loop().run_in_executor(None, engine.compile_summary)  # the core's
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # keep /health up and say why /ready stays 503
@@ -217,7 +218,7 @@ async def _warm_up(app: web.Application) -> None:
     sched.ready = True
     st = engine.stats()
     log.info("ready after %.1f s (slots=%d; %s)%s", time.perf_counter() - t0, engine.config.slots,
-             compile_cache.summary(), f"; {st.compiling} programs of the larger rungs still compiling, serving "
+             cache, f"; {st.compiling} programs of the larger rungs still compiling, serving "
              f"{st.slots} streams until they are" if st.compiling else "")
     if VOICES in app and settings.warm_voice_encoders:  # in the background: serving starts now
         app[VOICE_WARMUP].append(asyncio.get_running_loop().run_in_executor(None, _warm_voices, app))

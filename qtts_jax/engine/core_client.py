@@ -178,6 +178,10 @@ class CoreClient:
         while len(self._primed) > self.config.cached_voices:
             self._primed.pop(next(iter(self._primed)))
 
+    def compile_summary(self) -> str:
+        """What the core's compilation cache did so far (`compile_cache.summary`, in the core's process)."""
+        return self._call("compile_summary")
+
     def _clone(self, audio, ref_text, xvector_only, trailing_silence_s):
         return self._call("clone_voice", audio, ref_text, xvector_only, trailing_silence_s)
 

@@ -19,6 +19,7 @@ from functools import partial
 
 import numpy as np
 
+from qtts_jax.engine import compile_cache
 from qtts_jax.engine.core import Engine
 from qtts_jax.engine.host_model import HostModel
 from qtts_jax.engine.links import Link, thread_links
@@ -172,9 +173,13 @@ def _warm_voices(engine: Engine, max_seconds: float, trailing_silence_s: float) 
     engine.model.voice_encoders.warmup(max_seconds, trailing_silence_s)
 
 
+def _compile_summary(engine: Engine) -> str:
+    return compile_cache.summary()
+
+
 # what a `Call` may ask for, by name
 CALLS = {"warmup": _warmup, "start": _start, "prime_voice": _prime_voice, "clone_voice": _clone_voice,
-         "warm_voices": _warm_voices}
+         "warm_voices": _warm_voices, "compile_summary": _compile_summary}
 
 _threads = itertools.count(1)
 
