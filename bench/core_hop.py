@@ -6,6 +6,8 @@ same batches between two threads of one process (the in-process core's queues, n
   array, as `CoreHost` sends them) with an engine snapshot of that many streams; timed from just before the core
   side's `send` to just after the host side's `recv` returns, on the shared monotonic clock (`time.perf_counter`).
 - in (host -> core): one `Submit` of a prepared tiny-random job, timed from the host's `send` to the core's `recv`.
+- the alternative not taken (yet): the same batch's PCM written into a `multiprocessing.shared_memory` block by the
+  core and copied out by the host, only the rest of the batch through the pipe.
 
 CPU only; spawns one process.
 
@@ -15,6 +17,7 @@ CPU only; spawns one process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -63,6 +66,47 @@ def core_side(conn, chunks: int, reps: int) -> None:
         conn.send((time.perf_counter(), batch))
 
 
+def core_side_shm(conn, name: str, chunks: int, reps: int) -> None:
+    """The child, the shared-memory way: the PCM into the block, the batch without it through the pipe."""
+    from multiprocessing import shared_memory
+
+    block = shared_memory.SharedMemory(name=name)  # the host owns (and unlinks) it; a spawned child shares its tracker
+    batch = batch_of(chunks)
+    pcm, rest = batch.pcm, dataclasses.replace(batch, pcm=np.zeros(0, np.float32))
+    ring = np.ndarray(pcm.shape, np.float32, buffer=block.buf)
+    for _ in range(reps):
+        conn.recv()
+        sent = time.perf_counter()
+        ring[:] = pcm
+        conn.send((sent, rest))
+    del ring
+    block.close()
+
+
+def measure_shm(chunks: int, reps: int) -> dict:
+    from multiprocessing import shared_memory
+
+    samples = chunks * SAMPLES_PER_FRAME
+    block = shared_memory.SharedMemory(create=True, size=samples * 4)
+    ring = np.ndarray((samples,), np.float32, buffer=block.buf)
+    ctx = multiprocessing.get_context("spawn")
+    host, core = ctx.Pipe()
+    proc = ctx.Process(target=core_side_shm, args=(core, block.name, chunks, reps), daemon=True)
+    proc.start()
+    outs = []
+    for _ in range(reps):
+        host.send("next")
+        sent, batch = host.recv()
+        pcm = ring.copy()
+        outs.append(time.perf_counter() - sent)
+        assert len(batch.chunks) == chunks and len(pcm) == samples
+    proc.join()
+    del ring
+    block.close()
+    block.unlink()
+    return {"out_batch": _ms(outs[reps // 10:])}
+
+
 def _ms(samples: list[float]) -> dict:
     a = np.array(samples) * 1e3
     return {"p50_ms": round(float(np.percentile(a, 50)), 4), "p95_ms": round(float(np.percentile(a, 95)), 4),
@@ -70,7 +114,8 @@ def _ms(samples: list[float]) -> dict:
 
 
 def measure(host, chunks: int, reps: int, submit: Submit) -> dict:
-    """`host`: the host's end; the core side runs `core_side` at the other."""
+    """`host`: the host's end; the core side runs `core_side` at the other. The first tenth of each direction's
+    repetitions warm up (the child's imports, the first allocations) and are not counted."""
     ins = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -83,7 +128,8 @@ def measure(host, chunks: int, reps: int, submit: Submit) -> dict:
         sent, batch = host.recv()
         outs.append(time.perf_counter() - sent)
         assert len(batch.chunks) == chunks
-    return {"in_submit": _ms(ins), "out_batch": _ms(outs)}
+    skip = reps // 10
+    return {"in_submit": _ms(ins[skip:]), "out_batch": _ms(outs[skip:])}
 
 
 def main() -> int:
@@ -114,6 +160,7 @@ def main() -> int:
     threads = measure(a, args.chunks, args.reps, submit)
 
     result = {"pipe_spawned_process": pipe, "queues_between_threads": threads,
+              "shared_memory_pcm_spawned_process": measure_shm(args.chunks, args.reps),
               "batch_bytes_pickled": len(pickle.dumps(batch_of(args.chunks), protocol=pickle.HIGHEST_PROTOCOL)),
               "submit_bytes_pickled": len(pickle.dumps(submit, protocol=pickle.HIGHEST_PROTOCOL))}
     report = {"what": f"one message batch each way between the server's process and an engine core: a batch of "

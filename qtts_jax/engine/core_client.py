@@ -91,6 +91,7 @@ class CoreClient:
         self._warm: bool | None = None  # the warm-up's `background`, to warm a new core the same way
         self._started = False
         self._stopping = False
+        self._hop = 0.0  # the latest batch's hand-out (in a core process) to its arrival here
         self.on_compiled = None  # called once a background warm-up has nothing left to compile
         self.on_up = None  # called with `up` whenever it changes after the start (the core died, or is back)
         self.up = self._linked = False  # ready for requests; a core at the link's other end
@@ -159,7 +160,9 @@ class CoreClient:
         self._send(AppendText(stream.id, tuple(ids), complete))
 
     def observe_delivery_lag(self, seconds: float) -> None:
-        self._send(DeliveryLag(seconds))
+        """`Engine.observe_delivery_lag`, the hop from a core process included: `seconds` counts from when this side
+        took a batch, its listeners' clock from when the core handed it out."""
+        self._send(DeliveryLag(seconds + self._hop))
 
     def warmup(self, background: bool = False) -> None:
         """`Engine.warmup` in the core (waits for it)."""
@@ -278,6 +281,8 @@ class CoreClient:
 
     def _receive(self, batch: Batch) -> None:
         st = batch.stats
+        if self.process is not None and batch.chunks:  # a core process's clock is this one's (a thread's may not be)
+            self._hop = max(time.perf_counter() - min(c.sent_at for c in batch.chunks), 0.0)
         with self._lock:
             was_compiling = self._stats.compiling
             self._stats, self._compiled_on_demand = st, batch.compiled_on_demand
