@@ -317,6 +317,8 @@ class CoreClient:
             if link is not self._link:
                 return
             self.up = self._linked = False
+            self._stats = dataclasses.replace(self._stats, live=0, frames_left=(), live_ids=(), queued=0,
+                                              queued_frames=(), queued_ids=(), oldest_wait_s=0.0)
             streams, self._streams = list(self._streams.values()), {}
             self._unseen, self._ended = {}, set()
             calls, self._calls = list(self._calls.values()), {}
@@ -352,6 +354,7 @@ class CoreClient:
         t0 = time.perf_counter()
         with self._lock:
             self._link, self.process, self._linked = link, process, True
+            self._stats, self._compiled_on_demand = hello.stats, 0
             self._lock.notify_all()
         threading.Thread(target=self._read_loop, args=(link,), name="qtts-core-out", daemon=True).start()
         try:
@@ -365,7 +368,6 @@ class CoreClient:
             log.exception("the new engine core failed to warm up")
             return
         with self._lock:
-            self._stats, self._compiled_on_demand = hello.stats, 0
             self.up = True
             self._lock.notify_all()
         if self.on_up is not None:

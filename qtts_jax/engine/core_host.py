@@ -3,9 +3,9 @@ snapshot sent back in batches.
 
 It uses only the engine's public API (`submit`, `append_text`, `stats`, `warmup`, `start`, `stop`, ...). Chunks the
 engine hands out (from its sender thread, final chunks from its loop thread) gather in an outbox; the first of a
-batch wakes the flusher thread, which sends everything gathered by the time it runs as ONE `Batch` with the
-snapshot taken after them: one batch per hand-out (the engine hands one codec call's audio out in one loop of a few
-ms), not one per chunk. The same code serves a core in its own process (`core_process.main`) and one on a thread
+batch wakes the flusher thread, which sends everything gathered once the hand-out's loop has ended as ONE `Batch`
+with the snapshot taken after them: one batch per hand-out (the engine hands one codec call's audio out in one loop
+of a few ms, its newcomers' first chunks in another), not one per chunk. The same code serves a core in its own process (`core_process.main`) and one on a thread
 beside its host (`in_process`, for tests)."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 from functools import partial
 
 import numpy as np
@@ -28,6 +29,11 @@ from qtts_jax.engine.messages import (AppendText, Batch, Call, Cancel, ChunkOut,
 from qtts_jax.engine.stream import Chunk, Stream, Timings
 
 log = logging.getLogger(__name__)
+
+# a hand-out has ended once no chunk came for this long (its loop emits one every few microseconds)...
+_QUIET_S = 2e-4
+# ... or, at most, this long after its first chunk
+_HOLD_S = 2e-3
 
 
 class CoreHost:
@@ -70,7 +76,8 @@ class CoreHost:
         for msg in batch:
             if isinstance(msg, Submit):
                 stream = self.engine.submit(msg.job, partial(self._put, msg.id), msg.ahead)
-                stream.timings.submitted = msg.submitted  # when the host took it, on the shared clock
+                if self.engine.clock is time.perf_counter:  # the host's clock: when the host took it
+                    stream.timings.submitted = msg.submitted
                 self._host_ids[stream.id] = msg.id
                 self._streams[msg.id] = stream
             elif isinstance(msg, AppendText):
@@ -110,6 +117,14 @@ class CoreHost:
             with self._lock:
                 while not (self._chunks or self._replies or self._closed):
                     self._lock.wait()
+                # a hand-out's chunks come in one loop on one thread, which the GIL's switch interval cuts into
+                # slices: the batch is sent once that loop has ended (no chunk for a moment; a while at most)
+                until = time.perf_counter() + _HOLD_S
+                while self._chunks and not self._closed and time.perf_counter() < until:
+                    count = len(self._chunks)
+                    self._lock.wait(_QUIET_S)
+                    if len(self._chunks) == count:
+                        break
                 chunks, self._chunks = self._chunks, []
                 replies, self._replies = self._replies, []
                 closed = self._closed
