@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import multiprocessing
 import os
 import pickle
@@ -32,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from bench import report  # noqa: E402
 from qtts_jax.codec.config import SAMPLES_PER_FRAME  # noqa: E402
 from qtts_jax.engine.links import thread_links  # noqa: E402
 from qtts_jax.engine.messages import Batch, ChunkOut, Submit  # noqa: E402
@@ -163,12 +163,9 @@ def main() -> int:
               "shared_memory_pcm_spawned_process": measure_shm(args.chunks, args.reps),
               "batch_bytes_pickled": len(pickle.dumps(batch_of(args.chunks), protocol=pickle.HIGHEST_PROTOCOL)),
               "submit_bytes_pickled": len(pickle.dumps(submit, protocol=pickle.HIGHEST_PROTOCOL))}
-    report = {"what": f"one message batch each way between the server's process and an engine core: a batch of "
-                      f"{args.chunks} one-frame chunks ({SAMPLES_PER_FRAME} float32 samples each) with the stats "
-                      "snapshot, core -> host; one prepared request, host -> core",
-              "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "cpus": os.cpu_count(), **result}
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    print(json.dumps(result, indent=1))
+    report.write(args.out, f"one message batch each way between the server's process and an engine core: a batch "
+                           f"of {args.chunks} one-frame chunks ({SAMPLES_PER_FRAME} float32 samples each) with the "
+                           "stats snapshot, core -> host; one prepared request, host -> core", result)
     return 0
 
 

@@ -21,7 +21,7 @@ import dataclasses
 import itertools
 import logging
 import math
-import multiprocessing.util  # its exit handler (which ends daemonic processes) registered before ours, runs after
+import multiprocessing.util  # noqa: F401  (registers its exit handler, which ends daemonic processes, before ours)
 import threading
 import time
 from typing import Callable
@@ -29,7 +29,6 @@ from typing import Callable
 import numpy as np
 
 from qtts_jax.engine import preparation
-from qtts_jax.engine.config import EngineConfig
 from qtts_jax.engine.job import Job
 from qtts_jax.engine.messages import AppendText, Batch, Call, Cancel, DeliveryLag, Hello, Stop, Submit
 from qtts_jax.engine.stats import EngineStats
