@@ -28,7 +28,7 @@ from typing import Callable
 
 import numpy as np
 
-from qtts_jax.engine import preparation
+from qtts_jax.engine import core_host, core_process, preparation
 from qtts_jax.engine.job import Job
 from qtts_jax.engine.messages import AppendText, Batch, Call, Cancel, DeliveryLag, Hello, Stop, Submit
 from qtts_jax.engine.stats import EngineStats
@@ -100,16 +100,12 @@ class CoreClient:
     @classmethod
     def in_process(cls, engine) -> "CoreClient":
         """Over `engine` (a `core.Engine`), its core on a thread of this process."""
-        from qtts_jax.engine.core_host import in_process
-
-        return cls(lambda: (*in_process(engine), None))
+        return cls(lambda: (*core_host.in_process(engine), None))
 
     @classmethod
     def spawn(cls, spec) -> "CoreClient":
         """A core process of `spec` (`core_process.CoreSpec`), restarted whenever it dies."""
-        from qtts_jax.engine.core_process import spawn
-
-        return cls(lambda: (lambda proc, link, hello: (link, hello, proc))(*spawn(spec)), restart=True)
+        return cls(lambda: (lambda proc, link, hello: (link, hello, proc))(*core_process.spawn(spec)), restart=True)
 
     def _attach(self, link, hello: Hello, process) -> None:
         self._link, self.process = link, process
