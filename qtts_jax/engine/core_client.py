@@ -172,9 +172,10 @@ class CoreClient:
         """`Engine.prepare_voice` in the core (waits for it); a new core primes it again."""
         codes = np.asarray(ref_codes)
         self._call("prime_voice", codes)
-        self._primed[codes.tobytes()] = codes
-        while len(self._primed) > self.config.cached_voices:
-            self._primed.pop(next(iter(self._primed)))
+        with self._lock:  # registrations prime from the server's executor threads
+            self._primed[codes.tobytes()] = codes
+            while len(self._primed) > self.config.cached_voices:
+                self._primed.pop(next(iter(self._primed)))
 
     def compile_summary(self) -> str:
         """What the core's compilation cache did so far (`compile_cache.summary`, in the core's process)."""
@@ -357,7 +358,9 @@ class CoreClient:
                 self._call("warmup", self._warm, force=True)
             if self._started:
                 self._call("start", force=True)
-            for codes in list(self._primed.values()):
+            with self._lock:
+                primed = list(self._primed.values())
+            for codes in primed:
                 self._call("prime_voice", codes, force=True)
         except Exception:
             log.exception("the new engine core failed to warm up")
