@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import collections
 import functools
-import json
 import os
 import sys
 import time
@@ -27,6 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from bench import report  # noqa: E402
 
 TEXT = "Hi, how can I help you today? I am here to help."
 
@@ -102,11 +103,8 @@ def main() -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     result = asyncio.run(measure(args.requests))
-    report = {"what": "per request of a burst, the server's intake (handler start -> engine submit) and its parts, "
-                      "on tiny-random with the engine loop stopped",
-              "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "cpus": os.cpu_count(), **result}
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    print(json.dumps(result, indent=1))
+    report.write(args.out, "per request of a burst, the server's intake (handler start -> engine submit) and its "
+                           "parts, on tiny-random with the engine loop stopped", result)
     return 0
 
 

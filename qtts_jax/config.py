@@ -31,6 +31,10 @@ class FrozenDict(dict):
 
     __setitem__ = __delitem__ = update = pop = clear = setdefault = _readonly
 
+    def __reduce__(self):
+        """Pickled whole (a dict's pickle sets items one by one): a config crosses to the server's process."""
+        return FrozenDict, (dict(self),)
+
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:

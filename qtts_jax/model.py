@@ -6,6 +6,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -125,6 +126,14 @@ class Model:
             "talker_layers": c.talker.num_layers,
             "noise": self.is_noise,
         }
+
+
+def weights_dtype(name: str) -> str:
+    """The weights' dtype `name` stands for on this process's backend: "auto" is bfloat16 on a GPU (the checkpoints'
+    own dtype, what capacity is measured at), float32 elsewhere (the reference's, for parity)."""
+    if name != "auto":
+        return name
+    return "bfloat16" if jax.default_backend() == "gpu" else "float32"
 
 
 def load_model(path_or_preset: str | Path, dtype=jnp.float32, seed: int = 0) -> Model:

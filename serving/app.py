@@ -14,6 +14,7 @@ import os
 import sys
 import time
 import weakref
+from functools import partial
 from pathlib import Path
 
 from aiohttp import hdrs, web
@@ -23,6 +24,8 @@ from aiohttp.web_protocol import RequestPayloadError
 from qtts_jax.engine import compile_cache, sizing
 from serving.bridge import AsyncEngine
 from qtts_jax.engine import Engine
+from qtts_jax.engine.core_client import CoreClient
+from qtts_jax.engine.core_process import CoreSpec
 from qtts_jax.request import Request
 from serving import aliases, auth, page, routes, ws
 from serving.collector import freeze_startup
@@ -108,22 +111,25 @@ async def key_middleware(request: web.Request, handler):
         return await handler(request)
 
 
-def create_app(settings: Settings = Settings(), model=None, engine: Engine | None = None) -> web.Application:
-    """The server. Pass an already built (and possibly warmed) `engine` to share one between apps (tests).
-    Raises ValueError when the API keys are missing or malformed (serving/auth.py), before loading anything."""
+def create_app(settings: Settings = Settings(), model=None, engine: Engine | CoreClient | None = None) -> web.Application:
+    """The server. Without `engine` or `model`, its engine core runs in a process of its own (`serve`), which loads
+    `settings.model` and sizes the slots there: this process never touches the device. Pass an already built (and
+    possibly warmed) `engine`, or a loaded `model`, to run the core on a thread here instead (tests; an `Engine` may
+    be shared between apps). Raises ValueError when the API keys are missing or malformed (serving/auth.py), before
+    loading anything, and SlotsDoNotFit (before any state is allocated) when the asked-for count does not fit."""
     keyring = auth.keyring(settings)
-    if engine is None:
-        if model is None:
-            import jax.numpy as jnp
-
-            from qtts_jax.model import load_model
-
-            model = load_model(settings.model, dtype=jnp.dtype(settings.model_dtype()))
-        # raises SlotsDoNotFit (before any state is allocated) when the asked-for count does not fit
+    if engine is None and model is None:
+        engine = CoreClient.spawn(CoreSpec(settings.model, settings.dtype,
+                                           dataclasses.replace(settings, slots=1).engine_config(), settings.slots,
+                                           settings.compile_cache))
+        settings = dataclasses.replace(settings, slots=engine.config.slots)
+    elif engine is None:
         slots, fit = sizing.resolve_slots(model, dataclasses.replace(settings, slots=1).engine_config(), settings.slots)
         log.info("slots: %d (%s)", slots, fit.describe())
         settings = dataclasses.replace(settings, slots=slots)
         engine = Engine(model, settings.engine_config())
+    if not isinstance(engine, CoreClient):
+        engine = CoreClient.in_process(engine)
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware, key_middleware],
                           handler_args={"max_field_size": 16384})
     app[SETTINGS] = settings
@@ -135,6 +141,7 @@ def create_app(settings: Settings = Settings(), model=None, engine: Engine | Non
     app[ENGINE] = engine
     app[BRIDGE] = AsyncEngine(engine)
     app[SCHEDULER] = Scheduler(engine, settings.admission_config())
+    engine.on_up = partial(_core_up, app[SCHEDULER])
     app[METRICS] = Metrics(engine, app[SCHEDULER], model=engine.model.name, info=_build_info(settings, engine))
     app[SOCKETS] = weakref.WeakSet()
     app[WARMUP_ERROR] = []
@@ -152,7 +159,12 @@ def create_app(settings: Settings = Settings(), model=None, engine: Engine | Non
     return app
 
 
-def _build_info(settings: Settings, engine: Engine) -> dict[str, str]:
+def _core_up(sched: Scheduler, up: bool) -> None:
+    """The engine core died (False: `/ready` 503, admission refuses) or is back after its restart (True)."""
+    sched.core_up = up
+
+
+def _build_info(settings: Settings, engine: CoreClient) -> dict[str, str]:
     """The build and configuration a scrape should see beside the numbers (the `qtts_build` info metric)."""
     from importlib import metadata
 
@@ -164,7 +176,7 @@ def _build_info(settings: Settings, engine: Engine) -> dict[str, str]:
     except metadata.PackageNotFoundError:
         version = "unknown"
     cfg = engine.config
-    return {"version": version, "jax": jax.__version__, "backend": jax.default_backend(), "model": engine.model.name,
+    return {"version": version, "jax": jax.__version__, "backend": engine.backend, "model": engine.model.name,
             "model_type": engine.model.cfg.model_type, "dtype": jnp.dtype(engine.model.dtype).name,
             "slots": str(cfg.slots),
             "context": str(cfg.context), "frames_per_step": str(cfg.frames_per_step),
@@ -200,6 +212,7 @@ async def _warm_up(app: web.Application) -> None:
             async for _ in stream:
                 pass
             sched.observe(stream.timings)
+        cache = await asyncio.get_running_loop().run_in_executor(None, engine.compile_summary)  # the core's
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # keep /health up and say why /ready stays 503
@@ -209,7 +222,7 @@ async def _warm_up(app: web.Application) -> None:
     sched.ready = True
     st = engine.stats()
     log.info("ready after %.1f s (slots=%d; %s)%s", time.perf_counter() - t0, engine.config.slots,
-             compile_cache.summary(), f"; {st.compiling} programs of the larger rungs still compiling, serving "
+             cache, f"; {st.compiling} programs of the larger rungs still compiling, serving "
              f"{st.slots} streams until they are" if st.compiling else "")
     if VOICES in app and settings.warm_voice_encoders:  # in the background: serving starts now
         app[VOICE_WARMUP].append(asyncio.get_running_loop().run_in_executor(None, _warm_voices, app))
@@ -269,11 +282,14 @@ def run(settings: Settings, engine: Engine | None = None) -> int:
     log.info("XLA compilation cache: %s", cache or "off")
 
     async def main() -> int:
+        app = None
         try:
             app = create_app(settings, engine=engine)
             serve_alone(app)
         except (sizing.SlotsDoNotFit, ValueError) as exc:  # ValueError: the keys, the voice aliases, a setting
             log.error("not starting: %s", exc)
+            if app is not None:  # its core started: stop it
+                await app[BRIDGE].stop()
             return 2
         runner = Runner(app, header_timeout_s=settings.header_timeout_s, idle_timeout_s=settings.idle_timeout_s,
                         max_connections=settings.max_connections, handler_cancellation=True, shutdown_timeout=5.0)

@@ -1,7 +1,7 @@
-"""asyncio face of the engine: the engine loop runs on its own thread; each request gets an
-`asyncio.Queue` of chunks, so handlers simply `async for` the audio.
+"""asyncio face of the engine: the engine's core runs in a process of its own or on a thread (`CoreClient`); each
+request gets an `asyncio.Queue` of chunks, so handlers simply `async for` the audio.
 
-Chunks cross threads through one outbox per event loop: whatever the engine hands out before the loop next runs
+Chunks cross threads through one outbox per event loop: whatever the core's batches hand out before the loop next runs
 moves into the requests' queues in ONE `call_soon_threadsafe` callback (one wake-up of the event loop per engine
 iteration, not one per chunk per stream). Once the requests' coroutines have taken the batch's chunks (each works up
 to its next await in turn), the outbox reports how long after the engine handed out the oldest chunk the last was
@@ -16,11 +16,10 @@ import time
 import weakref
 from functools import partial
 
-import jax
-
 from qtts_jax.engine import Engine
+from qtts_jax.engine.core_client import CoreClient, CoreStream
 from qtts_jax.engine.job import Job
-from qtts_jax.engine.stream import Chunk, Stream
+from qtts_jax.engine.stream import Chunk
 
 
 class AsyncStream:
@@ -29,7 +28,7 @@ class AsyncStream:
     def __init__(self, queue: asyncio.Queue):
         self._queue = queue
         self._ended = False
-        self.stream: Stream | None = None
+        self.stream: CoreStream | None = None
 
     def __aiter__(self):
         return self
@@ -96,20 +95,22 @@ class _Outbox:
 
 
 class AsyncEngine:
-    """Owns the engine thread for an event loop (start/stop fit an aiohttp cleanup_ctx)."""
+    """Starts and stops the engine's core for an event loop (start/stop fit an aiohttp cleanup_ctx)."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, engine: CoreClient | Engine):
+        """`engine`: a core's client, or an `Engine` to run on a thread here (`CoreClient.in_process`)."""
+        self.engine = engine if isinstance(engine, CoreClient) else CoreClient.in_process(engine)
         self._outboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its outbox
 
     async def start(self, warmup: bool = True) -> None:
         """Start the loop after the warm-up that lets it serve. On a GPU the rest compiles in the background (its
         autotuning makes a cold start minutes); on a CPU everything compiles first: it takes seconds there and
         would share the cores the first requests need."""
+        loop = asyncio.get_running_loop()
         if warmup:
-            background = jax.default_backend() != "cpu"
-            await asyncio.get_running_loop().run_in_executor(None, partial(self.engine.warmup, background=background))
-        self.engine.start()
+            background = self.engine.backend != "cpu"
+            await loop.run_in_executor(None, partial(self.engine.warmup, background=background))
+        await loop.run_in_executor(None, self.engine.start)
 
     async def stop(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
@@ -127,5 +128,6 @@ class AsyncEngine:
         return out
 
     def append_text(self, out: AsyncStream, ids: list[int], complete: bool = False) -> None:
-        """`Engine.append_text` for a live stream from `submit` (it only takes a lock: no need to leave the loop)."""
+        """`Engine.append_text` for a live stream from `submit` (checked here, sent to the core: no need to leave
+        the loop)."""
         self.engine.append_text(out.stream, ids, complete)

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from serving.auth import Keyring
 from serving.bridge import AsyncEngine
-from qtts_jax.engine import Engine
+from qtts_jax.engine.core_client import CoreClient
 from serving.metrics import Metrics
 from serving.scheduler import Scheduler
 from serving.settings import Settings
@@ -19,7 +19,7 @@ from serving.voices import VoiceStore
 SETTINGS = web.AppKey("settings", Settings)
 MODEL = web.AppKey("model", object)
 SERVED_NAMES = web.AppKey("served_names", tuple)  # model names a request may ask for: this model's and generic
-ENGINE = web.AppKey("engine", Engine)
+ENGINE = web.AppKey("engine", CoreClient)  # the engine core's client: in its own process, or on a thread
 BRIDGE = web.AppKey("bridge", AsyncEngine)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 METRICS = web.AppKey("metrics", Metrics)

@@ -209,7 +209,8 @@ async def ready(request):
             return web.json_response({"status": "ready", **body})
         return web.json_response({"status": "warming", "slots_configured": app[ENGINE].config.slots, **body},
                                  status=503, headers={"Retry-After": "5"})
-    status = "draining" if sched.draining else ("failed" if app[WARMUP_ERROR] else "warming")
+    status = "draining" if sched.draining else ("failed" if app[WARMUP_ERROR] else
+                                                "restarting" if not sched.core_up else "warming")
     body = {"status": status}
     if app[WARMUP_ERROR]:
         body["error"] = app[WARMUP_ERROR][0]

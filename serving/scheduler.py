@@ -100,12 +100,13 @@ class Scheduler:
         self.config = config
         self.ready = False
         self.draining = False
+        self.core_up = True  # False while the engine core is down (it died and is restarting)
         self.streams: dict[int, StreamTrack] = {}
         self._service = None  # EMA seconds: admitted -> first chunk, as observed
 
     @property
     def accepting(self) -> bool:
-        return self.ready and not self.draining
+        return self.ready and self.core_up and not self.draining
 
     def observe(self, timings) -> None:
         """A stream's first chunk left: its admission-to-first-chunk time corrects the predicted one (not while the
@@ -172,6 +173,8 @@ class Scheduler:
         c = self.config
         if not self.ready:
             raise ApiError(503, "not_ready", "the server is warming up", retry_after=c.warming_retry_after_s)
+        if not self.core_up:
+            raise ApiError(503, "not_ready", "the engine is restarting", retry_after=c.warming_retry_after_s)
         if self.draining:
             raise ApiError(503, "draining", "the server is shutting down", retry_after=c.draining_retry_after_s)
         st = self.engine.stats()

@@ -84,11 +84,9 @@ class Settings:
 
     def model_dtype(self) -> str:
         """The weights' dtype `dtype` names on this machine's backend."""
-        if self.dtype != "auto":
-            return self.dtype
-        import jax
+        from qtts_jax.model import weights_dtype
 
-        return "bfloat16" if jax.default_backend() == "gpu" else "float32"
+        return weights_dtype(self.dtype)
 
     def engine_config(self) -> EngineConfig:
         buckets = tuple(b for b in EngineConfig.prompt_buckets if b < self.context // 2) or (min(32, self.context // 2),)

@@ -353,7 +353,7 @@ def test_asyncio_bridge_streams_chunks_with_timings(engine):
     results, first, rest = asyncio.run(main())
     for s, chunks in results:
         assert chunks[-1].final and chunks[-1].error is None
-        assert sum(c.frames for c in chunks) == len(s.stream.codes) <= 6
+        assert sum(c.frames for c in chunks) == s.stream.frames <= 6  # the frames the core made for it
         assert all(v is not None for v in s.timings.as_dict().values())
     assert first.frames >= 1 and len(first.pcm) == first.frames * 1920
     assert rest[-1].final and rest[-1].error == "cancelled"

@@ -101,7 +101,7 @@ async def client(make_client):
 async def wait_idle(app, timeout=5.0):
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        if app[ENGINE].active == 0 and not app[SCHEDULER].streams and not app[ENGINE].queue:
+        if app[ENGINE].active == 0 and not app[SCHEDULER].streams and not app[ENGINE].stats().queued:
             return time.monotonic() - t0
         await asyncio.sleep(0.01)
     raise AssertionError(f"slot not freed: active={app[ENGINE].active} open={len(app[SCHEDULER].streams)}")
@@ -355,7 +355,7 @@ async def test_bad_inputs_get_400_naming_the_field(client):
     assert r.status == 413 and (await r.json())["error"]["param"] == "body"
     r = await client.get("/v1/audio/nothing")
     assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
-    assert client.app[ENGINE].active == 0 and not client.app[ENGINE].queue
+    assert client.app[ENGINE].active == 0 and not client.app[ENGINE].stats().queued
 
 
 async def test_ready_503_until_warm_and_requests_refused(make_client, engine, monkeypatch):

@@ -300,7 +300,7 @@ async def test_custom_voice_server_refuses_registration(aiohttp_client, tmp_path
     assert r.status == 400 and body["error"]["param"] == "model" and "Base" in body["error"]["message"]
 
 
-async def test_encoders_are_compiled_in_the_background_after_ready(make_client):
+async def test_encoders_are_compiled_in_the_background_after_ready(make_client, engine):
     from qtts_jax.codec import encoder as codec_encoder
     from qtts_jax.speaker import ecapa
 
@@ -317,8 +317,7 @@ async def test_encoders_are_compiled_in_the_background_after_ready(make_client):
     assert (ecapa._embed._cache_size(), codec_encoder._forward._cache_size()) == compiled
     # a restart prepares the stored ICL voices' codec state in the same background pass
     await client.close()
-    engine = client.app[ENGINE]
-    engine.runner._primed.clear()
+    engine.runner._primed.clear()  # the apps' engine (their core runs it on a thread here)
     again = await make_client(warm_voice_encoders=True, voice_max_seconds=2.5, voice_trailing_silence_ms=300)
     await again.app[VOICE_WARMUP][0]
     assert len(engine.runner._primed) == 2
