@@ -23,7 +23,7 @@ SPEECH = {"model": "tts-1", "voice": "ryan", "response_format": "pcm", "stream":
 @pytest.mark.asyncio
 async def test_a_killed_core_ends_its_streams_with_an_error_reports_not_ready_and_is_restarted(aiohttp_client):
     # one slot, one frame a step, no warm-up: the fewest programs to compile (the session's cache keeps them)
-    settings = Settings(slots=1, context=128, frames_per_step=1, warmup=False, warm_voice_encoders=False,
+    settings = Settings(slots=1, context=128, engine={"frames_per_step": 1}, warmup=False, warm_voice_encoders=False,
                         compile_cache=os.environ["QTTS_TEST_COMPILE_CACHE"])
     app = create_app(settings)
     core = app[ENGINE]

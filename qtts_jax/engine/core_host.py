@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 _QUIET_S = 2e-4
 # ... or, at most, this long after its first chunk
 _HOLD_S = 2e-3
+_IDLE_S = 0.1  # while nothing is handed out, how often the flusher looks for a changed snapshot
 
 
 class CoreHost:
@@ -48,6 +49,7 @@ class CoreHost:
         self._replies: list[Reply] = []
         self._ended: list[int] = []  # engine ids whose final chunk went out (their names go once unlisted)
         self._closed = False
+        self._sent = None  # `_gist` of the snapshot the host last got
         self._calls = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="qtts-core-call")
         self._flusher = threading.Thread(target=self._flush_loop, name="qtts-core-out", daemon=True)
         self._flusher.start()
@@ -115,8 +117,14 @@ class CoreHost:
     def _flush_loop(self) -> None:
         while True:
             with self._lock:
-                while not (self._chunks or self._replies or self._closed):
-                    self._lock.wait()
+                if not (self._chunks or self._replies or self._closed):
+                    self._lock.wait(_IDLE_S)
+                idle = not (self._chunks or self._replies or self._closed)
+            # the engine's lock is never taken under this one (the engine may hand a chunk out holding its own)
+            moved = idle and _gist(self.engine.stats()) != self._sent  # a warm-up stage, a stream gone
+            if idle and not moved:
+                continue
+            with self._lock:
                 # a hand-out's chunks come in one loop on one thread, which the GIL's switch interval cuts into
                 # slices: the batch is sent once that loop has ended (no chunk for a moment; a while at most)
                 until = time.perf_counter() + _HOLD_S
@@ -128,7 +136,7 @@ class CoreHost:
                 chunks, self._chunks = self._chunks, []
                 replies, self._replies = self._replies, []
                 closed = self._closed
-            if chunks or replies:
+            if chunks or replies or moved:
                 try:
                     self.link.send(self._batch(chunks, replies))
                 except (OSError, ValueError):  # the host is gone: nothing listens
@@ -151,7 +159,9 @@ class CoreHost:
                 if s is not None:
                     self._ended.append(s.id)
         pcm = np.concatenate([c.pcm for _, c in chunks]) if start else np.zeros(0, np.float32)
-        return Batch(tuple(out), pcm, self._stats(), self.engine.compiled_on_demand, tuple(replies))
+        stats = self._stats()
+        self._sent = _gist(stats)
+        return Batch(tuple(out), pcm, stats, self.engine.compiled_on_demand, tuple(replies))
 
     def _stats(self):
         """The engine's snapshot with its streams named by the host's ids; names of ended streams the snapshot no
@@ -166,6 +176,11 @@ class CoreHost:
                     names.pop(i, None)
             self._ended = [i for i in self._ended if i in listed]
         return named
+
+
+def _gist(stats) -> tuple:
+    """What the host must hear of without a hand-out: the programs left to compile, the slots served, the streams."""
+    return stats.compiling, stats.slots, stats.live, stats.queued
 
 
 def _warmup(engine: Engine, background: bool) -> None:
