@@ -3,8 +3,8 @@
 A replica's engine keeps every stream's audio ahead of its listener by a margin that covers the jitter it measures
 (`scheduler.Jitter`): in one server, how late its own event loop takes the chunks it hands out. In the fleet each
 chunk then passes the front's event loop before the client has it, and that loop's lateness is out of the
-engine's sight: one replica on an H100 let 3 of 800 streams stall at 40 rps, each at its second chunk, where
-`qtts-jax serve` with the same engine let none stall at 60 (bench/results/fleet-relay-0.6b-h100.json). The front
+engine's sight: without this, a fleet let streams stall at their second chunk at rates where `qtts-jax serve`
+with the same engine let none stall (docs/fleet.md). The front
 runs a probe that sleeps `PROBE_S` at a time and measures how late it wakes: a chunk arriving meanwhile waits as
 long. Every `REPORT_S` the worst lateness goes to each replica the front relays a stream for, whose engine adds
 it to its jitter."""

@@ -50,8 +50,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     """``table[ids]`` ([V, D] rows for ids of any shape), whose gradient sums the rows of each id before it writes
     the table. A plain gather's gradient adds every position into its row one by one with atomics, and a training
-    batch reads a few rows thousands of times (tts_pad beside every frame, a padding row wherever a part is absent):
-    on the H200 that scatter took 45-49 ms of a 290-360 ms step. Call it on the whole batch, not under `jax.vmap`:
+    batch reads a few rows thousands of times (tts_pad beside every frame, a padding row wherever a part is absent),
+    and that scatter took a sixth of a training step. Call it on the whole batch, not under `jax.vmap`:
     there, JAX's rule for a custom gradient would make a table-sized gradient per row and then sum them."""
     vocab, dtype = table.shape[0], table.dtype
 

@@ -2,8 +2,8 @@
 takes, set before JAX starts a backend (XLA reads both once). What the user already set is left as it is.
 
 `--xla_gpu_enable_triton_gemm=false`: the matrix products go to cuBLAS instead of Triton kernels that XLA
-autotunes one by one. On the H200 this halves compiling the engine's step, first-frame and prefill programs and
-runs them as fast or faster (bench/results/compile-flags-0.6b-256-h200.json)."""
+autotunes one by one. This halves compiling the engine's step and prefill programs and runs them as fast or
+faster (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -27,9 +27,8 @@ def apply() -> None:
     os.environ["XLA_FLAGS"] = merged(os.environ.get("XLA_FLAGS", ""), TUNED)
 
 
-# A training process owns its GPU. JAX's allocator otherwise stops at 75% of it: on an H200 (104 of 139 GiB) the
-# 1.7B Base step at batch 32 ran out of memory asking for a 71 GiB temporary beside about 36 GiB of weights and
-# optimiser state, where torch's allocator, which has no such cap, ran the official step.
+# A training process owns its GPU. JAX's allocator otherwise stops at 75% of it, and the 1.7B Base step at batch
+# 32 ran out of memory there where torch's allocator, which has no such cap, ran the official step.
 TRAINING_MEMORY_FRACTION = "0.95"
 
 

@@ -328,7 +328,7 @@ def _compiling(app: web.Application) -> bool:
 def _exit_under_compiles(cache: Path | None) -> None:
     """Exit 0 at once, the logs flushed. XLA's compiles run on threads nothing can stop: a normal exit waited out the
     whole warm-up (minutes on a cold GPU), and an interpreter finalised under the background warm-up's compiles
-    crashed (a segmentation fault on an H100). What was compiled is in the compilation cache `cache`, if one is on."""
+    crashed (a segmentation fault on a GPU). What was compiled is in the compilation cache `cache`, if one is on."""
     log.info("exiting before the warm-up's compiles finish%s",
              f" (what was compiled is in the compilation cache {cache})" if cache else "")
     logging.shutdown()

@@ -55,8 +55,8 @@ def pauses() -> Pauses:
 def freeze_startup() -> None:
     """Collect once, then move every object alive into the collector's permanent generation, which its passes never
     scan. For a process's entry point once its server is warm, and again once the engine's background warm-up has
-    compiled the larger rungs (`Engine.on_compiled`: on the H200 the passes under load still took over 50 ms when
-    only the first stage's objects were frozen): a process that hosts app after app (the tests) would keep each
+    compiled the larger rungs (`Engine.on_compiled`: with only the first stage's objects frozen, the passes under
+    load still held the process for tens of ms): a process that hosts app after app (the tests) would keep each
     one's objects for ever."""
     gc.collect()
     gc.freeze()

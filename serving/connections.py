@@ -108,8 +108,7 @@ class Runner(web.AppRunner):
     def site(self, host: str, port: int) -> web.TCPSite:
         """The listening socket, its backlog as deep as the connections the server takes: the kernel queues a
         burst of that many until the event loop accepts them. With aiohttp's default of 128 it dropped the rest,
-        whose clients retried a second later (TCP's SYN timeout): in a closed loop of 256 on the H100, 48 requests
-        sent at once had their first audio 1.1 s late, 0.13 s of it the server's."""
+        whose clients retried a second later (TCP's SYN timeout), their first audio a second late."""
         return web.TCPSite(self, host, port, backlog=self._limits["max_connections"])
 
     async def _make_server(self) -> web.Server:

@@ -35,8 +35,8 @@ class EngineConfig:
     schedule: tuple[int, ...] = DEFAULT_SCHEDULE  # frames per audio chunk once a stream has its lead: 1, 2, 4, 8 ...
     frames_per_text_token: int = 8  # runaway guard: cap = base + this x text tokens
     frames_cap_base: int = 24
-    # "pallas" (the kernel; 2-6.7x faster than the reference on the H200, bench/results/sampling-h200.json),
-    # "jnp" (the reference), or "auto": the kernel on GPU, the reference elsewhere (no Triton on CPU).
+    # "pallas" (the kernel, several times faster than the reference on a GPU: docs/benchmarks.md), "jnp" (the
+    # reference), or "auto": the kernel on GPU, the reference elsewhere (no Triton on CPU).
     sampler: str = "auto"
     # How the talker reads each row's keys and values: "pallas" (a kernel that reads a row's slot where it lies and
     # only the rows it has written), "jnp" (the reference: the whole slot gathered, then masked), or "auto": the
@@ -51,25 +51,22 @@ class EngineConfig:
     seeded_ends: bool = False
     cached_voices: int = 64  # ICL voices whose primed codec state stays on the device (LRU)
     # Live-batch ladder of the step and the codec: `min_batch` times powers of 4 up to `slots`, or explicit
-    # sizes. Each rung compiles the step and the codec at every size (minutes at 256 rows on the H200), and
+    # sizes. Each rung compiles the step and the codec at every size (minutes at 256 rows on a GPU), and
     # a call's cost grows slowly with its rows (below 16 it is launch overhead), so rungs are far apart.
     batch_sizes: tuple[int, ...] | None = None
     min_batch: int = 16
-    # Requests per prefill call; a prefill ladder of powers of 8 up to this. 128 (with `max_first` 256) served a closed
-    # burst of 256 better on the CPU sim but worse on the H200: p95 557 ms against 480 (run 18, docs/benchmarks.md).
+    # Requests per prefill call; a prefill ladder of powers of 8 up to this. Wider calls served a closed burst
+    # better on the simulated device but worse on the GPU (docs/benchmarks.md).
     max_prefill: int = 32
     # Newcomers whose first frame one iteration runs: its programs exist for the rungs up to this only (each
     # holds a step and a codec; the large rungs cost a cold start half a minute each and serve only bursts,
     # whose later arrivals then start one iteration later). Poisson arrivals up to capacity never bring more than
-    # 64 at once, but a closed loop as wide as the slots does: on bench/schedule_sim.py, 256 clients on 256 slots
-    # had p95 first audio 297 ms with 64 (the burst started over four iterations, each paid for by the streams
-    # already playing) and 179 ms with 128, for one program more (bench/results/schedule-sim-closed-cpu.json).
+    # 64 at once, but a closed loop as wide as the slots does: 128 starts such a burst in two iterations instead of
+    # four, for one program more (docs/benchmarks.md).
     max_first: int = 128
     # The longest a step may run: a request arriving during it waits that long before its own prefill, and then
-    # for its own path (the codec call queued behind the step, its prefill, its first frame and audio: 35-45 ms
-    # on the H200). 60 ms keeps first audio within the field's 100 ms at the 95th percentile; on
-    # bench/schedule_sim.py it moved the 0.6B shape's rates with p95 <= 100 ms from 40 rps to 100 at the same
-    # throughput, and cost nothing at the costs x1.8 (bench/results/schedule-sim-max-step-cpu.json).
+    # for its own path (the codec call queued behind the step, its prefill, its first frame and audio). 60 ms keeps
+    # first audio within the field's 100 ms at the 95th percentile at no cost in throughput (docs/benchmarks.md).
     max_step_s: float = 0.06
     # Playback policy. Every stream builds a lead of `lead_s` of audio from spare compute, each frame going
     # out as soon as it exists until then; beyond it chunks follow `schedule`. The margin kept in hand beyond
@@ -79,7 +76,7 @@ class EngineConfig:
     min_margin_s: float = 0.01
     # The streaming codec's arithmetic: "float32" (the reference's), or "bfloat16", which puts its convolutions on
     # tensor cores in the channels-last layout cuDNN runs natively; in fp32 XLA hands cuDNN channels-first tensors
-    # and cuDNN converts them back, a fifth of a codec call's time on the H200 (bench/results/kernels-*.json).
+    # and cuDNN converts them back, a fifth of a codec call's time (docs/benchmarks.md).
     codec_dtype: str = "float32"
 
     def __post_init__(self):
@@ -120,7 +117,7 @@ class EngineConfig:
         """Frames a step call may run: powers of two up to `frames_per_step`, and it. A two-frame step is what
         lets a loaded engine build a lead while newcomers, with one frame of audio each, join every iteration.
         Each is a program of its own: as a loop bound of one program the count makes a GPU loop that reads its
-        condition on the host every trip, so the call returns only once the device is done (measured on the
-        H200: the loop's dispatch took the whole 40-60 ms step, and no host work overlapped it)."""
+        condition on the host every trip, so the call returns only once the device is done and no host work
+        overlaps the step."""
         top = max(1, self.frames_per_step)
         return tuple(sorted({1 << i for i in range(top.bit_length()) if 1 << i <= top} | {top}))

@@ -370,10 +370,9 @@ class Runner:
         """`args` with its host arrays (rows, limits, prompts: what changes from call to call) written into device
         buffers that program `place` (a role and a key) keeps from call to call (`held[place]`). XLA records each
         CUDA graph of a program against the addresses of the buffers it reads and records it again whenever one has moved, which inputs
-        copied to the device afresh for every call always have: a one-stream step ran 7.3 ms with them and 6.6 with
-        its inputs kept in place (an H100, bench/results/placed-args-0.6b-h100.json). Writing them costs a copy and a
-        program of its own (one-stream frame 6.99 ms against 6.46 placed once, an H100,
-        bench/results/unrolled-held-0.6b-h100.json), so a call whose values equal the last ones writes nothing."""
+        copied to the device afresh for every call always have (a one-stream step about 10% slower:
+        docs/benchmarks.md). Writing them costs a copy and a program of its own, so a call whose values equal the
+        last ones writes nothing."""
         where = [i for i, a in enumerate(args) if isinstance(a, (np.ndarray, np.generic))]
         if not where:
             return args
@@ -410,9 +409,8 @@ class Runner:
         step's iteration cost is the step plus a codec call of as many rows at the chunk it would feed, a first
         frame is timed on every rung of `first_sizes` whose one-frame step and codec call are compiled, prefill is
         timed at the largest bucket. An executable's first call pays a one-off set-up (loading its kernels; the
-        codec's convolution plans): run here, not in the loop's first live call of it. Timing only left the
-        codec's largest chunk and the smaller prompt buckets for the loop, and a fresh H200 server's first seconds
-        under load spent 37 ms an iteration dispatching codec calls (5-6 ms after)."""
+        codec's convolution plans): run here, not in the loop's first live call of it, where a fresh server's
+        first iterations under load would pay it."""
         c, target, store = self.config, on if on is not None else self, self._store()
         kept = store.load_timings() if store is not None else {}
         for key in keys:

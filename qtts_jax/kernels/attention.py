@@ -2,9 +2,8 @@
 it must equal, with one signature (`rows_attention(q, cache_k, cache_v, layer, slots, lengths, mask, scale)`).
 
 The reference (`transformer.gather_rows_attention`) gathers each row's whole slot from the cache, every layer
-and every frame, and attends over the full context under a mask: on the H200 at 256 rows that gather is 4.5 ms of
-a 22 ms frame step and the masked attention 3.8 ms (bench/results/kernels-0.6b-256-h200.json), though a stream
-has written only its prompt bucket and the frames so far. The kernel reads each row's keys and values where they
+and every frame, and attends over the full context under a mask: at 256 rows over a third of a frame step
+(docs/benchmarks.md), though a stream has written only its prompt bucket and the frames so far. The kernel reads each row's keys and values where they
 lie (its slot, its layer) and only the blocks below its length, with an online softmax (one program per row and
 KV head; the head's group of query heads padded to the 16 rows a Triton dot needs).
 

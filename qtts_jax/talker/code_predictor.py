@@ -35,12 +35,10 @@ class CodePredictor(nnx.Module):
         groups = cfg.num_code_groups - 1
         self.embedding = embedding(rngs, (groups, c.vocab_size, h), dtype)
         self.proj = Projection(h, c.hidden_size, dtype=dtype, rngs=rngs) if h != c.hidden_size else None
-        # unrolled: its 5 layers run 15 times a frame, and a loop's every trip costs a launch from the host (a
-        # 256-row four-frame step 47.4 -> 42.4 ms on an H100, bench/results/unroll-0.6b-h100.json)
+        # unrolled: its 5 layers run 15 times a frame, and a loop's every trip costs a launch from the host
         self.stack = DecoderStack(c, dtype=dtype, rngs=rngs, unrolled=True)
-        # its 14 group steps as straight-line code rather than a loop: slower when measured, with the program's
-        # inputs and outputs at new addresses every call (bench/results/unroll-0.6b-h100.json); bench/compile.py
-        # sets it to measure it again with them held in place
+        # its 14 group steps as straight-line code rather than a loop: slower when measured (docs/benchmarks.md);
+        # bench/compile.py sets it to measure it again
         self.unrolled_groups = False
         self.heads = dense(rngs, (groups, c.hidden_size, c.vocab_size), dtype)
 
