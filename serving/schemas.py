@@ -1,4 +1,4 @@
-"""Request bodies: strict validation into the engine's `Job`, every failure an `ApiError` naming the field.
+"""Request bodies: strict validation into the engine's `Request`, every failure an `ApiError` naming the field.
 
 One table (`SPEECH_FIELDS`) drives both the validator and the JSON Schema in `/openapi.json`, so the
 document and the code cannot drift. Types are strict (a bool is not a number, a float is not an int).
@@ -15,11 +15,10 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from qtts_jax.engine.job import Job
-from qtts_jax.request import Request, RequestError, VoicePrompt
+from qtts_jax.request import Request, VoicePrompt
 from serving.audio_encoders import FORMATS, STREAM_BY_DEFAULT
 from serving.audio_out import output_rate
-from serving.errors import ApiError, bad, from_request_error
+from serving.errors import ApiError, bad
 from serving.resample import RATES
 
 MAX_SEED = 2**32 - 1
@@ -342,16 +341,6 @@ def build_request(opts: dict, *, engine, served_names: tuple[str, ...], voices=N
         schedule = (first, *engine.config.schedule[1:]) if len(engine.config.schedule) > 1 else (
             first, *engine.config.schedule)
     return req, schedule
-
-
-def build_job(opts: dict, *, engine, **kw) -> Job:
-    """Checked options -> the engine's `Job` for the whole input as one request (`engine.prepare`: resolved, its
-    prompt laid out and bounded, once); refusals are `ApiError` 400 naming the field."""
-    req, schedule = build_request(opts, engine=engine, **kw)
-    try:
-        return engine.prepare(req, schedule)
-    except RequestError as exc:
-        raise from_request_error(exc) from None
 
 
 def speech_options(body: Any, *, model, max_input_chars: int, max_ref_audio_bytes: int) -> dict:

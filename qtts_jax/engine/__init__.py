@@ -5,8 +5,8 @@ free slots (`admission`), the plan's device half and what it gives back (`iterat
 the audio hand-out on the sender thread (`handout`), the streams' records of what came back (`bookkeeping`), live
 text moved to the device (`trailing`), the warm-up (`warmup`), the published snapshot (`stats`) and the loop itself
 (`core`); request preparation (`preparation`), one prepared request (`job`), its stream handle and chunk schedule
-(`stream`), text that arrives in pieces (`live_text`), the slots that fit in device memory (`sizing`) and the
-persistent compilation cache (`compile_cache`); and the boundary a server reaches the engine's core through, in a
+(`stream`), the slots that fit in device memory (`sizing`) and the persistent compilation cache (`compile_cache`);
+and the boundary a server reaches the engine's core through, in a
 process of its own or on a thread: the messages both ways (`messages`), their transports (`links`), the model's host
 half (`host_model`), the core's side (`core_host`), the server's side (`core_client`) and the core's process
 (`core_process`)."""

@@ -23,8 +23,8 @@ def prepare(model: Model, config: EngineConfig, request: Request, schedule: tupl
     """Resolve a request, lay out and bucket its prompt, fix its frame cap and its chunk schedule (the config's by
     default). Raises `RequestError` (incl. `PromptTooLong`) at once.
 
-    `live`: the request's text is what has arrived so far (at least one token, `qtts_jax.engine.live_text`); more
-    comes through `Engine.append_text`. It takes the streaming-text layout (the text fed beside the codes, one id a
+    `live`: the request's text is what has arrived so far (at least one token: the server decides which ids can
+    no longer change); more comes through `Engine.append_text`. It takes the streaming-text layout (the text fed beside the codes, one id a
     frame: the only layout text can join while the stream plays), without the tts_eos that ends the text."""
     c = config
     schedule = tuple(schedule or c.schedule)
