@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 _QUIET_S = 2e-4
 # ... or, at most, this long after its first chunk
 _HOLD_S = 2e-3
-_IDLE_S = 0.1  # while nothing is handed out, how often the flusher looks for a changed snapshot
+_IDLE_S = 0.01  # while nothing is handed out, how often the flusher looks for a changed snapshot (a stream that
+# ended leaves the snapshot an iteration after its final chunk: a replica that admits only when idle must hear soon)
 
 
 class CoreHost:
