@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -37,7 +38,6 @@ from qtts_jax.request import Request
 log = logging.getLogger(__name__)
 
 APPEND_IDS = 8  # live text ids one append call writes (more take several calls)
-_UNSET = object()
 
 # ("insert", bucket, requests) | ("step"|"codec", rung, frames) | ("append", 1, ids)
 Key = tuple[str, int, int]
@@ -188,7 +188,6 @@ class Runner:
         self._codec_load = jax.jit(  # a one-slot state into slot `slot` of the batched one
             lambda st, one, slot: programs.set_slot(st, slot, jax.tree.map(lambda v: v[0], one)), donate_argnums=(0,))
         self.programs: dict[Key, jax.stages.Compiled] = {}
-        self._program_store = _UNSET  # the compilation cache's, looked up when first compiling (`_store`)
         self.compiled_on_demand = 0  # programs `program` had to compile (none after a warm-up): the engine's timings
         # leave out what waited on one
         self.held: dict[Key, HeldInputs] = {}  # each program's per-call inputs on the device (`_inputs_held`)
@@ -256,7 +255,7 @@ class Runner:
     def compile(self, keys: list[Key]) -> None:
         """Compile `keys` at once (tracing holds the GIL; compiling does not) into the program table. Those the
         compilation cache holds whole are loaded instead, untraced, and those compiled are kept there."""
-        store = self._store()
+        store = self._store
         stored = self._pool(store.load, keys) if store is not None else [None] * len(keys)
         todo = [key for key, exe in zip(keys, stored) if exe is None]
         self.programs.update({key: exe for key, exe in zip(keys, stored) if exe is not None})
@@ -280,7 +279,7 @@ class Runner:
 
     def stored(self, keys: list[Key]) -> bool:
         """Whether the compilation cache holds every program of `keys` whole (loading them takes seconds)."""
-        store = self._store()
+        store = self._store
         return store is not None and all(store.has(key) for key in keys)
 
     @staticmethod
@@ -291,15 +290,15 @@ class Runner:
         with concurrent.futures.ThreadPoolExecutor(max(1, min(len(items), os.cpu_count() or 1))) as pool:
             return list(pool.map(fn, items))
 
+    @functools.cached_property
     def _store(self) -> compile_cache.ProgramStore | None:
         """Where the compilation cache keeps this runner's programs whole: keyed by the model's configuration,
-        graph and weight shapes, the engine's configuration and the state's shapes (None when the cache is off)."""
-        if self._program_store is _UNSET:
-            m = self.model
-            shapes = jax.tree.map(lambda a: (a.shape, str(a.dtype)), (m.params, self.codec_params))
-            self._program_store = compile_cache.program_store(
-                "\n".join(map(str, (m.cfg, m.codec_cfg, m.graph, self.config, shapes, self._specs))))
-        return self._program_store
+        graph and weight shapes, the engine's configuration and the state's shapes (None when the cache is off).
+        Looked up when first used: the cache may be turned on after the runner is built."""
+        m = self.model
+        shapes = jax.tree.map(lambda a: (a.shape, str(a.dtype)), (m.params, self.codec_params))
+        return compile_cache.program_store(
+            "\n".join(map(str, (m.cfg, m.codec_cfg, m.graph, self.config, shapes, self._specs))))
 
     def warm_voices(self) -> None:
         """Base models: compile what an ICL voice's first use runs (priming at every chunk size, and loading)."""
@@ -411,7 +410,7 @@ class Runner:
         timed at the largest bucket. An executable's first call pays a one-off set-up (loading its kernels; the
         codec's convolution plans): run here, not in the loop's first live call of it, where a fresh server's
         first iterations under load would pay it."""
-        c, target, store = self.config, on if on is not None else self, self._store()
+        c, target, store = self.config, on if on is not None else self, self._store
         kept = store.load_timings() if store is not None else {}
         for key in keys:
             jax.block_until_ready(self.idle_call(key, on))
