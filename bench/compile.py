@@ -67,14 +67,14 @@ def model_for(args):
 
 def engine_for(args, model=None, **overrides):
     """The engine `qtts-jax serve` builds for these slots and context (on `model`, else one loaded here), with
-    `overrides` of its EngineConfig."""
+    --engine's and then `overrides`' fields of its EngineConfig."""
     import dataclasses
 
     from qtts_jax.engine import Engine
     from serving.settings import Settings
 
-    return Engine(model or model_for(args),
-                  dataclasses.replace(Settings(slots=args.slots, context=args.context).engine_config(), **overrides))
+    config = Settings(slots=args.slots, context=args.context, engine=json.loads(args.engine)).engine_config()
+    return Engine(model or model_for(args), dataclasses.replace(config, **overrides))
 
 
 def engine_args(p: argparse.ArgumentParser) -> None:
@@ -83,6 +83,7 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--slots", type=int, default=256)
     p.add_argument("--context", type=int, default=512)
+    p.add_argument("--engine", default="{}", help='EngineConfig fields as JSON, e.g. \'{"codec_dtype": "bfloat16"}\'')
 
 
 def seeded_codes(args, model, streams: int, frames: int, **overrides) -> list[np.ndarray]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from qtts_jax import nn, presets, xla_flags
 from qtts_jax.clone import VoiceEncoders
@@ -50,8 +51,9 @@ class Model:
     `nn.merge(model.graph, model.params)` is the talker again (inside a traced function, at trace time only)."""
 
     def __init__(self, name, cfg, defaults, talker: Talker, codec_cfg, codec: CodecDecoder, tokenizer,
-                 is_noise=False, voice_encoders: VoiceEncoders | None = None):
+                 is_noise=False, voice_encoders: VoiceEncoders | None = None, source: str | None = None):
         self.name = name
+        self.source = source  # what `load_model` was given (a directory or preset): another process loads it again
         self.cfg: ModelConfig = cfg
         self.defaults: SamplingDefaults = defaults
         self.talker = talker
@@ -147,9 +149,7 @@ def load_model(path_or_preset: str | Path, dtype=jnp.float32, seed: int = 0) -> 
     name = str(path_or_preset)
     if name in PRESETS:
         return _preset(name, dtype, seed)
-    directory = Path(path_or_preset)
-    if not directory.is_dir():
-        raise FileNotFoundError(f"{directory} is not a checkpoint directory nor a preset ({', '.join(PRESETS)})")
+    directory = _checkpoint(path_or_preset)
     cfg, defaults = load_config(directory)
     codec_dir = directory / "speech_tokenizer"
     codec_cfg = CodecConfig.from_file(codec_dir / "config.json")
@@ -163,7 +163,33 @@ def load_model(path_or_preset: str | Path, dtype=jnp.float32, seed: int = 0) -> 
         tokenizer=TextTokenizer.from_directory(directory),
         is_noise=bool(read_json(directory / "config.json").get(NOISE_KEY)),
         voice_encoders=VoiceEncoders.load(directory, codec_cfg) if cfg.model_type == "base" else None,
+        source=str(directory.resolve()),
     )
+
+
+def model_shapes(path_or_preset: str | Path, dtype=jnp.float32) -> Model:
+    """The model `load_model` gives, with the weights' shapes in place of their values and no tokenizer or voice
+    encoders: all that compiling its programs needs, built in a moment with nothing on the device (the compile
+    workers, `engine.compile_workers`)."""
+    xla_flags.apply()
+    name = str(path_or_preset)
+    if name in PRESETS:
+        model_dict, codec_dict = presets.preset_configs(name)
+        cfg, codec_cfg = ModelConfig.from_dict(model_dict), CodecConfig.from_dict(codec_dict)
+    else:
+        directory = _checkpoint(path_or_preset)
+        cfg = load_config(directory)[0]
+        codec_cfg = CodecConfig.from_file(directory / "speech_tokenizer" / "config.json")
+    return Model(name=name, cfg=cfg, defaults=SamplingDefaults(),
+                 talker=nnx.eval_shape(lambda: Talker(cfg, dtype=dtype, rngs=nnx.Rngs(0))), codec_cfg=codec_cfg,
+                 codec=nnx.eval_shape(lambda: CodecDecoder(codec_cfg)), tokenizer=None, source=name)
+
+
+def _checkpoint(path: str | Path) -> Path:
+    directory = Path(path)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory} is not a checkpoint directory nor a preset ({', '.join(PRESETS)})")
+    return directory
 
 
 def _preset(name: str, dtype, seed: int) -> Model:
@@ -186,4 +212,5 @@ def _preset(name: str, dtype, seed: int) -> Model:
         is_noise=True,
         voice_encoders=VoiceEncoders.random(cfg.talker.hidden_size, codec_cfg, seed, speaker_cfg)
         if kind == "base" else None,
+        source=name,
     )

@@ -126,3 +126,47 @@ def test_programs_kept_whole_load_untraced_for_the_same_engine_only(tiny_model, 
     (stored,) = [p for p in first._store.root.iterdir() if p.name.startswith("step")]
     stored.write_bytes(b"not a program")
     assert traced(Runner(tiny_model, config)) == [("step", 2, 1)] and "did not load" in caplog.text
+
+
+@pytest.mark.parametrize("source", ["preset", "checkpoint"])
+def test_a_compile_workers_programs_load_untraced_and_compute_what_the_engines_own_do(source, tiny_model,
+                                                                                       checkpoint_model, tmp_path,
+                                                                                       monkeypatch):
+    """A worker process builds the model from its shapes alone (from a preset, or a checkpoint directory's
+    configs) and compiles programs into the compilation cache: the engine's runner, of the model loaded with its
+    weights, finds them there under its own key, loads them without tracing, and they compute the same frames and
+    audio as programs the runner compiled itself."""
+    import dataclasses
+
+    from qtts_jax.engine import compile_cache
+
+    monkeypatch.setattr(compile_cache, "_dir", tmp_path)
+    model = tiny_model if source == "preset" else checkpoint_model()
+    config = dataclasses.replace(SMALL, context=SMALL.context + 16, compile_workers=1)
+    keys = [("step", 2, 1), ("codec", 2, 1)]
+    runner = Runner(model, config)
+    workers = runner.compile_elsewhere(keys)
+    assert workers is not None and len(workers.procs) == 1
+    workers.wait(keys, lambda key: runner.stored([key]))
+    workers.stop()
+    assert runner.stored(keys) and runner.compile_elsewhere(keys) is None  # nothing left for a worker
+    lowered = []
+    lower = runner.lower
+    monkeypatch.setattr(runner, "lower", lambda *key: (lowered.append(key), lower(*key))[1])
+    runner.compile(keys)
+    assert lowered == []
+    own = Runner(model, dataclasses.replace(config, compile_workers=0))  # another key: compiled here
+    assert own.compile_elsewhere(keys) is None and not own.stored(keys)
+    request = Request("Made elsewhere.", speaker="ryan", max_frames=8, **GREEDY)
+    from qtts_jax.engine import Engine
+
+    prepared = Engine(model, config).prepare(request)
+    outcomes = []
+    for r in (runner, own):
+        r.prefill(prepared.bucket, [(0, prepared)], 1)
+        idx = np.array([0, config.slots], np.int32)
+        frames = np.asarray(r.step(idx, np.array([1, 0], np.int32), 1).frames)
+        audio = np.asarray(r.codec(idx, np.array([True, False]), np.zeros(2, np.int32), np.array([1, 0], np.int32), 1))
+        outcomes.append((frames, audio))
+    np.testing.assert_array_equal(outcomes[0][0], outcomes[1][0])
+    np.testing.assert_array_equal(outcomes[0][1], outcomes[1][1])

@@ -73,3 +73,27 @@ def test_a_warmup_whose_programs_are_all_kept_whole_serves_every_slot_at_once(ti
     engine.warmup(background=True)
     st = engine.stats()
     assert (st.slots, st.ladder, st.step_sizes, st.compiling) == (2, (1, 2), (1, 2), 0)
+
+
+def test_programs_compiled_ahead_by_workers_are_loaded_by_the_background_stages(tiny_model, tmp_path, monkeypatch):
+    """A core process starts compile workers on the background stages' programs before it loads the model
+    (`warmup.compile_ahead`, from the model's shapes): the warm-up compiles its first stage itself, loads every later
+    program from what the workers stored without tracing one, reaches every slot, and the workers are gone."""
+    from qtts_jax.engine import compile_cache
+    from qtts_jax.engine.runner import stages
+
+    monkeypatch.setattr(compile_cache, "_dir", tmp_path)
+    config = dataclasses.replace(SMALL, batch_sizes=(1,), frames_per_step=2, context=SMALL.context + 24,
+                                 compile_workers=1)
+    ahead = warming.compile_ahead("tiny-random", "float32", config)
+    engine = Engine(tiny_model, config)
+    engine.compiling_ahead = ahead
+    traced, lower = [], engine.runner.lower
+    monkeypatch.setattr(engine.runner, "lower", lambda *key: (traced.append(key), lower(*key))[1])
+    engine.warmup(background=True)
+    deadline = time.monotonic() + 300
+    while engine.stats().compiling and time.monotonic() < deadline:
+        time.sleep(0.05)
+    first, *later = stages(config)
+    assert sorted(traced) == sorted(first) and engine.stats().slots == config.slots
+    assert all(proc.wait(timeout=60) is not None for proc, _ in ahead.procs)  # done, or stopped by the warm-up

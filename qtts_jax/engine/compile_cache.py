@@ -11,6 +11,7 @@ much came from the cache.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import importlib.metadata
 import logging
@@ -18,6 +19,7 @@ import os
 import pickle
 import tempfile
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -55,6 +57,11 @@ def enable(where: str) -> Path | None:
     return path
 
 
+def directory() -> Path | None:
+    """The cache's directory (None when off)."""
+    return _dir
+
+
 def summary() -> str:
     """What the cache did so far in this process, for the start-up log, in one line, so a warm restart reads as
     "0 compiled": engine programs loaded whole, then XLA programs (an engine program may be several) loaded and
@@ -72,9 +79,9 @@ def _count(event: str, **_) -> None:
         setattr(_this_thread, event, getattr(_this_thread, event, 0) + 1)
 
 
-def program_store(built_from: str) -> ProgramStore | None:
-    """The store of the programs built from `built_from` (a text naming the model's and engine's shapes and
-    settings) on this device, with this JAX and this package's source; None when the cache is off."""
+def program_store(built_from) -> ProgramStore | None:
+    """The store of the programs built from `built_from` (the model's and engine's shapes and settings: see
+    `describe`) on this device, with this JAX and this package's source; None when the cache is off."""
     if _dir is None:
         return None
     device = jax.devices()[0]
@@ -87,10 +94,25 @@ def program_store(built_from: str) -> ProgramStore | None:
             versions.append(f"{package} {importlib.metadata.version(package)}")
         except importlib.metadata.PackageNotFoundError:
             pass
-    key = "\n".join([built_from, *versions, device.platform, device.device_kind,
+    key = "\n".join([describe(built_from), *versions, device.platform, device.device_kind,
                      getattr(device.client, "platform_version", ""), os.environ.get("XLA_FLAGS", ""),
                      source.hexdigest()])
     return ProgramStore(_dir / "engine" / hashlib.sha256(key.encode()).hexdigest()[:32])
+
+
+def describe(value) -> str:
+    """`value` as text that depends on its contents alone: mappings in key order, dataclasses field by field. A
+    model built from shapes (a compile worker's) and one built from weights must name the same store, and the
+    variables' metadata in flax's graph definitions keeps its keys in the order each was made in."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = ",".join(f"{f.name}={describe(getattr(value, f.name))}" for f in dataclasses.fields(value))
+        return f"{type(value).__name__}({fields})"
+    if isinstance(value, Mapping):
+        items = sorted(value.items(), key=lambda item: repr(item[0]))
+        return "{" + ",".join(f"{k!r}:{describe(v)}" for k, v in items) + "}"
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__}[{','.join(map(describe, value))}]"
+    return repr(value)
 
 
 class ProgramStore:

@@ -78,6 +78,10 @@ class EngineConfig:
     # tensor cores in the channels-last layout cuDNN runs natively; in fp32 XLA hands cuDNN channels-first tensors
     # and cuDNN converts them back, a fifth of a codec call's time (docs/benchmarks.md).
     codec_dtype: str = "float32"
+    # Processes that compile the programs a background warm-up has still to make (`compile_workers`), each tracing
+    # and compiling its share on its own interpreter and XLA client: None, as many as the machine's cores allow on
+    # a GPU and none elsewhere (a CPU's programs compile in seconds); 0, none.
+    compile_workers: int | None = None
 
     def __post_init__(self):
         for name in ("max_prefill", "max_first"):

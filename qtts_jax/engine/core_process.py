@@ -66,22 +66,29 @@ def main(conn, spec: CoreSpec) -> None:
     sys.setswitchinterval(_SWITCH_INTERVAL_S)
     import jax.numpy as jnp
 
-    from qtts_jax.engine import compile_cache, sizing
+    from qtts_jax.engine import compile_cache, sizing, warmup
     from qtts_jax.engine.core import Engine
     from qtts_jax.engine.core_host import CoreHost, backend
     from qtts_jax.engine.host_model import HostModel
     from qtts_jax.model import load_model, weights_dtype
 
+    ahead = None
     try:
         compile_cache.enable(spec.compile_cache)
-        model = load_model(spec.model, dtype=jnp.dtype(weights_dtype(spec.dtype)))
+        dtype = weights_dtype(spec.dtype)
+        if isinstance(spec.slots, int) and backend() != "cpu":  # a GPU warms up in the background (serving.bridge)
+            ahead = warmup.compile_ahead(spec.model, dtype, dataclasses.replace(spec.config, slots=spec.slots))
+        model = load_model(spec.model, dtype=jnp.dtype(dtype))
         slots, fit = sizing.resolve_slots(model, dataclasses.replace(spec.config, slots=1), spec.slots)
         log.info("slots: %d (%s)", slots, fit.describe())
         engine = Engine(model, dataclasses.replace(spec.config, slots=slots))
     except Exception as exc:
+        if ahead is not None:
+            ahead.stop()
         conn.send(Hello(error=_sendable(exc)))
         conn.close()
         return
+    engine.compiling_ahead = ahead
     # what start-up made stays out of the collector's passes, which would hold the GIL and the loop; again once the
     # background warm-up has compiled the larger rungs
     engine.on_compiled = gc.freeze

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qtts_jax.codec import streaming as codec_streaming
-from qtts_jax.engine import compile_cache, programs
+from qtts_jax.engine import compile_cache, compile_workers, programs
 from qtts_jax.engine.config import EngineConfig
 from qtts_jax.engine.job import Job
 from qtts_jax.generate import pad_prompts
@@ -102,6 +102,19 @@ class DeviceRunner(Protocol):
 
     def compile(self, keys: list[Key]) -> None: ...
 
+    def compile_elsewhere(self, keys: list[Key]) -> compile_workers.Workers | None:
+        """Start worker processes compiling those of `keys` not stored yet into the compilation cache (see
+        `EngineConfig.compile_workers`); `compile` then loads what they made. None where none were started: the
+        cache is off, the model was not loaded from a source another process can read, or no workers are wanted."""
+        store, wanted = self._store, self.config.compile_workers
+        todo = [key for key in keys if store is not None and not store.has(key)]
+        if wanted is None:
+            wanted = compile_workers.count(len(todo)) if jax.default_backend() == "gpu" else 0
+        if not todo or not wanted or self.model.source is None:
+            return None
+        return compile_workers.Workers(self.model.source, str(self.model.dtype), self.config,
+                                       str(compile_cache.directory()), todo, min(wanted, len(todo)))
+
     def stored(self, keys: list[Key]) -> bool: ...
 
     def warm_voices(self) -> None: ...
@@ -168,7 +181,9 @@ def _rung_keys(c: EngineConfig, b: int) -> list[Key]:
 class Runner:
     """The device half of the engine: its state, its programs and the calls the loop makes."""
 
-    def __init__(self, model: Model, config: EngineConfig):
+    def __init__(self, model: Model, config: EngineConfig, shapes_only: bool = False):
+        """`shapes_only`: `model` may be `model.model_shapes`' and nothing goes on the device; the runner can only
+        compile (a compile worker's, `compile_workers`)."""
         self.model, self.config = model, config
         cfg, codec_cfg = model.cfg, model.codec_cfg
         choose, attention = programs.chooser(config.sampler), programs.attender(config.attention)
@@ -194,14 +209,25 @@ class Runner:
         self.outcomes: dict[Key, tuple | jax.Array] = {}  # each program's last outcome, its next one's buffers (`_run`)
         self._primed: OrderedDict[bytes, codec_streaming.StreamState] = OrderedDict()
         self._primed_lock = threading.Lock()
-        self.state = programs.init_state(model, config)
         codec_dtype = jnp.dtype(config.codec_dtype)
-        self.codec_params = jax.tree.map(
-            lambda a: a.astype(codec_dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, model.codec_params)
-        self.codec_state = codec_streaming.init_state(codec_cfg, config.slots, codec_dtype)
-        # what programs are lowered on: the states' shapes, never their buffers (the calls donate those)
-        self._specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                                   (self.state, self.codec_state))
+
+        def cast(codec_params):
+            return jax.tree.map(lambda a: a.astype(codec_dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a,
+                                codec_params)
+
+        def states():
+            return programs.init_state(model, config), codec_streaming.init_state(codec_cfg, config.slots, codec_dtype)
+
+        # what programs are lowered on: the states' shapes on the default device, never their buffers (the calls
+        # donate those)
+        on = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        self._specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on),
+                                   jax.eval_shape(states))
+        if shapes_only:
+            self.codec_params = jax.eval_shape(cast, model.codec_params)
+        else:
+            self.codec_params = cast(model.codec_params)
+            self.state, self.codec_state = states()
 
     # ---- the loop's calls -------------------------------------------------------------------
 
@@ -277,6 +303,19 @@ class Runner:
             log.info("slowest compiles (s, program, temp GiB): %s",
                      [(round(t, 1), k, round(m, 2)) for t, k, m in sorted(report, reverse=True)[:8]])
 
+    def compile_elsewhere(self, keys: list[Key]) -> compile_workers.Workers | None:
+        """Start worker processes compiling those of `keys` not stored yet into the compilation cache (see
+        `EngineConfig.compile_workers`); `compile` then loads what they made. None where none were started: the
+        cache is off, the model was not loaded from a source another process can read, or no workers are wanted."""
+        store, wanted = self._store, self.config.compile_workers
+        todo = [key for key in keys if store is not None and not store.has(key)]
+        if wanted is None:
+            wanted = compile_workers.count(len(todo)) if jax.default_backend() == "gpu" else 0
+        if not todo or not wanted or self.model.source is None:
+            return None
+        return compile_workers.Workers(self.model.source, str(self.model.dtype), self.config,
+                                       str(compile_cache.directory()), todo, min(wanted, len(todo)))
+
     def stored(self, keys: list[Key]) -> bool:
         """Whether the compilation cache holds every program of `keys` whole (loading them takes seconds)."""
         store = self._store
@@ -297,8 +336,7 @@ class Runner:
         Looked up when first used: the cache may be turned on after the runner is built."""
         m = self.model
         shapes = jax.tree.map(lambda a: (a.shape, str(a.dtype)), (m.params, self.codec_params))
-        return compile_cache.program_store(
-            "\n".join(map(str, (m.cfg, m.codec_cfg, m.graph, self.config, shapes, self._specs))))
+        return compile_cache.program_store((m.cfg, m.codec_cfg, m.graph, self.config, shapes, self._specs))
 
     def warm_voices(self) -> None:
         """Base models: compile what an ICL voice's first use runs (priming at every chunk size, and loading)."""

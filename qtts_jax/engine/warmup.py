@@ -10,7 +10,11 @@ import logging
 import threading
 import time
 
-from qtts_jax.engine.runner import Calibration, Key, stages
+import jax.numpy as jnp
+
+from qtts_jax.engine.config import EngineConfig
+from qtts_jax.engine.runner import Calibration, Key, Runner, stages
+from qtts_jax.model import model_shapes
 from qtts_jax.engine.stats import snapshot
 
 log = logging.getLogger(__name__)
@@ -29,7 +33,10 @@ def run(engine, background: bool = False) -> None:
     every = stages(engine.config)
     background = background and not engine.runner.stored([key for stage in every for key in stage])
     now, later = (every[:1], every[1:]) if background else (every, [])
+    workers = engine.compiling_ahead or engine.runner.compile_elsewhere([key for stage in later for key in stage])
     keys = [key for stage in now for key in stage]
+    if workers is not None:
+        workers.wait(keys, lambda key: engine.runner.stored([key]))
     engine.runner.compile(keys)
     if engine.model.cfg.model_type == "base":
         engine.runner.warm_voices()
@@ -37,16 +44,29 @@ def run(engine, background: bool = False) -> None:
     use(engine, keys, engine.runner.calibrate(keys), left=sum(map(len, later)))
     log.info("step costs (rows, frames) -> ms: %s", {k: round(v * 1e3, 1) for k, v in engine.step_costs.items()})
     if later:
-        threading.Thread(target=rest, args=(engine, later, t0), name="qtts-warmup", daemon=True).start()
+        threading.Thread(target=rest, args=(engine, later, t0, workers), name="qtts-warmup", daemon=True).start()
+    elif workers is not None:
+        workers.stop()
 
 
-def rest(engine, later: list[list[Key]], t0: float) -> None:
-    """The background half of `run`: stage after stage compiled, timed on a scratch state of its own (the loop
-    owns the live one) and added to what the loop may use."""
+def compile_ahead(source: str, dtype: str, config: EngineConfig):
+    """Start the compile workers on what a background warm-up of an engine of `config` compiles after its first
+    stage, from the model's shapes alone, before the model itself is loaded (`engine.compiling_ahead`): their
+    compiles then overlap the loading. None where the runner would start none (`Runner.compile_elsewhere`)."""
+    runner = Runner(model_shapes(source, jnp.dtype(dtype)), config, shapes_only=True)
+    return runner.compile_elsewhere([key for stage in stages(config)[1:] for key in stage])
+
+
+def rest(engine, later: list[list[Key]], t0: float, workers=None) -> None:
+    """The background half of `run`: stage after stage compiled (by `workers`, when the runner started them, and
+    loaded from the compilation cache as they land), timed on a scratch state of its own (the loop owns the live
+    one) and added to what the loop may use."""
     try:
         scratch = engine.runner.scratch()
         for i, keys in enumerate(later):
             t1 = time.perf_counter()
+            if workers is not None:
+                workers.wait(keys, lambda key: engine.runner.stored([key]))
             engine.runner.compile(keys)
             t2 = time.perf_counter()
             timed, last = engine.runner.calibrate(keys, on=scratch), i == len(later) - 1
@@ -63,6 +83,9 @@ def rest(engine, later: list[list[Key]], t0: float) -> None:
         log.exception("background warm-up failed; serving with rungs %s", engine._ladder)
         with engine._lock:
             engine._compiling = 0
+    finally:
+        if workers is not None:
+            workers.stop()
 
 
 def use(engine, keys: list[Key], timed: Calibration, left: int, settle: bool = False) -> None:

@@ -1,0 +1,92 @@
+"""The engine's programs compiled in processes of their own, side by side, into the compilation cache's program
+store, from which the engine loads them whole (`Runner.compile`).
+
+One process traces and lowers its programs one at a time under its GIL, and its compiles share one XLA client; a
+worker builds only the model's shapes (`model.model_shapes`: no weights, nothing on the device) and compiles its
+share of the programs, in the order they were asked for, so the earlier warm-up stages land first. A worker is
+started as a plain subprocess (the engine core is a daemon process, which `multiprocessing` lets have no
+children) and dies with the process that started it."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+from qtts_jax.engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """One worker's programs: the model (a checkpoint directory or preset, `load_model`'s) in `dtype`, the engine of
+    `config`, the compilation cache directory, and the programs' keys in the order to compile them."""
+
+    model: str
+    dtype: str
+    config: EngineConfig
+    cache: str
+    keys: tuple
+
+
+def count(programs: int) -> int:
+    """Workers for `programs` on this machine: a core each, leaving one to the engine (each worker's compiles also
+    use XLA's own threads), at most 8 and at most one per program."""
+    return max(1, min(programs, 8, (os.cpu_count() or 2) - 1))
+
+
+class Workers:
+    """Worker processes compiling `keys` between them, dealt out in turn (the i-th key to worker i mod n)."""
+
+    def __init__(self, model: str, dtype: str, config: EngineConfig, cache: str, keys: list, workers: int):
+        env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # the engine holds the device's memory
+        self.procs = []
+        for i in range(workers):
+            share = Share(model, dtype, config, cache, tuple(keys[i::workers]))
+            proc = subprocess.Popen([sys.executable, "-c", f"from {__name__} import main; main()"],
+                                    stdin=subprocess.PIPE, env=env)
+            proc.stdin.write(pickle.dumps(share))
+            proc.stdin.close()
+            self.procs.append((proc, share.keys))
+        log.info("compiling %d programs in %d worker processes", len(keys), workers)
+
+    def wait(self, keys: list, done) -> None:
+        """Return once `done(key)` holds for each of `keys` that a worker was given, or its worker has exited
+        (failed or not: the engine then compiles what is missing itself)."""
+        mine = [(proc, key) for proc, given in self.procs for key in given if key in keys]
+        while any(proc.poll() is None and not done(key) for proc, key in mine):
+            time.sleep(_POLL_S)
+
+    def stop(self) -> None:
+        for proc, _ in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def main() -> None:
+    """A worker: read its `Share` from stdin, compile each program into the store, exit."""
+    if sys.platform.startswith("linux"):  # die with the engine that started this, even if it is killed
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[compile]: %(message)s")
+    share: Share = pickle.loads(sys.stdin.buffer.read())
+    import jax.numpy as jnp
+
+    from qtts_jax.engine import compile_cache
+    from qtts_jax.engine.runner import Runner
+    from qtts_jax.model import model_shapes
+
+    compile_cache.enable(share.cache)
+    runner = Runner(model_shapes(share.model, jnp.dtype(share.dtype)), share.config, shapes_only=True)
+    for key in share.keys:
+        runner.compile([key])
