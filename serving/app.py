@@ -29,7 +29,7 @@ from qtts_jax.engine.core_process import CoreSpec
 from qtts_jax.request import Request
 from serving import aliases, auth, page, routes, ws
 from serving.collector import freeze_startup
-from serving.connections import Runner
+from serving.connections import LimitedAppRunner
 from serving.errors import ApiError
 from serving.keys import (ALIASES, API_KEYS, BRIDGE, ENGINE, METRICS, MODEL, REQUEST_ID, SCHEDULER, SERVED_NAMES, SETTINGS,
                           SOCKETS, VOICE_WARMUP, VOICES, WARMUP_ERROR, WARMUP_TASK)
@@ -291,8 +291,9 @@ def run(settings: Settings, engine: Engine | None = None) -> int:
             if app is not None:  # its core started: stop it
                 await app[BRIDGE].stop()
             return 2
-        runner = Runner(app, header_timeout_s=settings.header_timeout_s, idle_timeout_s=settings.idle_timeout_s,
-                        max_connections=settings.max_connections, handler_cancellation=True, shutdown_timeout=5.0)
+        runner = LimitedAppRunner(app, header_timeout_s=settings.header_timeout_s,
+                                  idle_timeout_s=settings.idle_timeout_s, max_connections=settings.max_connections,
+                                  handler_cancellation=True, shutdown_timeout=5.0)
         await runner.setup()
         site = runner.site(settings.host, settings.port)
         await site.start()

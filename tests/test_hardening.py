@@ -1,8 +1,8 @@
-"""Hostile clients against a Base server on a real socket, run by `serving.connections.Runner` as `qtts-jax serve`
-runs it: a regression test for each defect of issue 10, then a fuzz suite (hypothesis, >= 1000 cases a run)
-over speech, voices and the WebSocket that asserts no 5xx, no hang and a healthy server afterwards. The server
-checks API keys: the fuzz speaks with an admin key, and hostile credentials on every guarded route get nothing
-past the key check (test_server runs them against a server without keys).
+"""Hostile clients against a Base server on a real socket, run by `serving.connections.LimitedAppRunner` as
+`qtts-jax serve` runs it: a regression test for each defect of issue 10, then a fuzz suite (hypothesis, >= 1000
+cases a run) over speech, voices and the WebSocket that asserts no 5xx, no hang and a healthy server afterwards. The
+server checks API keys: the fuzz speaks with an admin key, and hostile credentials on every guarded route get
+nothing past the key check (test_server runs them against a server without keys).
 
 One engine (tiny-random-base, the smallest configuration) and one server for the module keep it fast; the
 server has short connection timeouts and a small connection cap so that those can be tested too.
@@ -35,7 +35,7 @@ from qtts_jax.request import VoicePrompt
 from serving import ws as ws_mod
 from serving.app import ENGINE, SCHEDULER, Settings, create_app
 from serving.auth import SOCKET
-from serving.connections import Runner
+from serving.connections import LimitedAppRunner
 from serving.voices import Voice, VoiceStore
 from support import ADMIN_KEY, SMALL, SPEAK_KEY, bearer, hostile_credentials
 
@@ -76,8 +76,9 @@ class Served:
         asyncio.set_event_loop(self.loop)
         self.app = create_app(self.settings, engine=self.engine)
         s = self.settings
-        self.runner = Runner(self.app, header_timeout_s=s.header_timeout_s, idle_timeout_s=s.idle_timeout_s,
-                             max_connections=s.max_connections, handler_cancellation=True, shutdown_timeout=5.0)
+        self.runner = LimitedAppRunner(self.app, header_timeout_s=s.header_timeout_s,
+                                       idle_timeout_s=s.idle_timeout_s, max_connections=s.max_connections,
+                                       handler_cancellation=True, shutdown_timeout=5.0)
         self.loop.run_until_complete(self.runner.setup())
         site = self.runner.site("127.0.0.1", 0)
         self.loop.run_until_complete(site.start())
@@ -496,7 +497,8 @@ def test_a_burst_of_as_many_connections_as_the_cap_is_queued_while_the_event_loo
         pytest.skip("the kernel caps every listening backlog below 300 (net.core.somaxconn)")
 
     async def burst():
-        runner = Runner(aiohttp.web.Application(), header_timeout_s=5.0, idle_timeout_s=5.0, max_connections=300)
+        runner = LimitedAppRunner(aiohttp.web.Application(), header_timeout_s=5.0, idle_timeout_s=5.0,
+                                  max_connections=300)
         await runner.setup()
         site = runner.site("127.0.0.1", 0)
         await site.start()
