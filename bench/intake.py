@@ -57,7 +57,7 @@ async def measure(requests: int) -> dict:
     from serving import bridge, routes
     from serving.app import create_app
     from serving.collector import freeze_startup, pauses
-    from serving.scheduler import Scheduler
+    from serving.scheduler import Admission
     from serving.settings import Settings
 
     config = EngineConfig(slots=2, context=128, prompt_buckets=(64,), max_trailing=32, frames_per_step=1, schedule=(1,))
@@ -78,9 +78,9 @@ async def measure(requests: int) -> dict:
         gc_before = sum(pauses().seconds)
         spent: collections.Counter = collections.Counter()
         for owner, name, label in ((routes, "speech_options", "options"), (routes.script, "build", "script"),
-                                   (Engine, "prepare", "script: engine prepare"), (Scheduler, "admit", "admission"),
-                                   (Engine, "stats", "admission: engine stats"), (Scheduler, "load", "admission: load"),
-                                   (Scheduler, "predict", "admission: predict"), (bridge.AsyncEngine, "submit", "submit")):
+                                   (Engine, "prepare", "script: engine prepare"), (Admission, "admit", "admission"),
+                                   (Engine, "stats", "admission: engine stats"), (Admission, "load", "admission: load"),
+                                   (Admission, "predict", "admission: predict"), (bridge.AsyncEngine, "submit", "submit")):
             timed(owner, name, label, spent)
         before = intake(await (await client.get("/metrics")).text())
         sent = [asyncio.create_task(client.post("/v1/audio/speech", json=body)) for _ in range(requests)]

@@ -33,7 +33,7 @@ Server -> client:
   {"type": "error", "error": {"code", "message", "param"}, "utterance_id"?}  (the socket stays open,
   except for flooding: too many messages per second closes it with 1008)
 
-Utterances of one socket play in order, one at a time, each admitted by the scheduler when it starts; a long
+Utterances of one socket play in order, one at a time, each admitted (serving/scheduler.py) when it starts; a long
 one is spoken in parts, as one stream (serving/utterance.py).
 """
 
@@ -52,7 +52,7 @@ from serving import auth, omni_ws, script, ssml
 from serving.audio_encoders import SAMPLE_RATE
 from serving.audio_out import StreamOut, output_rate
 from serving.errors import ApiError, bad
-from serving.keys import ALIASES, BRIDGE, ENGINE, SCHEDULER, SERVED_NAMES, SETTINGS, SOCKETS, VOICES
+from serving.keys import ADMISSION, ALIASES, BRIDGE, ENGINE, SERVED_NAMES, SETTINGS, SOCKETS, VOICES
 from serving.live_input import LiveInput, append_live
 from serving.schemas import Field, base64_chars, check_text, parse_options, speech_fields
 from serving.script import Script
@@ -304,9 +304,9 @@ def _json(msg) -> dict | None:
 
 async def speech_socket(request: web.Request) -> web.WebSocketResponse:
     app = request.app
-    sched = app[SCHEDULER]
-    if not sched.accepting:
-        sched.admit()  # raises the 503 with Retry-After before the upgrade
+    admission = app[ADMISSION]
+    if not admission.accepting:
+        admission.admit()  # raises the 503 with Retry-After before the upgrade
     settings = app[SETTINGS]
     # a Base model's vLLM-Omni session.config may carry a base64 ref_audio as large as a registration's recording
     limit = settings.ws_max_message_bytes + (base64_chars(settings.max_voice_upload_bytes) if VOICES in app else 0)

@@ -33,7 +33,7 @@ from openapi_spec_validator import validate as validate_openapi
 from qtts_jax.engine import Engine
 from qtts_jax.request import VoicePrompt
 from serving import ws as ws_mod
-from serving.app import ENGINE, SCHEDULER, Settings, create_app
+from serving.app import ADMISSION, ENGINE, Settings, create_app
 from serving.auth import SOCKET
 from serving.connections import LimitedAppRunner
 from serving.voices import Voice, VoiceStore
@@ -111,7 +111,7 @@ class Served:
         assert self.run(self.request("GET", "/health"))[0] == 200
         assert self.run(self.request("GET", "/ready"))[0] == 200
         for _ in range(200):
-            if not self.app[SCHEDULER].streams and self.app[ENGINE].active == 0:
+            if not self.app[ADMISSION].streams and self.app[ENGINE].active == 0:
                 return
             self.run(asyncio.sleep(0.05))
         raise AssertionError("a stream or slot was left open")

@@ -20,7 +20,7 @@ import pytest_asyncio
 from qtts_jax.io.audio import to_int16
 from qtts_jax.engine import Engine
 from qtts_jax.request import Request
-from serving.app import ENGINE, METRICS, SCHEDULER, Settings, create_app, drain
+from serving.app import ADMISSION, ENGINE, METRICS, Settings, create_app, drain
 from serving.schemas import ApiError
 from studies.load import server_timing
 from support import (ADMIN_KEY, CAPPED_KEY, SCRAPE_KEY, SMALL, SPEAK_KEY, app_client, assert_same_audio, bearer,
@@ -101,10 +101,10 @@ async def client(make_client):
 async def wait_idle(app, timeout=5.0):
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        if app[ENGINE].active == 0 and not app[SCHEDULER].streams and not app[ENGINE].stats().queued:
+        if app[ENGINE].active == 0 and not app[ADMISSION].streams and not app[ENGINE].stats().queued:
             return time.monotonic() - t0
         await asyncio.sleep(0.01)
-    raise AssertionError(f"slot not freed: active={app[ENGINE].active} open={len(app[SCHEDULER].streams)}")
+    raise AssertionError(f"slot not freed: active={app[ENGINE].active} open={len(app[ADMISSION].streams)}")
 
 
 SPEECH = dict(model="tiny-random", voice="ryan")
