@@ -54,9 +54,10 @@ async def measure(requests: int) -> dict:
     from bench.capacity import intake, intake_since
     from qtts_jax.engine import Engine, EngineConfig
     from qtts_jax.model import load_model
-    from serving import bridge, routes
+    from serving import bridge
     from serving.app import create_app
-    from serving.collector import freeze_startup, pauses
+    from serving.http_api import routes
+    from serving.monitoring.collector import freeze_startup, pauses
     from serving.scheduler import Admission
     from serving.settings import Settings
 
@@ -74,7 +75,7 @@ async def measure(requests: int) -> dict:
         for _ in range(4):  # the handlers' first calls (lazy tables, caches) are left out
             await (await client.post("/v1/audio/speech", json={**body, "max_frames": 2})).read()
         engine.stop()  # requests now wait in its queue: intake alone is measured
-        freeze_startup()  # as a serving process does once warm (serving/collector.py)
+        freeze_startup()  # as a serving process does once warm (serving/monitoring/collector.py)
         gc_before = sum(pauses().seconds)
         spent: collections.Counter = collections.Counter()
         for owner, name, label in ((routes, "speech_options", "options"), (routes.script, "build", "script"),

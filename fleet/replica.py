@@ -116,7 +116,7 @@ class Replica:
     def metrics_text(self, route: dict | None = None) -> str:
         """The server's own metrics (the front labels each replica's samples), read from its app: the front has
         checked the scraper's key."""
-        from serving.routes import exposition
+        from serving.http_api.routes import exposition
 
         return exposition(self.app).decode()
 

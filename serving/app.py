@@ -27,17 +27,19 @@ from qtts_jax.engine import Engine
 from qtts_jax.engine.core_client import CoreClient
 from qtts_jax.engine.core_process import CoreSpec
 from qtts_jax.request import Request
-from serving import aliases, auth, page, routes, ws
-from serving.collector import freeze_startup
-from serving.connections import LimitedAppRunner
 from serving.errors import ApiError
+from serving.http_api import auth, page, routes
+from serving.http_api.connections import LimitedAppRunner
 from serving.keys import (ADMISSION, ALIASES, API_KEYS, BRIDGE, ENGINE, METRICS, MODEL, REQUEST_ID, SERVED_NAMES,
                           SETTINGS, SOCKETS, VOICE_WARMUP, VOICES, WARMUP_ERROR, WARMUP_TASK)
-from serving.metrics import Metrics
+from serving.monitoring.collector import freeze_startup
+from serving.monitoring.metrics import Metrics
 from serving.scheduler import Admission
 from serving.schemas import served_names
 from serving.settings import Settings
-from serving.voices import VoiceStore
+from serving.sockets import ws
+from serving.voice import aliases
+from serving.voice.store import VoiceStore
 
 log = logging.getLogger("serving")
 # Python's thread switch interval in a serving process (5 ms by default): the engine thread, back from a device call,
@@ -100,7 +102,7 @@ async def error_middleware(request: web.Request, handler):
 
 @web.middleware
 async def key_middleware(request: web.Request, handler):
-    """The request's API key, checked before its handler reads a byte of it (serving/auth.py); a speech request
+    """The request's API key, checked before its handler reads a byte of it (serving/http_api/auth.py); a speech request
     or WebSocket session counts against its key's stream cap while it runs."""
     keyring, headers = request.app[API_KEYS], request.headers
     protocols = headers.getall(hdrs.SEC_WEBSOCKET_PROTOCOL, []) if request.path == auth.SOCKET else []
@@ -115,7 +117,7 @@ def create_app(settings: Settings = Settings(), model=None, engine: Engine | Cor
     """The server. Without `engine` or `model`, its engine core runs in a process of its own (`serve`), which loads
     `settings.model` and sizes the slots there: this process never touches the device. Pass an already built (and
     possibly warmed) `engine`, or a loaded `model`, to run the core on a thread here instead (tests; an `Engine` may
-    be shared between apps). Raises ValueError when the API keys are missing or malformed (serving/auth.py), before
+    be shared between apps). Raises ValueError when the API keys are missing or malformed (serving/http_api/auth.py), before
     loading anything, and SlotsDoNotFit (before any state is allocated) when the asked-for count does not fit."""
     keyring = auth.keyring(settings)
     if engine is None and model is None:

@@ -8,13 +8,13 @@ import weakref
 
 from aiohttp import web
 
-from serving.auth import Keyring
 from serving.bridge import AsyncEngine
+from serving.http_api.auth import Keyring
 from qtts_jax.engine.core_client import CoreClient
-from serving.metrics import Metrics
+from serving.monitoring.metrics import Metrics
 from serving.scheduler import Admission
 from serving.settings import Settings
-from serving.voices import VoiceStore
+from serving.voice.store import VoiceStore
 
 SETTINGS = web.AppKey("settings", Settings)
 MODEL = web.AppKey("model", object)

@@ -7,12 +7,12 @@ import time
 
 import numpy as np
 
-from serving import word_timings
-from serving.audio_encoders import SAMPLE_RATE
+from serving.audio import word_timings
+from serving.audio.encoders import SAMPLE_RATE
+from serving.audio.prosody import ProsodyAudio
 from serving.keys import ADMISSION, BRIDGE, METRICS, MODEL
-from serving.live_input import LiveInput
-from serving.prosody import ProsodyAudio
-from serving.script import Script
+from serving.sockets.live_input import LiveInput
+from serving.text.script import Script
 
 
 class Utterance:
@@ -103,7 +103,7 @@ class Utterance:
         return samples / SAMPLE_RATE / self.speed
 
     def take_words(self) -> list[dict]:
-        """Word timings estimated since the last call (serving/word_timings.py); none unless asked for."""
+        """Word timings estimated since the last call (serving/audio/word_timings.py); none unless asked for."""
         if self._words is None:
             return []
         out, self._words = self._words, []

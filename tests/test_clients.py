@@ -270,8 +270,8 @@ def test_metrics_end_to_end_sizes_model_label_build_info_and_unrouted(server):
 def test_voice_aliases_default_override_file_env_and_bad_targets(server, tmp_path, monkeypatch):
     """The alias table: OpenAI's names on the default, overrides merged over it (flag/env text or a JSON file),
     `none` for no aliases, and a target the model lacks refused when the app is made (start-up exits 2)."""
-    from serving import aliases
     from serving.app import ALIASES, ENGINE
+    from serving.voice import aliases
 
     engine = server.app[ENGINE]
     speakers = engine.model.cfg.speakers

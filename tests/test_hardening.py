@@ -1,4 +1,4 @@
-"""Hostile clients against a Base server on a real socket, run by `serving.connections.LimitedAppRunner` as
+"""Hostile clients against a Base server on a real socket, run by `serving.http_api.connections.LimitedAppRunner` as
 `qtts-jax serve` runs it: a regression test for each defect of issue 10, then a fuzz suite (hypothesis, >= 1000
 cases a run) over speech, voices and the WebSocket that asserts no 5xx, no hang and a healthy server afterwards. The
 server checks API keys: the fuzz speaks with an admin key, and hostile credentials on every guarded route get
@@ -32,11 +32,11 @@ from openapi_spec_validator import validate as validate_openapi
 
 from qtts_jax.engine import Engine
 from qtts_jax.request import VoicePrompt
-from serving import ws as ws_mod
 from serving.app import ADMISSION, ENGINE, Settings, create_app
-from serving.auth import SOCKET
-from serving.connections import LimitedAppRunner
-from serving.voices import Voice, VoiceStore
+from serving.http_api.auth import SOCKET
+from serving.http_api.connections import LimitedAppRunner
+from serving.sockets import ws as ws_mod
+from serving.voice.store import Voice, VoiceStore
 from support import ADMIN_KEY, SMALL, SPEAK_KEY, bearer, hostile_credentials
 
 CONFIG = SMALL  # test_clients' too: its programs come from the compilation cache
@@ -306,7 +306,7 @@ def test_websocket_utterance_that_fails_is_reported_and_logged(served, monkeypat
                     if events[-1]["type"] == "utterance.done":
                         return events
 
-    with caplog.at_level(logging.ERROR, logger="serving.ws"):
+    with caplog.at_level(logging.ERROR, logger="serving.sockets.ws"):
         events = served.run(go())
     failed = [e for e in events if e["type"] == "error"]
     assert [(e["utterance_id"], e["error"]["code"]) for e in failed] == [(1, "internal_error")], events
@@ -333,7 +333,7 @@ def test_websocket_session_task_that_dies_is_logged_and_closes_the_socket(served
                 pass
             return sock.close_code
 
-    with caplog.at_level(logging.ERROR, logger="serving.ws"):
+    with caplog.at_level(logging.ERROR, logger="serving.sockets.ws"):
         assert served.run(go()) == 1011
     assert any("session task died" in r.getMessage() and r.exc_info for r in caplog.records)
     monkeypatch.undo()

@@ -153,7 +153,7 @@ async def test_streamed_pcm_and_wav_equal_offline_generate(client, offline):
 
 async def test_a_body_without_voice_speaks_the_default_voice(client, offline):
     """`voice` is optional on CustomVoice, as in vLLM-Omni's API: a body without one gets alloy's speaker."""
-    from serving.aliases import DEFAULT
+    from serving.voice.aliases import DEFAULT
 
     expected, _ = offline("No voice given.", voice=DEFAULT["alloy"], seed=3, max_frames=8)
     r = await client.post("/v1/audio/speech", json={"input": "No voice given.", "seed": 3, "max_frames": 8,
@@ -292,7 +292,7 @@ def _gc_passes(metrics: str, generation: int) -> float:
 
 
 def test_collector_pauses_are_counted_by_generation_and_length():
-    from serving import collector
+    from serving.monitoring import collector
 
     clock = iter([0.0, 0.0004, 1.0, 1.03, 2.0, 2.7])
     p = collector.Pauses(clock=lambda: next(clock))
@@ -708,7 +708,7 @@ def test_fuzzed_bodies_never_get_5xx(live_server):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from serving.audio_encoders import FORMATS
+    from serving.audio.encoders import FORMATS
 
     port = live_server["port"]
     junk = st.recursive(

@@ -15,7 +15,7 @@ import pytest_asyncio
 
 from qtts_jax.engine import Engine
 from serving.app import ADMISSION, BRIDGE, Settings
-from serving.script import build
+from serving.text.script import build
 from support import SMALL, app_client, pcm
 
 pytestmark = pytest.mark.asyncio

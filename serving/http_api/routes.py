@@ -18,14 +18,15 @@ import numpy as np
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from serving import auth, script, voice_routes
-from serving.audio_encoders import CONTENT_TYPES, SAMPLE_FORMATS
-from serving.audio_out import StreamOut, awhole
+from serving.audio.encoders import CONTENT_TYPES, SAMPLE_FORMATS
+from serving.audio.out import StreamOut, awhole
 from serving.errors import ApiError
+from serving.http_api import auth, voice_routes
 from serving.keys import (ADMISSION, ALIASES, API_KEYS, ENGINE, METRICS, MODEL, REQUEST_ID, SERVED_NAMES, SETTINGS,
                           VOICES, WARMUP_ERROR)
 from serving.schemas import (OPENAI_MODEL_ALIASES, SpeechParams, base64_chars, parse_speech, read_json,
                              speech_options, speech_schema)
+from serving.text import script
 from serving.utterance import Utterance
 
 _RID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
