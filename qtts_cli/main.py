@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from fleet.cli import add_cluster_parser, cluster
-from qtts_jax.io.checkpoint import CheckpointError
+from qtts_jax.io.errors import CheckpointError
 from qtts_cli.finetune import add_finetune_parser, finetune
 from qtts_jax.request import Request, RequestError
 from serving.cli import add_serve_parser, serve
