@@ -2,14 +2,14 @@
 
 Each stream is the engine's 80 ms chunks (1,920 samples at 24 kHz) of a 10 s voiced test signal (harmonics of
 an F0 gliding 110 -> 220 Hz under a syllable-rate wobble, the shape of speech the WSOLA must keep in pitch)
-pushed through `serving.audio_out.StreamOut` one chunk at a time, as a socket or chunked response does.
+pushed through `serving.audio.out.StreamOut` one chunk at a time, as a socket or chunked response does.
 Per condition: CPU milliseconds per second of model audio (median of --runs; the share of one core one stream
 takes is that / 1000), the output length against round(samples / speed) at the asked rate (duration error),
 and the F0 of the output against the input's (pitch kept). No accelerator: this work runs on the server's CPU.
 
 Then, per format, the audio seconds a second that one thread and two threads encoding streams at once get through
 (`parallel`): an encoder that lets go of the GIL goes about twice as fast on two threads (the server runs those
-off its event loop, `serving.audio_out.OFF_LOOP`); one that holds it goes no faster, or slower.
+off its event loop, `serving.audio.out.OFF_LOOP`); one that holds it goes no faster, or slower.
 
     python bench/audio_out.py --out bench/results/audio-out-cpu.json
 """
@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serving.audio_out import StreamOut  # noqa: E402
+from serving.audio.out import StreamOut  # noqa: E402
 
 SR = 24000
 CHUNK = 1920

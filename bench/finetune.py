@@ -55,8 +55,8 @@ def ours(args) -> dict:
     graph, params = nnx.split(model.talker, nnx.Param)
     micro = train.micro_batches(args.batch, args.micro_batch)
     # as `qtts-jax finetune` does: the model's weights become the state (donated), one copy on the device
-    init, step, _ = train._programs(graph, model.cfg, 1e-5, args.accumulate, args.compute_dtype, 0, micro,
-                                    donate_params=True, predictor_chunk=args.predictor_chunk)
+    init, step, _ = train.programs(graph, model.cfg, 1e-5, args.accumulate, args.compute_dtype, 0, micro,
+                                   donate_params=True, predictor_chunk=args.predictor_chunk)
     params = nnx.to_pure_dict(params)
     t0 = time.perf_counter()
     # compiled ahead of time: XLA's plan of the step's device memory comes with it, also where it would not fit;

@@ -1,8 +1,8 @@
 """The first-audio floor a burst meets before any engine work: the capacity study's closed-loop client against a
 server that answers each streamed speech request at once (one PCM frame as soon as its handler runs, then one
 every 80 ms, 60 frames as the study's requests have), listening as `qtts-jax serve` does
-(`serving.connections.Runner`, its backlog). What the client measures here is what HTTP handling and the client
-itself cost. The server stamps when each handler starts (`time.perf_counter`, one clock for every process of a
+(`serving.http_api.connections.LimitedAppRunner`, its backlog). What the client measures here is what HTTP handling and the
+client itself cost. The server stamps when each handler starts (`time.perf_counter`, one clock for every process of a
 Linux machine), which splits that time into the part before the handler (the client sending, the server accepting
 and parsing) and the part after it.
 
@@ -32,7 +32,7 @@ def serve(port: int, stamps_path: str, frames: int) -> None:
     """The child: answer every speech request at once; write the handlers' start times on SIGTERM."""
     from aiohttp import web
 
-    from serving.connections import Runner
+    from serving.http_api.connections import LimitedAppRunner
 
     stamps: dict[str, float] = {}
 
@@ -53,7 +53,7 @@ def serve(port: int, stamps_path: str, frames: int) -> None:
     async def main() -> None:
         app = web.Application()
         app.router.add_post("/v1/audio/speech", speech)
-        runner = Runner(app, header_timeout_s=10.0, idle_timeout_s=60.0, max_connections=1024)
+        runner = LimitedAppRunner(app, header_timeout_s=10.0, idle_timeout_s=60.0, max_connections=1024)
         await runner.setup()
         await runner.site("127.0.0.1", port).start()
         stop = asyncio.Event()

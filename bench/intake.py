@@ -54,10 +54,11 @@ async def measure(requests: int) -> dict:
     from bench.capacity import intake, intake_since
     from qtts_jax.engine import Engine, EngineConfig
     from qtts_jax.model import load_model
-    from serving import bridge, routes
+    from serving import bridge
     from serving.app import create_app
-    from serving.collector import freeze_startup, pauses
-    from serving.scheduler import Scheduler
+    from serving.http_api import routes
+    from serving.monitoring.collector import freeze_startup, pauses
+    from serving.scheduler import Admission
     from serving.settings import Settings
 
     config = EngineConfig(slots=2, context=128, prompt_buckets=(64,), max_trailing=32, frames_per_step=1, schedule=(1,))
@@ -74,13 +75,13 @@ async def measure(requests: int) -> dict:
         for _ in range(4):  # the handlers' first calls (lazy tables, caches) are left out
             await (await client.post("/v1/audio/speech", json={**body, "max_frames": 2})).read()
         engine.stop()  # requests now wait in its queue: intake alone is measured
-        freeze_startup()  # as a serving process does once warm (serving/collector.py)
+        freeze_startup()  # as a serving process does once warm (serving/monitoring/collector.py)
         gc_before = sum(pauses().seconds)
         spent: collections.Counter = collections.Counter()
         for owner, name, label in ((routes, "speech_options", "options"), (routes.script, "build", "script"),
-                                   (Engine, "prepare", "script: engine prepare"), (Scheduler, "admit", "admission"),
-                                   (Engine, "stats", "admission: engine stats"), (Scheduler, "load", "admission: load"),
-                                   (Scheduler, "predict", "admission: predict"), (bridge.AsyncEngine, "submit", "submit")):
+                                   (Engine, "prepare", "script: engine prepare"), (Admission, "admit", "admission"),
+                                   (Engine, "stats", "admission: engine stats"), (Admission, "load", "admission: load"),
+                                   (Admission, "predict", "admission: predict"), (bridge.AsyncEngine, "submit", "submit")):
             timed(owner, name, label, spent)
         before = intake(await (await client.get("/metrics")).text())
         sent = [asyncio.create_task(client.post("/v1/audio/speech", json=body)) for _ in range(requests)]

@@ -5,7 +5,7 @@ three modes of split_granularity:
 - `none`: everything buffered until `input.done` (vLLM-Omni's default);
 - `sentence`: each sentence started as soon as its end arrives;
 - `live`: one utterance started at the first word, the later words joining its engine stream as it plays
-  (serving/live_input.py).
+  (serving/sockets/live_input.py).
 
 Per trial (the streaming-text prompt layout, non_streaming_mode false, the one live text extends): words
 sent every --interval-ms, then `input.done`; recorded per mode (median over --trials):
@@ -31,7 +31,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serving.sentences import split_units  # noqa: E402
+from serving.text.sentences import split_units  # noqa: E402
 from studies.server import local_server  # noqa: E402
 
 TEXT = ("Thanks for calling. Your table for four is booked at seven tonight. "

@@ -34,7 +34,7 @@ from qtts_jax.engine import Engine, EngineConfig  # noqa: E402
 from qtts_jax.model import load_model  # noqa: E402
 from qtts_jax.request import Request  # noqa: E402
 from serving.errors import ApiError  # noqa: E402
-from serving.scheduler import Scheduler  # noqa: E402
+from serving.scheduler import Admission  # noqa: E402
 from serving.settings import Settings  # noqa: E402
 from studies.playback import simulate  # noqa: E402
 
@@ -105,7 +105,7 @@ def run_rate(model, config: EngineConfig, rate: float, seconds: float, frames: i
     engine._sender = Inline()
     if warmup:
         engine.warmup()
-    admission = Scheduler(engine, Settings().admission_config())
+    admission = Admission(engine, Settings().admission_config())
     admission.ready = True
     job = engine.prepare(Request("A request of the study's length.", speaker="ryan", max_frames=frames))
     if closed:

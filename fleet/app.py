@@ -14,7 +14,7 @@ import dataclasses
 import os
 
 from qtts_jax import xla_flags
-from serving import auth
+from serving.http_api import auth
 from serving.settings import Settings
 
 # Ray Serve's replicas and handles report ongoing requests every 10 s by default: too slow to follow live streams.

@@ -6,7 +6,7 @@ relaying them); other requests go through the handle.
 
 It decides nothing about a request itself, except whether its API key lets it in, where it goes and what a dead
 replica's stream ends with:
-- the key is checked here as each replica checks it (serving/auth.py, the same keys), before any body is read or
+- the key is checked here as each replica checks it (serving/http_api/auth.py, the same keys), before any body is read or
   replica is asked, and a key's stream cap counts its streams across the whole fleet;
 - a speech request refused by a replica (429, or 503 while that replica warms up or drains) is tried on the others
   (the router excludes those already tried); the client gets the refusal only when every replica refused it;
@@ -34,8 +34,8 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from fleet import router
 from fleet.relay import LoopLag
 from fleet.replica import request_headers, response_headers
-from serving import auth
 from serving.errors import ApiError
+from serving.http_api import auth
 from serving.schemas import base64_chars
 from serving.settings import Settings
 

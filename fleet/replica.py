@@ -7,7 +7,7 @@ router picks the replica; the open lease is the stream's ongoing request, which 
 waits for) and the front then sends the request to this server's own TCP address, so its audio crosses one HTTP
 hop instead of one Ray message per chunk; a WebSocket session the same way. Other requests' responses stream
 through the handles. Every method takes a `route` keyword that the router reads (fleet/router.py). A stream's
-`route["id"]` becomes the server's request id, so this replica's stats list it exactly while the server's scheduler
+`route["id"]` becomes the server's request id, so this replica's stats list it exactly while the server's admission
 counts the stream (from admission to the response's end), and a session's while its lease is open
 (fleet/routing.py).
 """
@@ -95,19 +95,19 @@ class Replica:
 
     def stats(self, route: dict | None = None) -> dict:
         """What routing and the front's /ready need, from the engine's stats snapshot and the server's own
-        admission (`Scheduler.admit` only reads the snapshot: asking changes nothing). `streams` (the server's
+        admission (`Admission.admit` only reads the snapshot: asking changes nothing). `streams` (the server's
         admitted streams, each until its response ends) and `routes` (their request ids, and the sessions') are read
         together, so the router's ledger can tell which of its streams this snapshot counts."""
-        from serving.keys import ENGINE, SCHEDULER
+        from serving.keys import ADMISSION, ENGINE
 
-        sched, st = self.app[SCHEDULER], self.app[ENGINE].stats()
+        admission, st = self.app[ADMISSION], self.app[ENGINE].stats()
         try:
-            ttfa, admit = sched.admit(), True
+            ttfa, admit = admission.admit(), True
         except ApiError:
             ttfa, admit = None, False
-        tracks = list(sched.streams.values())
+        tracks = list(admission.streams.values())
         late = sorted(self.relay_late)
-        return {"replica": self.id, "ready": sched.accepting, "admit": admit, "ttfa_s": ttfa, "slots": st.slots,
+        return {"replica": self.id, "ready": admission.accepting, "admit": admit, "ttfa_s": ttfa, "slots": st.slots,
                 "active": st.live, "queued": st.queued, "compiling": st.compiling, "streams": len(tracks),
                 "margin_ms": round(st.headroom_margin_s * 1e3, 2),
                 "relay_late_p99_ms": round(late[int(0.99 * (len(late) - 1))] * 1e3, 2) if late else None,
@@ -116,7 +116,7 @@ class Replica:
     def metrics_text(self, route: dict | None = None) -> str:
         """The server's own metrics (the front labels each replica's samples), read from its app: the front has
         checked the scraper's key."""
-        from serving.routes import exposition
+        from serving.http_api.routes import exposition
 
         return exposition(self.app).decode()
 

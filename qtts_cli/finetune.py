@@ -78,7 +78,7 @@ def _check(args) -> None:
 
 def finetune(args) -> int:
     from qtts_jax import xla_flags
-    from qtts_jax.io.checkpoint import CheckpointError
+    from qtts_jax.io.errors import CheckpointError
     from qtts_jax.finetune import data, train
     from qtts_jax.finetune.export import export
     from qtts_jax.model import load_model

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 
 from fleet.cli import add_cluster_parser, cluster
-from qtts_jax.io.checkpoint import CheckpointError
+from qtts_jax.io.errors import CheckpointError
 from qtts_cli.finetune import add_finetune_parser, finetune
 from qtts_jax.request import Request, RequestError
-from serving.aliases import DEFAULT as VOICE_ALIASES
 from serving.cli import add_serve_parser, serve
+from serving.voice.aliases import DEFAULT as VOICE_ALIASES
 
 DEFAULT_VOICE = VOICE_ALIASES["alloy"]  # the server's default voice on CustomVoice models, so synth sounds the same
 RANDOM_MAX_FRAMES = 24  # random weights rarely reach EOS: without a cap a short text runs ~16 s of noise
@@ -142,7 +142,7 @@ def write_audio(path: Path, audio: np.ndarray) -> None:
     """24 kHz model audio as the file `path`'s extension names (`OUT_FORMATS`)."""
     from qtts_jax.io.audio import write_wav
     from qtts_jax.codec.config import SAMPLE_RATE
-    from serving.audio_out import whole
+    from serving.audio.out import whole
 
     fmt = OUT_FORMATS[path.suffix.lower()]
     if fmt == "wav":

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 
 from qtts_jax import nn
-from qtts_jax.io.checkpoint import CheckpointError, read_safetensors
+from qtts_jax.io.checkpoint import read_safetensors
+from qtts_jax.io.errors import CheckpointError
 from qtts_jax.codec import encoder as codec_encoder
 from qtts_jax.codec.config import SAMPLE_RATE, CodecConfig
 from qtts_jax.codec.encoder import CodecEncoder

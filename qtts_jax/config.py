@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from qtts_jax.io.checkpoint import CheckpointError
+from qtts_jax.io.errors import CheckpointError
 
 
 def _need(d: Mapping[str, Any], key: str, where: str):

@@ -32,7 +32,9 @@ _CODEC_IDS = dict(
 )
 
 
-def _decoder(hidden, inter, layers, heads, kv, head_dim, vocab, **extra):
+def decoder_config(hidden, inter, layers, heads, kv, head_dim, vocab, **extra):
+    """A Qwen3 decoder stack's config.json entries (the talker's or the code predictor's), as every preset and the
+    tests' reference model build them."""
     return dict(
         hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv, head_dim=head_dim, vocab_size=vocab, rope_theta=1_000_000.0,
@@ -83,8 +85,8 @@ def real_config(size: str, kind: str = "custom_voice") -> dict:
     hidden, inter = {"0b6": (1024, 3072), "1b7": (2048, 6144)}[size]
     return model_config(
         size=size, kind=kind,
-        talker=_decoder(hidden, inter, 28, 16, 8, 128, 3072, max_position_embeddings=32768),
-        predictor=_decoder(1024, 3072, 5, 16, 8, 128, 2048, max_position_embeddings=65536),
+        talker=decoder_config(hidden, inter, 28, 16, 8, 128, 3072, max_position_embeddings=32768),
+        predictor=decoder_config(1024, 3072, 5, 16, 8, 128, 2048, max_position_embeddings=65536),
         text_vocab=151936, text_hidden=2048, text_ids=_REAL_TEXT_IDS,
     )
 
@@ -116,8 +118,8 @@ def tiny_config(kind: str = "custom_voice", size: str = "1b7") -> dict:
     )
     return model_config(
         size=size, kind=kind,
-        talker=_decoder(64, 128, 2, 4, 2, 16, 3072),
-        predictor=_decoder(32, 64, 2, 4, 1, 16, 2048),
+        talker=decoder_config(64, 128, 2, 4, 2, 16, 3072),
+        predictor=decoder_config(32, 64, 2, 4, 1, 16, 2048),
         text_vocab=len(vocab) + len(added), text_hidden=48, text_ids=text_ids,
     )
 

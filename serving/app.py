@@ -1,7 +1,7 @@
 """aiohttp app factory: the engine's life in a cleanup_ctx, the routes, JSON errors, drain.
 
 The engine compiles and warms up in a background task, so `/health` answers at once and `/ready` turns
-200 only after warmup and one calibration request (which seeds the scheduler's step-time estimate).
+200 only after warmup and one calibration request (which seeds admission's step-time estimate).
 """
 
 from __future__ import annotations
@@ -27,17 +27,19 @@ from qtts_jax.engine import Engine
 from qtts_jax.engine.core_client import CoreClient
 from qtts_jax.engine.core_process import CoreSpec
 from qtts_jax.request import Request
-from serving import aliases, auth, page, routes, ws
-from serving.collector import freeze_startup
-from serving.connections import Runner
 from serving.errors import ApiError
-from serving.keys import (ALIASES, API_KEYS, BRIDGE, ENGINE, METRICS, MODEL, REQUEST_ID, SCHEDULER, SERVED_NAMES, SETTINGS,
-                          SOCKETS, VOICE_WARMUP, VOICES, WARMUP_ERROR, WARMUP_TASK)
-from serving.metrics import Metrics
-from serving.scheduler import Scheduler
+from serving.http_api import auth, page, routes
+from serving.http_api.connections import LimitedAppRunner
+from serving.keys import (ADMISSION, ALIASES, API_KEYS, BRIDGE, ENGINE, METRICS, MODEL, REQUEST_ID, SERVED_NAMES,
+                          SETTINGS, SOCKETS, VOICE_WARMUP, VOICES, WARMUP_ERROR, WARMUP_TASK)
+from serving.monitoring.collector import freeze_startup
+from serving.monitoring.metrics import Metrics
+from serving.scheduler import Admission
 from serving.schemas import served_names
 from serving.settings import Settings
-from serving.voices import VoiceStore
+from serving.sockets import ws
+from serving.voice import aliases
+from serving.voice.store import VoiceStore
 
 log = logging.getLogger("serving")
 # Python's thread switch interval in a serving process (5 ms by default): the engine thread, back from a device call,
@@ -100,7 +102,7 @@ async def error_middleware(request: web.Request, handler):
 
 @web.middleware
 async def key_middleware(request: web.Request, handler):
-    """The request's API key, checked before its handler reads a byte of it (serving/auth.py); a speech request
+    """The request's API key, checked before its handler reads a byte of it (serving/http_api/auth.py); a speech request
     or WebSocket session counts against its key's stream cap while it runs."""
     keyring, headers = request.app[API_KEYS], request.headers
     protocols = headers.getall(hdrs.SEC_WEBSOCKET_PROTOCOL, []) if request.path == auth.SOCKET else []
@@ -115,7 +117,7 @@ def create_app(settings: Settings = Settings(), model=None, engine: Engine | Cor
     """The server. Without `engine` or `model`, its engine core runs in a process of its own (`serve`), which loads
     `settings.model` and sizes the slots there: this process never touches the device. Pass an already built (and
     possibly warmed) `engine`, or a loaded `model`, to run the core on a thread here instead (tests; an `Engine` may
-    be shared between apps). Raises ValueError when the API keys are missing or malformed (serving/auth.py), before
+    be shared between apps). Raises ValueError when the API keys are missing or malformed (serving/http_api/auth.py), before
     loading anything, and SlotsDoNotFit (before any state is allocated) when the asked-for count does not fit."""
     keyring = auth.keyring(settings)
     if engine is None and model is None:
@@ -140,9 +142,9 @@ def create_app(settings: Settings = Settings(), model=None, engine: Engine | Cor
     app[ALIASES] = aliases.table(settings.voice_aliases, cfg.model_type, cfg.speakers)  # ValueError if wrong
     app[ENGINE] = engine
     app[BRIDGE] = AsyncEngine(engine)
-    app[SCHEDULER] = Scheduler(engine, settings.admission_config())
-    engine.on_up = partial(_core_up, app[SCHEDULER])
-    app[METRICS] = Metrics(engine, app[SCHEDULER], model=engine.model.name, info=_build_info(settings, engine))
+    app[ADMISSION] = Admission(engine, settings.admission_config())
+    engine.on_up = partial(_core_up, app[ADMISSION])
+    app[METRICS] = Metrics(engine, app[ADMISSION], model=engine.model.name, info=_build_info(settings, engine))
     app[SOCKETS] = weakref.WeakSet()
     app[WARMUP_ERROR] = []
     app[VOICE_WARMUP] = []
@@ -159,9 +161,9 @@ def create_app(settings: Settings = Settings(), model=None, engine: Engine | Cor
     return app
 
 
-def _core_up(sched: Scheduler, up: bool) -> None:
+def _core_up(admission: Admission, up: bool) -> None:
     """The engine core died (False: `/ready` 503, admission refuses) or is back after its restart (True)."""
-    sched.core_up = up
+    admission.core_up = up
 
 
 def _build_info(settings: Settings, engine: CoreClient) -> dict[str, str]:
@@ -187,7 +189,7 @@ def _build_info(settings: Settings, engine: CoreClient) -> dict[str, str]:
 async def _engine_ctx(app: web.Application):
     app[WARMUP_TASK] = asyncio.create_task(_warm_up(app))
     yield
-    app[SCHEDULER].draining = True
+    app[ADMISSION].draining = True
     task = app[WARMUP_TASK]
     if not task.done():
         task.cancel()
@@ -198,7 +200,7 @@ async def _engine_ctx(app: web.Application):
 
 async def _warm_up(app: web.Application) -> None:
     """Compile + warm, start the loop, run one short calibration request, then report ready."""
-    engine, settings, sched = app[ENGINE], app[SETTINGS], app[SCHEDULER]
+    engine, settings, admission = app[ENGINE], app[SETTINGS], app[ADMISSION]
     t0 = time.perf_counter()
     try:
         await app[BRIDGE].start(warmup=settings.warmup)
@@ -211,7 +213,7 @@ async def _warm_up(app: web.Application) -> None:
             stream = app[BRIDGE].submit(engine.prepare(req))
             async for _ in stream:
                 pass
-            sched.observe(stream.timings)
+            admission.observe(stream.timings)
         cache = await asyncio.get_running_loop().run_in_executor(None, engine.compile_summary)  # the core's
     except asyncio.CancelledError:
         raise
@@ -219,7 +221,7 @@ async def _warm_up(app: web.Application) -> None:
         log.exception("warmup failed")
         app[WARMUP_ERROR].append(str(exc))
         return
-    sched.ready = True
+    admission.ready = True
     st = engine.stats()
     log.info("ready after %.1f s (slots=%d; %s)%s", time.perf_counter() - t0, engine.config.slots,
              cache, f"; {st.compiling} programs of the larger rungs still compiling, serving "
@@ -246,12 +248,12 @@ async def _close_sockets(app: web.Application) -> None:
 
 async def drain(app: web.Application, timeout_s: float | None = None) -> bool:
     """Stop admitting (ready -> 503), wait for open streams to finish up to the deadline. True if all did."""
-    sched = app[SCHEDULER]
-    sched.draining = True
+    admission = app[ADMISSION]
+    admission.draining = True
     deadline = time.monotonic() + (app[SETTINGS].drain_timeout_s if timeout_s is None else timeout_s)
-    while sched.streams and time.monotonic() < deadline:
+    while admission.streams and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    return not sched.streams
+    return not admission.streams
 
 
 def serve_alone(app: web.Application) -> None:
@@ -291,8 +293,9 @@ def run(settings: Settings, engine: Engine | None = None) -> int:
             if app is not None:  # its core started: stop it
                 await app[BRIDGE].stop()
             return 2
-        runner = Runner(app, header_timeout_s=settings.header_timeout_s, idle_timeout_s=settings.idle_timeout_s,
-                        max_connections=settings.max_connections, handler_cancellation=True, shutdown_timeout=5.0)
+        runner = LimitedAppRunner(app, header_timeout_s=settings.header_timeout_s,
+                                  idle_timeout_s=settings.idle_timeout_s, max_connections=settings.max_connections,
+                                  handler_cancellation=True, shutdown_timeout=5.0)
         await runner.setup()
         site = runner.site(settings.host, settings.port)
         await site.start()

@@ -26,7 +26,7 @@ class AsyncStream:
     """Async iterator over one request's chunks; ends after the final chunk."""
 
     def __init__(self, queue: asyncio.Queue):
-        self._queue = queue
+        self.queue = queue  # where the outbox delivers its chunks
         self._ended = False
         self.stream: CoreStream | None = None
 
@@ -36,7 +36,7 @@ class AsyncStream:
     async def __anext__(self) -> Chunk:
         if self._ended:
             raise StopAsyncIteration
-        chunk = await self._queue.get()
+        chunk = await self.queue.get()
         self._ended = chunk.final
         return chunk
 
@@ -49,20 +49,20 @@ class AsyncStream:
         return self.stream.timings
 
 
-class _Outbox:
+class Outbox:
     """Chunks from the engine thread, delivered into their queues by one event-loop callback per batch."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, on_lag):
         self.loop, self.on_lag = loop, on_lag
         self._lock = threading.Lock()
-        self._items: list[tuple[asyncio.Queue, Chunk, AsyncStream]] = []
+        self._items: list[tuple[Chunk, AsyncStream]] = []
         self._since = 0.0
 
-    def put(self, queue: asyncio.Queue, chunk: Chunk, out: "AsyncStream") -> None:
+    def put(self, chunk: Chunk, out: AsyncStream) -> None:
         """Engine thread: queue one chunk; the first of a batch schedules the delivery."""
         with self._lock:
             first = not self._items
-            self._items.append((queue, chunk, out))
+            self._items.append((chunk, out))
             if first:
                 self._since = time.perf_counter()
         if first:
@@ -71,8 +71,8 @@ class _Outbox:
             except RuntimeError:  # the event loop is gone: nobody listens, so stop generating
                 with self._lock:
                     items, self._items = self._items, []
-                for _, _, stream in items:
-                    stream.stream.cancel()
+                for _, out in items:
+                    out.stream.cancel()
 
     def _deliver(self) -> None:
         with self._lock:
@@ -82,10 +82,10 @@ class _Outbox:
         # a request's own chunks keep their order
         requests: dict[int, list] = {}
         for item in items:
-            requests.setdefault(id(item[0]), []).append(item)
-        for request in sorted(requests.values(), key=lambda its: min(chunk.due for _, chunk, _ in its)):
-            for queue, chunk, _ in request:
-                queue.put_nowait(chunk)
+            requests.setdefault(id(item[1]), []).append(item)
+        for request in sorted(requests.values(), key=lambda its: min(chunk.due for chunk, _ in its)):
+            for chunk, out in request:
+                out.queue.put_nowait(chunk)
         # the coroutines these chunks wake run next, in turn, each taking its chunk and working up to its next
         # await; this runs after them: the lag of the batch's last taking, which is where its listener's clock is
         self.loop.call_soon(self._taken, since)
@@ -121,10 +121,9 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         outbox = self._outboxes.get(loop)
         if outbox is None:
-            outbox = self._outboxes[loop] = _Outbox(loop, self.engine.observe_delivery_lag)
-        queue: asyncio.Queue[Chunk] = asyncio.Queue()
-        out = AsyncStream(queue)
-        out.stream = self.engine.submit(job, lambda chunk: outbox.put(queue, chunk, out), ahead)
+            outbox = self._outboxes[loop] = Outbox(loop, self.engine.observe_delivery_lag)
+        out = AsyncStream(asyncio.Queue())
+        out.stream = self.engine.submit(job, lambda chunk: outbox.put(chunk, out), ahead)
         return out
 
     def append_text(self, out: AsyncStream, ids: list[int], complete: bool = False) -> None:

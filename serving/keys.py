@@ -8,20 +8,20 @@ import weakref
 
 from aiohttp import web
 
-from serving.auth import Keyring
 from serving.bridge import AsyncEngine
+from serving.http_api.auth import Keyring
 from qtts_jax.engine.core_client import CoreClient
-from serving.metrics import Metrics
-from serving.scheduler import Scheduler
+from serving.monitoring.metrics import Metrics
+from serving.scheduler import Admission
 from serving.settings import Settings
-from serving.voices import VoiceStore
+from serving.voice.store import VoiceStore
 
 SETTINGS = web.AppKey("settings", Settings)
 MODEL = web.AppKey("model", object)
 SERVED_NAMES = web.AppKey("served_names", tuple)  # model names a request may ask for: this model's and generic
 ENGINE = web.AppKey("engine", CoreClient)  # the engine core's client: in its own process, or on a thread
 BRIDGE = web.AppKey("bridge", AsyncEngine)
-SCHEDULER = web.AppKey("scheduler", Scheduler)
+ADMISSION = web.AppKey("admission", Admission)
 METRICS = web.AppKey("metrics", Metrics)
 SOCKETS = web.AppKey("sockets", weakref.WeakSet)
 WARMUP_TASK = web.AppKey("warmup_task", asyncio.Task)

@@ -94,7 +94,11 @@ class StreamTrack:
         return self.playback_start + self.audio_sent - now
 
 
-class Scheduler:
+class Admission:
+    """The server's admission: whether the engine takes one more request now (`admit`, else a 429 or 503), and the
+    open streams it took, tracked as their clients hear them. Named apart from the engine's scheduler
+    (`qtts_jax.engine.scheduler`), which decides what the loop runs."""
+
     def __init__(self, engine, config: AdmissionConfig = AdmissionConfig()):
         self.engine = engine
         self.config = config

@@ -16,10 +16,10 @@ from types import MappingProxyType
 from typing import Any
 
 from qtts_jax.request import Request, VoicePrompt
-from serving.audio_encoders import FORMATS, STREAM_BY_DEFAULT
-from serving.audio_out import output_rate
+from serving.audio.encoders import FORMATS, STREAM_BY_DEFAULT
+from serving.audio.out import output_rate
+from serving.audio.resample import RATES
 from serving.errors import ApiError, bad
-from serving.resample import RATES
 
 MAX_SEED = 2**32 - 1
 INPUT_FORMATS = ("auto", "text", "ssml")
@@ -228,7 +228,7 @@ def _check(name: str, f: Field, v: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class SpeechParams:
-    """How to send the audio (what to say is the request's `Script`: serving/script.py)."""
+    """How to send the audio (what to say is the request's `Script`: serving/text/script.py)."""
 
     response_format: str
     stream: bool

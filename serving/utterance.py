@@ -7,12 +7,12 @@ import time
 
 import numpy as np
 
-from serving import word_timings
-from serving.audio_encoders import SAMPLE_RATE
-from serving.keys import BRIDGE, METRICS, MODEL, SCHEDULER
-from serving.live_input import LiveInput
-from serving.prosody import ProsodyAudio
-from serving.script import Script
+from serving.audio import word_timings
+from serving.audio.encoders import SAMPLE_RATE
+from serving.audio.prosody import ProsodyAudio
+from serving.keys import ADMISSION, BRIDGE, METRICS, MODEL
+from serving.sockets.live_input import LiveInput
+from serving.text.script import Script
 
 
 class Utterance:
@@ -28,15 +28,15 @@ class Utterance:
         self.app, self.script, self.rid, self.endpoint = app, script, rid, endpoint
         self.speed, self.rate = speed, rate  # of the audio the client gets: it plays 1/speed s per model second
         self.started = time.perf_counter() if started is None else started
-        sched = app[SCHEDULER]
-        self.predicted_ttfa = sched.admit()  # raises 429/503
+        admission = app[ADMISSION]
+        self.predicted_ttfa = admission.admit()  # raises 429/503
         self._jobs = iter(script.jobs)
         self.streams = [app[BRIDGE].submit(next(self._jobs))]
         app[METRICS].intake.observe(time.perf_counter() - self.started)
         if live is not None:  # a live utterance's script is its one job: the text still to come joins its stream
             live.attach(self.streams[0])
         # its parts still to come count as load from now on, so the next admission sees them (serving/scheduler.py)
-        self.track = sched.open(rid, script.frames_cap, self.stream.stream.id,
+        self.track = admission.open(rid, script.frames_cap, self.stream.stream.id,
                                 tuple(job.frames_cap for job in script.jobs[1:]))
         self.frames = 0
         self.samples = 0  # model-rate samples after prosody, pauses included
@@ -75,7 +75,7 @@ class Utterance:
                     if self._first:
                         self._first = False
                         self.app[METRICS].observe_first_chunk(stream.timings)
-                        self.app[SCHEDULER].observe(stream.timings)
+                        self.app[ADMISSION].observe(stream.timings)
                     if len(pcm := shape.process(chunk.pcm)):
                         yield self._out(pcm)
             if self.error is not None:
@@ -103,7 +103,7 @@ class Utterance:
         return samples / SAMPLE_RATE / self.speed
 
     def take_words(self) -> list[dict]:
-        """Word timings estimated since the last call (serving/word_timings.py); none unless asked for."""
+        """Word timings estimated since the last call (serving/audio/word_timings.py); none unless asked for."""
         if self._words is None:
             return []
         out, self._words = self._words, []
@@ -115,7 +115,7 @@ class Utterance:
             outcome = outcome or "cancelled"
         elif outcome is None:
             outcome = "ok" if self.error is None else ("cancelled" if self.error == "cancelled" else "error")
-        self.app[SCHEDULER].close(self.track)
+        self.app[ADMISSION].close(self.track)
         metrics = self.app[METRICS]
         metrics.requests.labels(self.endpoint, outcome).inc()
         metrics.observe_request(self.endpoint, time.perf_counter() - self.started, self.script.chars,

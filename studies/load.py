@@ -33,7 +33,7 @@ from studies.validate import validate_stream
 
 MODES = ("closed", "open-fixed", "open-poisson")
 PROTOCOLS = ("http", "ws")
-# Session fields the WebSocket accepts (serving/ws.py); HTTP-only options (response_format, ...) are refused.
+# Session fields the WebSocket accepts (serving/sockets/ws.py); HTTP-only options (response_format, ...) are refused.
 WS_SESSION_FIELDS = ("voice", "language", "instructions", "seed", "temperature", "top_k", "top_p",
                      "repetition_penalty", "max_frames", "greedy", "chunk_schedule")
 # WebSocket error codes -> the HTTP status the same refusal gets on the HTTP endpoint (others: 400).

@@ -35,8 +35,8 @@ def config_dict(kind: str, size: str = "1b7", shape: str = "narrow_predictor_mqa
     s = SHAPES[shape]
     base = presets.tiny_config(kind, size)
     t, p = s["talker"], s["predictor"]
-    talker = presets._decoder(*t, 3072)
-    predictor = presets._decoder(*p, 2048)
+    talker = presets.decoder_config(*t, 3072)
+    predictor = presets.decoder_config(*p, 2048)
     text_ids = {k: base[k] for k in base if k.endswith("_token_id")}
     return presets.model_config(
         size=size, kind=kind, talker=talker, predictor=predictor,

@@ -11,7 +11,7 @@ import pytest
 
 from qtts_jax.engine import EngineStats, rung, step_frames
 from qtts_jax.engine.stream import FRAME_SECONDS, Timings
-from serving.scheduler import AdmissionConfig, Scheduler, StreamTrack
+from serving.scheduler import AdmissionConfig, Admission, StreamTrack
 from serving.errors import ApiError
 
 LADDER = (8, 16, 32, 64)
@@ -67,27 +67,27 @@ class Snapshots:
     compiled_on_demand = 0  # a warmed-up engine compiles nothing on demand
 
 
-def ready_scheduler(st, **config) -> Scheduler:
-    sched = Scheduler(Snapshots(st), AdmissionConfig(**config))
-    sched.ready = True
-    return sched
+def ready_admission(st, **config) -> Admission:
+    admission = Admission(Snapshots(st), AdmissionConfig(**config))
+    admission.ready = True
+    return admission
 
 
 def test_not_ready_and_draining_are_503_with_retry_after():
-    sched = Scheduler(Snapshots(snapshot()), AdmissionConfig())
+    admission = Admission(Snapshots(snapshot()), AdmissionConfig())
     with pytest.raises(ApiError) as err:
-        sched.admit()
+        admission.admit()
     assert (err.value.status, err.value.code) == (503, "not_ready") and err.value.retry_after >= 1
-    sched.ready, sched.draining = True, True
+    admission.ready, admission.draining = True, True
     with pytest.raises(ApiError) as err:
-        sched.admit()
+        admission.admit()
     assert (err.value.status, err.value.code) == (503, "draining") and err.value.retry_after >= 1
 
 
 def test_free_slot_admits_with_ttfa_of_one_prefill_and_one_first_frame():
     st = snapshot(live=[40] * 10)
     expected = st.iteration_s + prefill_cost(1) + first_cost(1)
-    assert ready_scheduler(st).admit() == pytest.approx(expected)
+    assert ready_admission(st).admit() == pytest.approx(expected)
 
 
 def test_first_chunks_observed_while_the_engine_compiles_do_not_count():
@@ -95,13 +95,13 @@ def test_first_chunks_observed_while_the_engine_compiles_do_not_count():
     prediction refuse a burst once the engine is done; observed after that, it counts."""
     slow = Timings(admitted=0.0, first_chunk=2.0)
     st = snapshot(live=[40] * 10)
-    sched = ready_scheduler(dataclasses.replace(st, compiling=3))
-    sched.observe(slow)
-    sched.engine.st = st
-    assert sched.admit() == pytest.approx(st.iteration_s + prefill_cost(1) + first_cost(1))
-    sched.observe(slow)
+    admission = ready_admission(dataclasses.replace(st, compiling=3))
+    admission.observe(slow)
+    admission.engine.st = st
+    assert admission.admit() == pytest.approx(st.iteration_s + prefill_cost(1) + first_cost(1))
+    admission.observe(slow)
     with pytest.raises(ApiError, match="predicted first audio"):
-        sched.admit()
+        admission.admit()
 
 
 def test_a_first_chunk_that_waited_on_a_program_compiled_on_demand_does_not_count():
@@ -109,19 +109,19 @@ def test_a_first_chunk_that_waited_on_a_program_compiled_on_demand_does_not_coun
     model): a first chunk submitted before such a compile may have waited on it and must not make admission refuse
     what comes after; one submitted after the compile counts."""
     st = snapshot(live=[40] * 10)
-    sched = ready_scheduler(st)
-    sched.engine.compiled_on_demand = 3
-    sched.observe(Timings(admitted=0.0, first_chunk=2.0, compiled_before=2))
-    assert sched.admit() == pytest.approx(st.iteration_s + prefill_cost(1) + first_cost(1))
-    sched.observe(Timings(admitted=0.0, first_chunk=2.0, compiled_before=3))
+    admission = ready_admission(st)
+    admission.engine.compiled_on_demand = 3
+    admission.observe(Timings(admitted=0.0, first_chunk=2.0, compiled_before=2))
+    assert admission.admit() == pytest.approx(st.iteration_s + prefill_cost(1) + first_cost(1))
+    admission.observe(Timings(admitted=0.0, first_chunk=2.0, compiled_before=3))
     with pytest.raises(ApiError, match="predicted first audio"):
-        sched.admit()
+        admission.admit()
 
 
 def test_burst_waiting_is_one_prefill_not_one_each():
     """Twenty requests already waiting for free slots add one 32-request prefill to the prediction, not 20."""
     st = snapshot(live=[40] * 10, queued=[48] * 20)
-    ttfa = ready_scheduler(st).admit()
+    ttfa = ready_admission(st).admit()
     assert ttfa == pytest.approx(st.iteration_s + prefill_cost(21) + first_cost(21))
     assert ttfa < 0.3
 
@@ -130,11 +130,11 @@ def test_a_request_waits_for_a_slot_only_once_those_ahead_of_it_took_every_free_
     """Four free slots: with three requests ahead of it one is left for it; with four ahead of it, it waits for
     the first of theirs or the playing streams' to end (those ahead have 5 frames, the playing 40)."""
     st = snapshot(live=[40] * 60, queued=[5] * 3)
-    sched = ready_scheduler(st)
-    assert sched.predict(st, *sched.load(st))[0] == 0.0
+    admission = ready_admission(st)
+    assert admission.predict(st, *admission.load(st))[0] == 0.0
     st = snapshot(live=[40] * 60, queued=[5] * 4)
-    sched = ready_scheduler(st)
-    start, _, frame_s, _ = sched.predict(st, *sched.load(st))
+    admission = ready_admission(st)
+    start, _, frame_s, _ = admission.predict(st, *admission.load(st))
     assert start == pytest.approx(5 * frame_s) and frame_s > 0
 
 
@@ -143,10 +143,10 @@ def test_full_slots_wait_for_the_first_to_free_and_refuse_past_the_target():
     newcomer = prefill_cost(1) + first_cost(1)
     per_frame = newcomer + iteration_cost(64, 1)  # a longer step would leave the newcomer short of audio
     soon = snapshot(live=[3] + [40] * 63)  # one stream 3 frames from the end
-    assert ready_scheduler(soon).admit() == pytest.approx(soon.iteration_s + 3 * per_frame + newcomer)
+    assert ready_admission(soon).admit() == pytest.approx(soon.iteration_s + 3 * per_frame + newcomer)
     late = snapshot(live=[40] * 64)
     with pytest.raises(ApiError) as err:
-        ready_scheduler(late).admit()
+        ready_admission(late).admit()
     assert (err.value.status, err.value.code) == (429, "overloaded") and err.value.retry_after >= 1
     assert "target" in err.value.message
 
@@ -159,10 +159,10 @@ def test_refuses_what_would_let_playing_streams_run_dry():
     newcomer = slow.costs.prefill(1) + slow.costs.first(1)
     assert all((newcomer + slow.costs.step(5, n)) / n > FRAME_SECONDS for n in (1, 4))
     with pytest.raises(ApiError) as err:
-        ready_scheduler(slow, ttfa_target_s=10.0).admit()
+        ready_admission(slow, ttfa_target_s=10.0).admit()
     assert err.value.status == 429 and "run dry" in err.value.message
-    assert ready_scheduler(snapshot(scale=5.0), ttfa_target_s=0.05).admit() > 0.05  # idle: admitted anyway
-    assert ready_scheduler(slow, ttfa_target_s=10.0, starvation_s=1e9).admit() > 0  # no starvation limit
+    assert ready_admission(snapshot(scale=5.0), ttfa_target_s=0.05).admit() > 0.05  # idle: admitted anyway
+    assert ready_admission(slow, ttfa_target_s=10.0, starvation_s=1e9).admit() > 0  # no starvation limit
 
 
 def test_a_waiting_burst_is_paid_once_not_per_frame():
@@ -173,12 +173,12 @@ def test_a_waiting_burst_is_paid_once_not_per_frame():
     burst = st.costs.prefill(41) + st.costs.first(41)
     assert burst + st.costs.step(61, 1) > FRAME_SECONDS
     roomy = dataclasses.replace(st, min_headroom_s=1.0)
-    assert ready_scheduler(roomy, ttfa_target_s=10.0).admit() > 0
+    assert ready_admission(roomy, ttfa_target_s=10.0).admit() > 0
     tight = dataclasses.replace(st, min_headroom_s=burst - 0.01)  # the burst would outlast the headroom
     with pytest.raises(ApiError) as err:
-        ready_scheduler(tight, ttfa_target_s=10.0).admit()
+        ready_admission(tight, ttfa_target_s=10.0).admit()
     assert err.value.status == 429 and "waiting requests" in err.value.message
-    assert ready_scheduler(tight, ttfa_target_s=10.0, starvation_s=0.1).admit() > 0  # within a tolerated stall
+    assert ready_admission(tight, ttfa_target_s=10.0, starvation_s=0.1).admit() > 0  # within a tolerated stall
 
 
 def test_the_engines_delivery_delay_counts_against_the_headroom():
@@ -187,9 +187,9 @@ def test_the_engines_delivery_delay_counts_against_the_headroom():
     st = snapshot(live=[40] * 20, queued=[48] * 40)
     burst = st.costs.prefill(41) + st.costs.first(41)
     spare = dataclasses.replace(st, min_headroom_s=burst + 0.005)
-    assert ready_scheduler(spare, ttfa_target_s=10.0).admit() > 0
+    assert ready_admission(spare, ttfa_target_s=10.0).admit() > 0
     with pytest.raises(ApiError) as err:
-        ready_scheduler(dataclasses.replace(spare, delivery_s=0.010), ttfa_target_s=10.0).admit()
+        ready_admission(dataclasses.replace(spare, delivery_s=0.010), ttfa_target_s=10.0).admit()
     assert err.value.status == 429 and "waiting requests" in err.value.message
 
 
@@ -198,11 +198,11 @@ def test_a_stream_already_behind_its_listener_stops_admission():
     tolerated underrun, only one behind by more than that."""
     st = dataclasses.replace(snapshot(live=[40] * 4), min_headroom_s=-0.005)
     with pytest.raises(ApiError) as err:
-        ready_scheduler(st).admit()
+        ready_admission(st).admit()
     assert err.value.status == 429 and "behind" in err.value.message
-    assert ready_scheduler(st, starvation_s=0.1).admit() > 0
+    assert ready_admission(st, starvation_s=0.1).admit() > 0
     with pytest.raises(ApiError):
-        ready_scheduler(dataclasses.replace(st, min_headroom_s=-0.15), starvation_s=0.1).admit()
+        ready_admission(dataclasses.replace(st, min_headroom_s=-0.15), starvation_s=0.1).admit()
 
 
 def test_a_burst_past_one_prefill_call_counts_every_call():
@@ -212,7 +212,7 @@ def test_a_burst_past_one_prefill_call_counts_every_call():
 
 def test_queue_full_is_429():
     with pytest.raises(ApiError) as err:
-        ready_scheduler(snapshot(live=[5] * 64, queued=[48] * 4), max_queue=4, ttfa_target_s=10.0).admit()
+        ready_admission(snapshot(live=[5] * 64, queued=[48] * 4), max_queue=4, ttfa_target_s=10.0).admit()
     assert (err.value.status, err.value.code) == (429, "queue_full")
 
 
@@ -232,18 +232,18 @@ def test_a_long_requests_parts_still_to_come_keep_its_slot():
     near_end = part()
     st = snapshot(live=[(near_end, 3)] + [40] * 63)
     per_frame = prefill_cost(1) + first_cost(1) + iteration_cost(64, 1)  # as in the full-slots case above
-    sched = ready_scheduler(st)
-    one_part = sched.open("short", 40, near_end)
-    assert sched.admit() == pytest.approx(st.iteration_s + 3 * per_frame + prefill_cost(1) + first_cost(1))
-    sched.close(one_part)
-    long = sched.open("long", 240, near_end, to_come=(100, 100))
-    assert sorted(sched.load(st)[0])[-2:] == [40, 203]
+    admission = ready_admission(st)
+    one_part = admission.open("short", 40, near_end)
+    assert admission.admit() == pytest.approx(st.iteration_s + 3 * per_frame + prefill_cost(1) + first_cost(1))
+    admission.close(one_part)
+    long = admission.open("long", 240, near_end, to_come=(100, 100))
+    assert sorted(admission.load(st)[0])[-2:] == [40, 203]
     with pytest.raises(ApiError) as err:
-        sched.admit()
+        admission.admit()
     assert (err.value.status, err.value.code) == (429, "overloaded") and "target" in err.value.message
     assert err.value.retry_after >= 40 * per_frame
-    sched.close(long)
-    assert sched.admit() < 0.3
+    admission.close(long)
+    assert admission.admit() < 0.3
 
 
 def test_two_long_requests_admitted_one_after_another_see_each_others_parts_to_come():
@@ -252,13 +252,13 @@ def test_two_long_requests_admitted_one_after_another_see_each_others_parts_to_c
     both slots for 204 frames, so it is refused."""
     a, b = part(), part()
     st = snapshot(queued=[(a, 4), (b, 4)], slots=2)
-    sched = ready_scheduler(st, max_queue=4)
-    assert sched.predict(st, [], [4, 4])[0] < 0.3 and sched.admit() < 0.3  # the first parts alone
+    admission = ready_admission(st, max_queue=4)
+    assert admission.predict(st, [], [4, 4])[0] < 0.3 and admission.admit() < 0.3  # the first parts alone
     for rid, first in (("a", a), ("b", b)):
-        sched.open(rid, 204, first, to_come=(200,))
-    assert sched.load(st) == ([], [204, 204])
+        admission.open(rid, 204, first, to_come=(200,))
+    assert admission.load(st) == ([], [204, 204])
     with pytest.raises(ApiError) as err:
-        sched.admit()
+        admission.admit()
     assert err.value.status == 429 and "target" in err.value.message
 
 
@@ -266,20 +266,20 @@ def test_parts_to_come_count_until_submitted_then_only_in_the_snapshot():
     """One request's parts through their life: waiting, then playing, its part lengthened by those to come;
     done generating, those wait ahead of the others (the next part is about to be submitted ahead); each
     submitted part is the engine's to count, never counted twice; a closed request counts no more."""
-    sched = ready_scheduler(snapshot())
+    admission = ready_admission(snapshot())
     first = part()
-    track = sched.open("long", 210, first, to_come=(100, 100))
-    assert sched.load(snapshot(queued=[7, (first, 10)])) == ([], [7, 210])
-    assert sched.load(snapshot(live=[30, (first, 6)], queued=[7])) == ([30, 206], [7])
-    assert sched.load(snapshot(live=[30, (first, 0)], queued=[7])) == ([30, 0], [200, 7])
+    track = admission.open("long", 210, first, to_come=(100, 100))
+    assert admission.load(snapshot(queued=[7, (first, 10)])) == ([], [7, 210])
+    assert admission.load(snapshot(live=[30, (first, 6)], queued=[7])) == ([30, 206], [7])
+    assert admission.load(snapshot(live=[30, (first, 0)], queued=[7])) == ([30, 0], [200, 7])
     second = part()
     track.next_part(second)
-    assert sched.load(snapshot(live=[30], queued=[(second, 100), 7])) == ([30], [200, 7])
+    assert admission.load(snapshot(live=[30], queued=[(second, 100), 7])) == ([30], [200, 7])
     third = part()
     track.next_part(third)
-    assert track.to_come == [] and sched.load(snapshot(live=[30, (third, 100)], queued=[7])) == ([30, 100], [7])
-    sched.close(track)
-    assert sched.load(snapshot(live=[30, 100])) == ([30, 100], [])
+    assert track.to_come == [] and admission.load(snapshot(live=[30, (third, 100)], queued=[7])) == ([30, 100], [7])
+    admission.close(track)
+    assert admission.load(snapshot(live=[30, 100])) == ([30, 100], [])
 
 
 def test_a_tolerated_stall_counts_the_frames_still_to_come():
@@ -288,16 +288,16 @@ def test_a_tolerated_stall_counts_the_frames_still_to_come():
     to come: it would lose the overrun on each of their frames too."""
     long_part = part()
     st = snapshot(live=[(long_part, 10)] + [10] * 3, scale=8.0)
-    frame_s = ready_scheduler(st).predict(st, [10] * 4, [])[2]
+    frame_s = ready_admission(st).predict(st, [10] * 4, [])[2]
     assert frame_s > 2 * FRAME_SECONDS  # each frame loses more than a frame of audio's worth...
-    sched = ready_scheduler(st, ttfa_target_s=10.0, starvation_s=10 * frame_s)  # ...but 10 frames lose less
-    assert sched.admit() > 0
-    sched.open("long", 510, long_part, to_come=(500,))
+    admission = ready_admission(st, ttfa_target_s=10.0, starvation_s=10 * frame_s)  # ...but 10 frames lose less
+    assert admission.admit() > 0
+    admission.open("long", 510, long_part, to_come=(500,))
     with pytest.raises(ApiError) as err:
-        sched.admit()
+        admission.admit()
     assert err.value.status == 429 and "run dry" in err.value.message
-    sched.close(next(iter(sched.streams.values())))
-    assert sched.admit() > 0
+    admission.close(next(iter(admission.streams.values())))
+    assert admission.admit() > 0
 
 
 @dataclasses.dataclass
@@ -306,7 +306,7 @@ class SimStream:
     cap: int  # frames of the part in flight
     part: int = dataclasses.field(default_factory=part)  # its stream id, which names it in the snapshot
     made: int = 0  # frames of the part in flight made so far
-    track: StreamTrack | None = None  # its parts still to come, as the scheduler counts them
+    track: StreamTrack | None = None  # its parts still to come, as admission counts them
     first_chunk: float | None = None
     sent: int = 0
     starved: float = 0.0
@@ -318,7 +318,7 @@ class SimStream:
 
 def simulate(rate: float, seconds: float = 20.0, frames: int = 48, slots: int = 64, seed: int = 0,
              parts: int = 1) -> dict:
-    """Poisson arrivals against the scheduler and an engine loop in simulated time that follows the real
+    """Poisson arrivals against admission and an engine loop in simulated time that follows the real
     engine's rules: every waiting request that has a slot joins, prefilled together, and gets its first frame
     from a call of its own; then the playing streams and the newcomers step the frames the engine's own
     `step_frames` picks from their headroom (margin 20 ms); frames go out each iteration; a zero-buffer
@@ -328,17 +328,17 @@ def simulate(rate: float, seconds: float = 20.0, frames: int = 48, slots: int = 
     arrivals = np.cumsum(rng.exponential(1 / rate, int(rate * seconds * 1.2)))
     arrivals = list(arrivals[arrivals < seconds])
     engine = Snapshots(None)
-    sched = Scheduler(engine, AdmissionConfig(ttfa_target_s=0.3))
-    sched.ready = True
+    admission = Admission(engine, AdmissionConfig(ttfa_target_s=0.3))
+    admission.ready = True
     caps = [frames // parts] * parts
     t, last, queue, live, done, refused = 0.0, 0.03, [], [], [], 0
     while arrivals or queue or live:
         while arrivals and arrivals[0] <= t:
             engine.st = snapshot([(s.part, s.left) for s in live], [(s.part, s.left) for s in queue], slots, last)
             try:
-                sched.admit()
+                admission.admit()
                 s = SimStream(arrivals.pop(0), caps[0])
-                s.track = sched.open("sim", frames, s.part, tuple(caps[1:]))
+                s.track = admission.open("sim", frames, s.part, tuple(caps[1:]))
                 queue.append(s)
             except ApiError as err:
                 assert err.status == 429 and err.retry_after >= 1
@@ -375,7 +375,7 @@ def simulate(rate: float, seconds: float = 20.0, frames: int = 48, slots: int = 
                 queue.insert(0, s)
             else:
                 done.append(s)
-                sched.close(s.track)
+                admission.close(s.track)
     ttfa = np.array([s.first_chunk - s.arrival for s in done])
     return {"admitted": len(done), "refused": refused, "ttfa_p95": float(np.percentile(ttfa, 95)),
             "starved_max": max(s.starved for s in done)}

@@ -14,11 +14,11 @@ import pytest
 import soundfile as sf
 import soxr
 
-from serving import g711
-from serving.audio_out import StreamOut, awhole, output_rate, whole
+from serving.audio import g711
+from serving.audio.out import StreamOut, awhole, output_rate, whole
+from serving.audio.resample import RATES, StreamResampler
+from serving.audio.timestretch import TimeStretch
 from serving.errors import ApiError
-from serving.resample import RATES, StreamResampler
-from serving.timestretch import TimeStretch
 
 SR = 24000
 

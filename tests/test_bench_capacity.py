@@ -42,7 +42,7 @@ def test_table_has_the_contract_beside_the_slo():
 def test_the_bench_counts_the_long_collector_passes_and_what_they_freed(monkeypatch):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from serving import collector
+    from serving.monitoring import collector
 
     clock = iter([0.0, 0.004, 1.0, 1.03, 2.0, 2.08, 3.0, 3.001])
     pauses = collector.Pauses(clock=lambda: next(clock))

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from qtts_jax.engine.stream import Chunk
-from serving.bridge import AsyncStream, _Outbox
+from serving.bridge import AsyncStream, Outbox
 
 
 def test_the_lag_reported_for_a_batch_counts_until_its_last_request_took_its_chunk():
@@ -19,7 +19,7 @@ def test_the_lag_reported_for_a_batch_counts_until_its_last_request_took_its_chu
 
     async def scenario():
         lags = []
-        outbox = _Outbox(asyncio.get_running_loop(), lags.append)
+        outbox = Outbox(asyncio.get_running_loop(), lags.append)
         streams = [AsyncStream(asyncio.Queue()) for _ in range(requests)]
 
         async def request(stream):
@@ -30,7 +30,7 @@ def test_the_lag_reported_for_a_batch_counts_until_its_last_request_took_its_chu
         tasks = [asyncio.create_task(request(s)) for s in streams]
         await asyncio.sleep(0)  # every request waits on its queue
         chunk = Chunk(np.zeros(1920, np.float32), 0, 1, sent_at=time.perf_counter())
-        handing = threading.Thread(target=lambda: [outbox.put(s._queue, chunk, s) for s in streams])
+        handing = threading.Thread(target=lambda: [outbox.put(chunk, s) for s in streams])
         handing.start()
         handing.join()
         taken = await asyncio.gather(*tasks)
@@ -46,7 +46,7 @@ def test_a_batch_reaches_its_requests_soonest_due_first():
     """The coroutines of one batch run one after another, so the order is who waits: chunks with nothing playing
     yet (a first chunk) go first, then the rest by when their listeners run dry without them."""
     async def scenario():
-        outbox = _Outbox(asyncio.get_running_loop(), lambda lag: None)
+        outbox = Outbox(asyncio.get_running_loop(), lambda lag: None)
         taken = []
 
         async def request(name, stream):
@@ -58,8 +58,7 @@ def test_a_batch_reaches_its_requests_soonest_due_first():
         tasks = [asyncio.create_task(request(name, s)) for name, s in streams.items()]
         await asyncio.sleep(0)
         for name, due in order:
-            outbox.put(streams[name]._queue, Chunk(np.zeros(1920, np.float32), 1, 1, sent_at=100.0, due=due),
-                       streams[name])
+            outbox.put(Chunk(np.zeros(1920, np.float32), 1, 1, sent_at=100.0, due=due), streams[name])
         await asyncio.gather(*tasks)
         return taken
 
@@ -71,7 +70,7 @@ def test_a_requests_own_chunks_keep_their_order_whatever_else_is_more_urgent():
     (the final one first would end the stream and lose the audio), while another request's more urgent chunk in
     the same batch still goes first."""
     async def scenario():
-        outbox = _Outbox(asyncio.get_running_loop(), lambda lag: None)
+        outbox = Outbox(asyncio.get_running_loop(), lambda lag: None)
         ending, urgent = AsyncStream(asyncio.Queue()), AsyncStream(asyncio.Queue())
         taken = []
 
@@ -82,12 +81,10 @@ def test_a_requests_own_chunks_keep_their_order_whatever_else_is_more_urgent():
         tasks = [asyncio.create_task(request("ending", ending)), asyncio.create_task(request("urgent", urgent))]
         await asyncio.sleep(0)
         audio = np.zeros(1920, np.float32)
-        outbox.put(ending._queue, Chunk(audio, 10, 1, sent_at=100.0, due=100.5), ending)
-        outbox.put(urgent._queue, Chunk(audio, 1, 1, sent_at=100.0, due=100.01), urgent)
-        outbox.put(ending._queue, Chunk(np.zeros(0, np.float32), 11, 0, sent_at=100.0, final=True, due=math.inf),
-                   ending)
-        outbox.put(urgent._queue, Chunk(np.zeros(0, np.float32), 2, 0, sent_at=100.0, final=True, due=math.inf),
-                   urgent)
+        outbox.put(Chunk(audio, 10, 1, sent_at=100.0, due=100.5), ending)
+        outbox.put(Chunk(audio, 1, 1, sent_at=100.0, due=100.01), urgent)
+        outbox.put(Chunk(np.zeros(0, np.float32), 11, 0, sent_at=100.0, final=True, due=math.inf), ending)
+        outbox.put(Chunk(np.zeros(0, np.float32), 2, 0, sent_at=100.0, final=True, due=math.inf), urgent)
         await asyncio.gather(*tasks)
         return taken
 

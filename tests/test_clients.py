@@ -32,7 +32,7 @@ import soundfile as sf
 from aiohttp import web
 
 from qtts_jax.engine import Engine
-from serving.app import METRICS, SCHEDULER, Settings, create_app
+from serving.app import ADMISSION, METRICS, Settings, create_app
 from studies.load import open_loop
 from support import SCRAPE_KEY, SMALL, SPEAK_KEY, assert_same_audio, bearer, pcm
 
@@ -133,7 +133,7 @@ def test_openai_sdk_streams_progressively_by_default(server):
             assert r.headers["transfer-encoding"] == "chunked" and "content-length" not in r.headers
             chunks = r.iter_bytes()
             first = next(chunks)
-            open_streams = len(server.app[SCHEDULER].streams)  # the request is still generating
+            open_streams = len(server.app[ADMISSION].streams)  # the request is still generating
             rest = b"".join(chunks)
         assert first and open_streams == 1, (fmt, open_streams)
         audio, rate = decode(fmt, first + rest)
@@ -270,8 +270,8 @@ def test_metrics_end_to_end_sizes_model_label_build_info_and_unrouted(server):
 def test_voice_aliases_default_override_file_env_and_bad_targets(server, tmp_path, monkeypatch):
     """The alias table: OpenAI's names on the default, overrides merged over it (flag/env text or a JSON file),
     `none` for no aliases, and a target the model lacks refused when the app is made (start-up exits 2)."""
-    from serving import aliases
     from serving.app import ALIASES, ENGINE
+    from serving.voice import aliases
 
     engine = server.app[ENGINE]
     speakers = engine.model.cfg.speakers

@@ -13,7 +13,8 @@ import pytest
 import safetensors.numpy
 
 from qtts_jax import nn
-from qtts_jax.io.checkpoint import CheckpointError, hf_shapes, read_safetensors
+from qtts_jax.io.checkpoint import hf_shapes, read_safetensors
+from qtts_jax.io.errors import CheckpointError
 from qtts_jax.codec.config import CodecConfig
 from qtts_jax.presets import tiny_codec_config
 from qtts_jax.codec.decoder import chunked_decode, decode

@@ -19,7 +19,8 @@ import pytest
 import safetensors.numpy
 
 from qtts_jax import nn
-from qtts_jax.io.checkpoint import CheckpointError, hf_shapes, read_safetensors
+from qtts_jax.io.checkpoint import hf_shapes, read_safetensors
+from qtts_jax.io.errors import CheckpointError
 from qtts_jax.codec.config import CodecConfig, CodecEncoderConfig
 from qtts_jax.codec.encoder import CodecEncoder, encode, encode_latents
 from qtts_jax.codec.encoder_weights import codec_encoder_table, load_codec_encoder, random_codec_encoder

@@ -11,7 +11,7 @@ import qtts_cli.main as cli
 from qtts_cli.main import DEFAULT_VOICE, RANDOM_MAX_FRAMES
 from qtts_jax.io.audio import to_int16
 from qtts_jax.request import Request, VoicePrompt
-from serving.aliases import DEFAULT as DEFAULT_ALIASES
+from serving.voice.aliases import DEFAULT as DEFAULT_ALIASES
 from support import read_wav
 
 FRAMES = 8

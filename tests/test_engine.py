@@ -604,7 +604,7 @@ LIVE_TEXT = "Thanks for calling you."
 def test_live_text_ids_are_the_whole_texts_however_it_is_cut(model):
     """Ids handed out piece by piece are a prefix of the whole text's at every point and all of them at the end,
     for cuts inside words, before punctuation, spaces and a combining accent (NFC merges it into its letter)."""
-    from serving.live_text import LiveText
+    from serving.sockets.live_text import LiveText
     from qtts_jax.prompt import text_ids_of
 
     rng = np.random.default_rng(0)
@@ -625,7 +625,7 @@ def test_live_text_joins_the_playing_stream_and_makes_the_codes_of_the_whole_tex
     the whole text at once; a stream that waits for text is not stepped and does not end; the completion ends
     the text. Every step asks for 3 frames, so the stream also stops inside a step where its text runs out."""
     from qtts_jax.engine.scheduler import StepPlan
-    from serving.live_text import LiveText
+    from serving.sockets.live_text import LiveText
 
     monkeypatch.setattr(plan, "step_frames", lambda *a, **k: StepPlan(CONFIG.frames_per_step, 0.0))
     req = Request(LIVE_TEXT, speaker="ryan", seed=3, max_frames=30, non_streaming=False)

@@ -107,7 +107,7 @@ def test_micro_batches_give_the_whole_batchs_loss_and_gradient(tiny_base_model, 
     batch = layout.collate(model.cfg, model.tokenizer, examples[:2], SETTINGS.batch).arrays()
     out = {}
     for micro in (1, 2):
-        init, step, _ = train._programs(graph, model.cfg, SETTINGS.lr, SETTINGS.accumulate, "float32", 0, micro)
+        init, step, _ = train.programs(graph, model.cfg, SETTINGS.lr, SETTINGS.accumulate, "float32", 0, micro)
         state, frozen = init(nnx.to_pure_dict(params))
         state, parts = step(state, frozen, batch, emit=False)  # the first of 2: the sum holds its gradient
         out[micro] = parts, state["opt"]["acc"]
@@ -137,8 +137,8 @@ def test_the_code_predictor_in_recomputed_chunks_gives_the_same_loss_and_gradien
     assert frames % chunk
     out = {}
     for c in (None, chunk):
-        init, step, _ = train._programs(graph, model.cfg, SETTINGS.lr, SETTINGS.accumulate, "float32", 0, 1,
-                                        predictor_chunk=c)
+        init, step, _ = train.programs(graph, model.cfg, SETTINGS.lr, SETTINGS.accumulate, "float32", 0, 1,
+                                       predictor_chunk=c)
         state, frozen = init(nnx.to_pure_dict(params))
         state, parts = step(state, frozen, batch, emit=False)  # the first of 2: the sum holds its gradient
         out[c] = parts, state["opt"]["acc"]

@@ -1,8 +1,8 @@
-"""Hostile clients against a Base server on a real socket, run by `serving.connections.Runner` as `qtts-jax serve`
-runs it: a regression test for each defect of issue 10, then a fuzz suite (hypothesis, >= 1000 cases a run)
-over speech, voices and the WebSocket that asserts no 5xx, no hang and a healthy server afterwards. The server
-checks API keys: the fuzz speaks with an admin key, and hostile credentials on every guarded route get nothing
-past the key check (test_server runs them against a server without keys).
+"""Hostile clients against a Base server on a real socket, run by `serving.http_api.connections.LimitedAppRunner` as
+`qtts-jax serve` runs it: a regression test for each defect of issue 10, then a fuzz suite (hypothesis, >= 1000
+cases a run) over speech, voices and the WebSocket that asserts no 5xx, no hang and a healthy server afterwards. The
+server checks API keys: the fuzz speaks with an admin key, and hostile credentials on every guarded route get
+nothing past the key check (test_server runs them against a server without keys).
 
 One engine (tiny-random-base, the smallest configuration) and one server for the module keep it fast; the
 server has short connection timeouts and a small connection cap so that those can be tested too.
@@ -32,11 +32,11 @@ from openapi_spec_validator import validate as validate_openapi
 
 from qtts_jax.engine import Engine
 from qtts_jax.request import VoicePrompt
-from serving import ws as ws_mod
-from serving.app import ENGINE, SCHEDULER, Settings, create_app
-from serving.auth import SOCKET
-from serving.connections import Runner
-from serving.voices import Voice, VoiceStore
+from serving.app import ADMISSION, ENGINE, Settings, create_app
+from serving.http_api.auth import SOCKET
+from serving.http_api.connections import LimitedAppRunner
+from serving.sockets import ws as ws_mod
+from serving.voice.store import Voice, VoiceStore
 from support import ADMIN_KEY, SMALL, SPEAK_KEY, bearer, hostile_credentials
 
 CONFIG = SMALL  # test_clients' too: its programs come from the compilation cache
@@ -76,8 +76,9 @@ class Served:
         asyncio.set_event_loop(self.loop)
         self.app = create_app(self.settings, engine=self.engine)
         s = self.settings
-        self.runner = Runner(self.app, header_timeout_s=s.header_timeout_s, idle_timeout_s=s.idle_timeout_s,
-                             max_connections=s.max_connections, handler_cancellation=True, shutdown_timeout=5.0)
+        self.runner = LimitedAppRunner(self.app, header_timeout_s=s.header_timeout_s,
+                                       idle_timeout_s=s.idle_timeout_s, max_connections=s.max_connections,
+                                       handler_cancellation=True, shutdown_timeout=5.0)
         self.loop.run_until_complete(self.runner.setup())
         site = self.runner.site("127.0.0.1", 0)
         self.loop.run_until_complete(site.start())
@@ -110,7 +111,7 @@ class Served:
         assert self.run(self.request("GET", "/health"))[0] == 200
         assert self.run(self.request("GET", "/ready"))[0] == 200
         for _ in range(200):
-            if not self.app[SCHEDULER].streams and self.app[ENGINE].active == 0:
+            if not self.app[ADMISSION].streams and self.app[ENGINE].active == 0:
                 return
             self.run(asyncio.sleep(0.05))
         raise AssertionError("a stream or slot was left open")
@@ -305,7 +306,7 @@ def test_websocket_utterance_that_fails_is_reported_and_logged(served, monkeypat
                     if events[-1]["type"] == "utterance.done":
                         return events
 
-    with caplog.at_level(logging.ERROR, logger="serving.ws"):
+    with caplog.at_level(logging.ERROR, logger="serving.sockets.ws"):
         events = served.run(go())
     failed = [e for e in events if e["type"] == "error"]
     assert [(e["utterance_id"], e["error"]["code"]) for e in failed] == [(1, "internal_error")], events
@@ -332,7 +333,7 @@ def test_websocket_session_task_that_dies_is_logged_and_closes_the_socket(served
                 pass
             return sock.close_code
 
-    with caplog.at_level(logging.ERROR, logger="serving.ws"):
+    with caplog.at_level(logging.ERROR, logger="serving.sockets.ws"):
         assert served.run(go()) == 1011
     assert any("session task died" in r.getMessage() and r.exc_info for r in caplog.records)
     monkeypatch.undo()
@@ -496,7 +497,8 @@ def test_a_burst_of_as_many_connections_as_the_cap_is_queued_while_the_event_loo
         pytest.skip("the kernel caps every listening backlog below 300 (net.core.somaxconn)")
 
     async def burst():
-        runner = Runner(aiohttp.web.Application(), header_timeout_s=5.0, idle_timeout_s=5.0, max_connections=300)
+        runner = LimitedAppRunner(aiohttp.web.Application(), header_timeout_s=5.0, idle_timeout_s=5.0,
+                                  max_connections=300)
         await runner.setup()
         site = runner.site("127.0.0.1", 0)
         await site.start()

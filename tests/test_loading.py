@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from qtts_jax.io.checkpoint import CheckpointError, read_safetensors
+from qtts_jax.io.checkpoint import read_safetensors
+from qtts_jax.io.errors import CheckpointError
 from qtts_jax.config import load_config
 from qtts_jax.io.text import TextTokenizer
 from qtts_jax.io.checkpoint import hf_shapes

@@ -3,7 +3,7 @@ hard cut as the last resort; the parts, joined, are the text."""
 
 import pytest
 
-from serving.long_text import split
+from serving.text.long_text import split
 
 
 def fits_in(n):

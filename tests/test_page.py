@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from serving.page import CSP, FILES
+from serving.http_api.page import CSP, FILES
 from studies.server import local_server
 from support import ADMIN_KEY, SPEAK_KEY, bearer
 

@@ -1,6 +1,6 @@
 """Cutting streamed text into units to speak early: only complete sentences (or clauses) leave the buffer."""
 
-from serving.sentences import split_units
+from serving.text.sentences import split_units
 
 
 def test_split_units_keeps_the_unfinished_rest():

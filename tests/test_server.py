@@ -20,7 +20,7 @@ import pytest_asyncio
 from qtts_jax.io.audio import to_int16
 from qtts_jax.engine import Engine
 from qtts_jax.request import Request
-from serving.app import ENGINE, METRICS, SCHEDULER, Settings, create_app, drain
+from serving.app import ADMISSION, ENGINE, METRICS, Settings, create_app, drain
 from serving.schemas import ApiError
 from studies.load import server_timing
 from support import (ADMIN_KEY, CAPPED_KEY, SCRAPE_KEY, SMALL, SPEAK_KEY, app_client, assert_same_audio, bearer,
@@ -101,10 +101,10 @@ async def client(make_client):
 async def wait_idle(app, timeout=5.0):
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        if app[ENGINE].active == 0 and not app[SCHEDULER].streams and not app[ENGINE].stats().queued:
+        if app[ENGINE].active == 0 and not app[ADMISSION].streams and not app[ENGINE].stats().queued:
             return time.monotonic() - t0
         await asyncio.sleep(0.01)
-    raise AssertionError(f"slot not freed: active={app[ENGINE].active} open={len(app[SCHEDULER].streams)}")
+    raise AssertionError(f"slot not freed: active={app[ENGINE].active} open={len(app[ADMISSION].streams)}")
 
 
 SPEECH = dict(model="tiny-random", voice="ryan")
@@ -153,7 +153,7 @@ async def test_streamed_pcm_and_wav_equal_offline_generate(client, offline):
 
 async def test_a_body_without_voice_speaks_the_default_voice(client, offline):
     """`voice` is optional on CustomVoice, as in vLLM-Omni's API: a body without one gets alloy's speaker."""
-    from serving.aliases import DEFAULT
+    from serving.voice.aliases import DEFAULT
 
     expected, _ = offline("No voice given.", voice=DEFAULT["alloy"], seed=3, max_frames=8)
     r = await client.post("/v1/audio/speech", json={"input": "No voice given.", "seed": 3, "max_frames": 8,
@@ -292,7 +292,7 @@ def _gc_passes(metrics: str, generation: int) -> float:
 
 
 def test_collector_pauses_are_counted_by_generation_and_length():
-    from serving import collector
+    from serving.monitoring import collector
 
     clock = iter([0.0, 0.0004, 1.0, 1.03, 2.0, 2.7])
     p = collector.Pauses(clock=lambda: next(clock))
@@ -708,7 +708,7 @@ def test_fuzzed_bodies_never_get_5xx(live_server):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from serving.audio_encoders import FORMATS
+    from serving.audio.encoders import FORMATS
 
     port = live_server["port"]
     junk = st.recursive(

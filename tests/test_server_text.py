@@ -14,8 +14,8 @@ import pytest
 import pytest_asyncio
 
 from qtts_jax.engine import Engine
-from serving.app import BRIDGE, SCHEDULER, Settings
-from serving.script import build
+from serving.app import ADMISSION, BRIDGE, Settings
+from serving.text.script import build
 from support import SMALL, app_client, pcm
 
 pytestmark = pytest.mark.asyncio
@@ -89,15 +89,15 @@ async def test_long_input_is_one_stream_of_its_sentences(client):
     seed and settings, back to back in one response; word timings count from the response's start. Admission
     counts the parts after the first (each capped at max_frames) from the start until each is submitted."""
     alone = [await speak(client, input=s) for s in SENTENCES]
-    sched, opened = client.app[SCHEDULER], []
-    real_open = sched.open
+    admission, opened = client.app[ADMISSION], []
+    real_open = admission.open
 
     def open_track(*args):
         track = real_open(*args)
         opened.append((track, tuple(track.to_come)))
         return track
 
-    sched.open = open_track
+    admission.open = open_track
     audio, events = await sse(client, input=" ".join(SENTENCES), word_timestamps=True)
     np.testing.assert_array_equal(audio, np.concatenate(alone))
     [(track, to_come)] = opened

@@ -17,8 +17,8 @@ import soundfile as sf
 from qtts_jax.io.audio import to_int16
 from qtts_jax.engine import Engine
 from qtts_jax.request import Request
-from serving import voice_routes
 from serving.app import ENGINE, VOICE_WARMUP, VOICES, Settings, create_app
+from serving.http_api import voice_routes
 from support import SMALL, STREAMING, app_client, assert_same_audio, pcm
 
 pytestmark = pytest.mark.asyncio

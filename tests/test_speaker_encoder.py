@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from qtts_jax import nn
-from qtts_jax.io.checkpoint import CheckpointError, hf_shapes, read_safetensors
+from qtts_jax.io.checkpoint import hf_shapes, read_safetensors
+from qtts_jax.io.errors import CheckpointError
 from qtts_jax.speaker.config import SpeakerEncoderConfig
 from qtts_jax.speaker import ecapa
 from qtts_jax.speaker.ecapa import bucket_samples, encode, min_samples, speaker_embedding

@@ -4,9 +4,9 @@ with its timing and memory targets: test_server_text.py."""
 import numpy as np
 import pytest
 
+from serving.audio.prosody import Prosody, ProsodyAudio
 from serving.errors import ApiError
-from serving.prosody import Prosody, ProsodyAudio
-from serving.ssml import Pause, Speech, parse
+from serving.text.ssml import Pause, Speech, parse
 
 
 def test_pieces_text_rewrites_and_styles():

@@ -377,7 +377,7 @@ def test_sustained_cli_refuses_bad_arguments_before_starting_anything(capsys, tm
 
 
 def test_processed_item_is_one_ssml_document_and_its_recording_is_normalised_whole():
-    from serving.ssml import Pause, Speech, parse
+    from serving.text.ssml import Pause, Speech, parse
     from studies.sustained import PEAK, document, normalise
 
     pieces = parse(document(("Hi & welcome.", "How can I help?"), pause_ms=120))

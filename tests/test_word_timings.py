@@ -1,5 +1,5 @@
 """Word timings estimated from the prompt layout: the frame at which each text token reaches the talker, and the
-words placed from it (serving/word_timings.py). Over SSE and both WebSockets: test_server_text.py."""
+words placed from it (serving/audio/word_timings.py). Over SSE and both WebSockets: test_server_text.py."""
 
 import re
 
@@ -9,7 +9,7 @@ import pytest
 from qtts_jax.engine.job import Job
 from qtts_jax.prompt import build_prompt, text_entry_frames
 from qtts_jax.request import Request
-from serving.word_timings import estimate
+from serving.audio.word_timings import estimate
 
 TEXT = "Words reach the talker, one a frame."
 

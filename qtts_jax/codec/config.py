@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
-from qtts_jax.io.checkpoint import CheckpointError
+from qtts_jax.io.errors import CheckpointError
 
 MODEL_TYPE = "qwen3_tts_tokenizer_12hz"
 # The 12 Hz family's audio: 24 kHz mono in frames of 1920 samples (80 ms). `CodecConfig.from_dict` refuses a

@@ -131,7 +131,7 @@ def chunks_due(pending: np.ndarray, want: np.ndarray, lm_done: np.ndarray, headr
 
 
 # The share of the measured lateness the margin covers: the rare late sample beyond it costs one late chunk, a
-# margin over every sample shortens every step while newcomers join (docs/benchmarks.md, the margin quantile).
+# margin over every sample shortens every step while newcomers join (docs/benchmarks-history.md, the margin quantile).
 MARGIN_QUANTILE = 0.99
 
 

@@ -116,9 +116,9 @@ progress bar); ``on_step(step, total, losses)`` after every step. With ``setting
     the 1.7B shape in fp32)."""
     # Exhaustive: the talker holds nothing but Params, so this state is all there is to train and to merge back.
     graph, params = nnx.split(talker, nnx.Param)
-    init, step_fn, result = _programs(graph, cfg, settings.lr, settings.accumulate, settings.compute_dtype,
-                                      settings.lora, micro_batches(settings.batch, settings.micro_batch), release,
-                                      settings.predictor_chunk)
+    init, step_fn, result = programs(graph, cfg, settings.lr, settings.accumulate, settings.compute_dtype,
+                                     settings.lora, micro_batches(settings.batch, settings.micro_batch), release,
+                                     settings.predictor_chunk)
     state, frozen = init(nnx.to_pure_dict(params))
     ckpt = Checkpoints(checkpoint_dir, settings.checkpoint_every, settings.keep)
     total = settings.total_steps(len(examples))
@@ -150,9 +150,9 @@ progress bar); ``on_step(step, total, losses)`` after every step. With ``setting
 
 
 @functools.lru_cache(maxsize=8)
-def _programs(graph: nnx.GraphDef, cfg: ModelConfig, lr: float, accumulate: int, compute_dtype: str,
-              lora_rank: int = 0, micro: int = 1, donate_params: bool = False,
-              predictor_chunk: int | None = None):
+def programs(graph: nnx.GraphDef, cfg: ModelConfig, lr: float, accumulate: int, compute_dtype: str,
+             lora_rank: int = 0, micro: int = 1, donate_params: bool = False,
+             predictor_chunk: int | None = None):
     """(init, step, result), jitted and kept per talker graph and configuration: runs of the same settings in one
     process compile them once. init(params) -> (state, frozen): the trained part and its optimiser state (the steps
     donate it), and what stays fixed (LoRA: the base weights; else nothing), copied to fp32 in one program (an eager

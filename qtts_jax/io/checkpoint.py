@@ -20,13 +20,10 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from qtts_jax.io.errors import CheckpointError
 from qtts_jax.nn import state_shapes
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded; the message names the file or tensor."""
 
 
 @dataclasses.dataclass(frozen=True)

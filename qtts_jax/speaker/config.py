@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from qtts_jax.io.checkpoint import CheckpointError
+from qtts_jax.io.errors import CheckpointError
 from qtts_jax.codec.config import SAMPLE_RATE
 
 

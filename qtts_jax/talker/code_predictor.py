@@ -37,8 +37,8 @@ class CodePredictor(nnx.Module):
         self.proj = Projection(h, c.hidden_size, dtype=dtype, rngs=rngs) if h != c.hidden_size else None
         # unrolled: its 5 layers run 15 times a frame, and a loop's every trip costs a launch from the host
         self.stack = DecoderStack(c, dtype=dtype, rngs=rngs, unrolled=True)
-        # its 14 group steps as straight-line code rather than a loop: slower when measured (docs/benchmarks.md);
-        # bench/compile.py sets it to measure it again
+        # its 14 group steps as straight-line code rather than a loop: slower when measured
+        # (docs/benchmarks-history.md); bench/compile.py sets it to measure it again
         self.unrolled_groups = False
         self.heads = dense(rngs, (groups, c.hidden_size, c.vocab_size), dtype)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from serving.collector import PauseCollector
+from serving.monitoring.collector import PauseCollector
 
 _LAT = (0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 _HEAD = (-1.0, -0.5, -0.2, -0.1, -0.05, 0.0, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -16,7 +16,7 @@ _AUDIO = (0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
 
 
 class Metrics:
-    def __init__(self, engine, scheduler, model: str = "unknown", info: dict[str, str] | None = None):
+    def __init__(self, engine, admission, model: str = "unknown", info: dict[str, str] | None = None):
         r = self.registry = CollectorRegistry()
         self.model = model
         # per synthesis request, by model (what vLLM/TGI dashboards chart): end to end, input size, output size
@@ -57,15 +57,15 @@ class Metrics:
         Gauge("qtts_queue_oldest_wait_seconds", "Wait of the oldest queued request", registry=r).set_function(
             lambda: stats().oldest_wait_s)
         Gauge("qtts_streams_open", "Client streams open in the server (incl. queued)", registry=r).set_function(
-            lambda: len(scheduler.streams))
+            lambda: len(admission.streams))
         Gauge("qtts_min_headroom_seconds", "Smallest buffer headroom among playing streams", registry=r).set_function(
-            scheduler.min_headroom)
+            admission.min_headroom)
         Gauge("qtts_iteration_seconds_recent", "Engine loop iteration time, recent average (EMA)",
               registry=r).set_function(lambda: stats().iteration_s)
         # beside qtts_late_chunks (late at the event loop): a stall the engine already handed out late is its plan's
         Gauge("qtts_engine_late_chunks", "Chunks the engine handed out after their listener ran dry (since start)",
               registry=r).set_function(lambda: stats().late_chunks)
-        Gauge("qtts_ready", "1 when accepting work", registry=r).set_function(lambda: float(scheduler.accepting))
+        Gauge("qtts_ready", "1 when accepting work", registry=r).set_function(lambda: float(admission.accepting))
         # what a router or an autoscaler reads of this replica's room now (a warming replica's rungs grow)
         Gauge("qtts_capacity_streams", "Streams this replica could start now: the slots its compiled rungs hold, "
               "less those in use and waiting", registry=r).set_function(

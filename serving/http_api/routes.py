@@ -18,14 +18,15 @@ import numpy as np
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from serving import auth, script, voice_routes
-from serving.audio_encoders import CONTENT_TYPES, SAMPLE_FORMATS
-from serving.audio_out import StreamOut, awhole
+from serving.audio.encoders import CONTENT_TYPES, SAMPLE_FORMATS
+from serving.audio.out import StreamOut, awhole
 from serving.errors import ApiError
-from serving.keys import (ALIASES, API_KEYS, ENGINE, METRICS, MODEL, REQUEST_ID, SCHEDULER, SERVED_NAMES, SETTINGS, VOICES,
-                          WARMUP_ERROR)
+from serving.http_api import auth, voice_routes
+from serving.keys import (ADMISSION, ALIASES, API_KEYS, ENGINE, METRICS, MODEL, REQUEST_ID, SERVED_NAMES, SETTINGS,
+                          VOICES, WARMUP_ERROR)
 from serving.schemas import (OPENAI_MODEL_ALIASES, SpeechParams, base64_chars, parse_speech, read_json,
                              speech_options, speech_schema)
+from serving.text import script
 from serving.utterance import Utterance
 
 _RID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -201,16 +202,16 @@ async def ready(request):
     may already serve the rungs it has (503 "warming", with its progress), so a router or a probe never counts a
     replica that would refuse most of its share."""
     app = request.app
-    sched = app[SCHEDULER]
-    if sched.accepting:
+    admission = app[ADMISSION]
+    if admission.accepting:
         stats = app[ENGINE].stats()  # the engine's published snapshot: its slots and queue are its thread's
         body = {"slots": stats.slots, "active": stats.live, "queued": stats.queued, "compiling": stats.compiling}
         if not stats.compiling:
             return web.json_response({"status": "ready", **body})
         return web.json_response({"status": "warming", "slots_configured": app[ENGINE].config.slots, **body},
                                  status=503, headers={"Retry-After": "5"})
-    status = "draining" if sched.draining else ("failed" if app[WARMUP_ERROR] else
-                                                "restarting" if not sched.core_up else "warming")
+    status = "draining" if admission.draining else ("failed" if app[WARMUP_ERROR] else
+                                                "restarting" if not admission.core_up else "warming")
     body = {"status": status}
     if app[WARMUP_ERROR]:
         body["error"] = app[WARMUP_ERROR][0]

@@ -1,6 +1,6 @@
 """Where text streamed in pieces may be cut into units to speak while the rest is still coming: after a
 sentence's end (or a clause's), so audio for what is complete starts before the client says the text is done.
-("live" cuts nothing: the text joins one utterance as it comes, serving/live_input.py.)"""
+("live" cuts nothing: the text joins one utterance as it comes, serving/sockets/live_input.py.)"""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ is an `ApiError` 400 naming the element (and attribute), raised before anything 
 Supported: `speak`; `p`, `s` (boundaries); `break` (`time` up to 10 s, or `strength`); `prosody` (`rate`,
 `pitch`, `volume`; nested ones multiply and add up); `sub alias`; `say-as` (`characters`/`spell-out`,
 `digits`, `date` with `format`, `telephone`: rewritten as the English words to say); `emphasis` (`level`,
-spoken through the model's style instruction where it takes one, see serving/script.py).
+spoken through the model's style instruction where it takes one, see serving/text/script.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import dataclasses
 import re
 from xml.parsers import expat
 
+from serving.audio.prosody import GAIN_DB_RANGE, PITCH_RANGE, RATE_RANGE, Prosody
 from serving.errors import ApiError, bad
-from serving.prosody import GAIN_DB_RANGE, PITCH_RANGE, RATE_RANGE, Prosody
 from serving.schemas import check_text
 
 MAX_DEPTH = 32

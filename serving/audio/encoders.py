@@ -1,4 +1,4 @@
-"""Float32 PCM chunks (at the output rate: serving/audio_out.py converts the model's 24 kHz) -> bytes of the
+"""Float32 PCM chunks (at the output rate: serving/audio/out.py converts the model's 24 kHz) -> bytes of the
 response format, incrementally.
 
 Every encoder has `encode(pcm) -> bytes` (whatever is ready now; may be empty) and `finish() -> bytes`.
@@ -6,7 +6,7 @@ Streaming encoders hand bytes out as soon as the codec produces them:
 
 - `pcm`: raw signed 16-bit little-endian mono (what OpenAI clients assume for `pcm`).
 - `wav`: a RIFF header whose sizes are 0xFFFFFFFF when streaming (length unknown), exact otherwise.
-- `ulaw` / `alaw`: G.711, one byte a sample, no header (8 kHz telephony: serving/g711.py).
+- `ulaw` / `alaw`: G.711, one byte a sample, no header (8 kHz telephony: serving/audio/g711.py).
 - `mp3`: lameenc (incremental `encode` + `flush`), mono.
 - `opus`: PyAV's Ogg muxer with libopus (8, 12, 16, 24 or 48 kHz only), `page_duration` 20 ms so pages leave progressively.
 - `aac`: PyAV's ADTS muxer with FFmpeg's AAC encoder: every frame carries its own header, so it streams.
@@ -26,7 +26,7 @@ import numpy as np
 
 from qtts_jax.io.audio import to_int16
 from qtts_jax.codec.config import SAMPLE_RATE, SAMPLES_PER_FRAME
-from serving import g711
+from serving.audio import g711
 
 FORMATS = ("mp3", "opus", "aac", "wav", "pcm", "flac", "ulaw", "alaw")
 OPUS_RATES = (8000, 12000, 16000, 24000, 48000)  # the rates libopus encodes at

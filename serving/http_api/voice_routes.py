@@ -23,7 +23,7 @@ from qtts_jax.request import Request, RequestError, VoicePrompt
 from serving.errors import ApiError, bad, from_request_error
 from serving.keys import ENGINE, MODEL, SETTINGS, VOICES
 from serving.schemas import base64_chars, check_text, read_json
-from serving.voices import NAME, Voice
+from serving.voice.store import NAME, Voice
 
 TEXT_FIELDS = {"name": 64, "transcript": 4096, "consent": 1000, "xvector_only": 8, "trailing_silence_ms": 8,
                "replace": 8, "type": 16}

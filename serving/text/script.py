@@ -1,5 +1,5 @@
 """What one request says, as the engine's jobs and the pauses between them: the input (text, or an SSML document:
-serving/ssml.py), each run of it cut into parts that fit one prompt (serving/long_text.py), every part prepared
+serving/text/ssml.py), each run of it cut into parts that fit one prompt (serving/text/long_text.py), every part prepared
 with the request's voice, seed and settings. All parts are prepared before the first is submitted, so an input
 the engine cannot take is refused whole, with a 400, before any audio (serving/utterance.py speaks a script)."""
 
@@ -11,10 +11,10 @@ from qtts_jax.codec.config import SAMPLE_RATE, SAMPLES_PER_FRAME
 from qtts_jax.engine import PromptTooLong
 from qtts_jax.engine.job import Job
 from qtts_jax.request import Request, RequestError
-from serving import long_text, ssml
+from serving.audio.prosody import Prosody
 from serving.errors import bad, from_request_error
-from serving.prosody import Prosody
 from serving.schemas import build_request
+from serving.text import long_text, ssml
 
 # Frames of speech per text token that a part is sized for when a long input is cut (prompt.py: real speech runs
 # about 3-4), so the context left after its prompt holds its speech; an input one request takes is one part.
@@ -55,7 +55,7 @@ class Script:
 
 def build(opts: dict, *, engine, live: bool = False, **kw) -> Script:
     """Checked options (`input` and the fields `build_request` reads) -> the script; 400 naming the field.
-    `live`: `input` is the text of a live utterance so far (serving/live_input.py), one job more text joins."""
+    `live`: `input` is the text of a live utterance so far (serving/sockets/live_input.py), one job more text joins."""
     req, schedule = build_request(opts, engine=engine, **kw)
     text = opts["input"]
     if live:

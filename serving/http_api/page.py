@@ -1,5 +1,5 @@
 """The page at `/` (type, pick a voice, hear it stream) and the API docs at `/docs`, rendered in the browser
-from `/openapi.json`. Both are files of this package (serving/static/), read once at import: a request only
+from `/openapi.json`. Both are files of this package (serving/http_api/static/), read once at import: a request only
 picks one of them by name, it never names a path to open, and the Content-Security-Policy lets the page reach
 nothing but this server."""
 

@@ -12,9 +12,9 @@ import dataclasses
 
 import numpy as np
 
-from serving.audio_encoders import SAMPLE_RATE
-from serving.resample import StreamResampler
-from serving.timestretch import TimeStretch
+from serving.audio.encoders import SAMPLE_RATE
+from serving.audio.resample import StreamResampler
+from serving.audio.timestretch import TimeStretch
 
 RATE_RANGE = (0.5, 2.0)  # rate / pitch stays within the time-stretch's range (0.25-4) for any pair
 PITCH_RANGE = (0.5, 2.0)

@@ -16,11 +16,11 @@ import os
 
 import numpy as np
 
-from serving.audio_encoders import OPUS_RATES, SAMPLE_RATE, encode_whole, make_encoder
+from serving.audio.encoders import OPUS_RATES, SAMPLE_RATE, encode_whole, make_encoder
+from serving.audio.g711 import TABLES as G711
+from serving.audio.resample import RATES, StreamResampler
+from serving.audio.timestretch import TimeStretch
 from serving.errors import bad
-from serving.g711 import TABLES as G711
-from serving.resample import RATES, StreamResampler
-from serving.timestretch import TimeStretch
 
 
 def output_rate(fmt: str, rate: int | None) -> int:

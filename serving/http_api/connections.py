@@ -96,7 +96,7 @@ class _Server(web.Server):
         return _Connection(self, loop=self._loop, **self._kwargs)
 
 
-class Runner(web.AppRunner):
+class LimitedAppRunner(web.AppRunner):
     """`web.AppRunner` with a header timeout, an idle timeout (aiohttp's keep-alive timeout) and a cap on
     open connections."""
 

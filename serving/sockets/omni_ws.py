@@ -1,5 +1,5 @@
 """vLLM-Omni's WebSocket protocol on our path `/v1/audio/speech/stream`, so its clients work unchanged
-(serving/ws.py tells the two protocols apart by the first message).
+(serving/sockets/ws.py tells the two protocols apart by the first message).
 
 Client -> server (JSON text):
   {"type": "session.config", <any speech field but input/stream/stream_format>, "stream_audio": bool,
@@ -13,7 +13,7 @@ Server -> client, per utterance (one `input.done`) and per sentence in it:
   binary messages: the audio (one whole file, or chunks as they are made with stream_audio true)
   {"type": "audio.words", "utterance_index", "sentence_index", "words": [{"word", "start", "end"}]}
                                                      with word_timestamps: estimated, seconds from the sentence's
-                                                     start (serving/word_timings.py)
+                                                     start (serving/audio/word_timings.py)
   {"type": "audio.done", "utterance_index", "sentence_index", "total_bytes", "error": bool}
   {"type": "session.done", "utterance_index", "total_sentences"}
   {"type": "error", "message", "code", "param"}      the socket stays open
@@ -21,7 +21,7 @@ Server -> client, per utterance (one `input.done`) and per sentence in it:
 With split_granularity "sentence" (or "clause"), each sentence (clause) is started as soon as its end arrives,
 before `input.done`: audio for the text already received begins while the client is still sending the rest.
 With "live", the utterance is one sentence whose audio starts at its first word and that the later text joins
-while it plays (serving/live_input.py; `sentence_text` is the text it started with); `input.done` completes it.
+while it plays (serving/sockets/live_input.py; `sentence_text` is the text it started with); `input.done` completes it.
 """
 
 from __future__ import annotations
@@ -35,14 +35,15 @@ import uuid
 import numpy as np
 from aiohttp import web
 
-from serving import script, ssml, voice_routes
-from serving.audio_out import StreamOut, awhole, output_rate
+from serving.audio.out import StreamOut, awhole, output_rate
 from serving.errors import ApiError, bad
+from serving.http_api import voice_routes
 from serving.keys import ALIASES, BRIDGE, ENGINE, MODEL, SERVED_NAMES, SETTINGS, VOICES
-from serving.live_input import LiveInput, append_live
 from serving.schemas import Field, check_text, parse_options, speech_fields, speech_options, task_type
-from serving.script import Script
-from serving.sentences import GRANULARITIES, split_units
+from serving.sockets.live_input import LiveInput, append_live
+from serving.text import script, ssml
+from serving.text.script import Script
+from serving.text.sentences import GRANULARITIES, split_units
 from serving.utterance import Utterance
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from serving.sentences import split_units
+from serving.text.sentences import split_units
 
 
 def split(text: str, fits: Callable[[str], bool]) -> list[str]:

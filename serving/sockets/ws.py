@@ -1,9 +1,9 @@
 """WebSocket for agents: `GET /v1/audio/speech/stream`, in two protocols told apart by the client's first
-message: vLLM-Omni's (`session.config`, `input.text`, ...: serving/omni_ws.py) or ours, below. Ours greets with
+message: vLLM-Omni's (`session.config`, `input.text`, ...: serving/sockets/omni_ws.py) or ours, below. Ours greets with
 `session.created` once the client's first message shows it is ours, or after 0.25 s of silence (a client may
 wait for the greeting before it speaks); a client whose first message comes later than that and is vLLM-Omni's
 is still served as one, after that stray greeting. Where the server checks keys, the socket's comes before the
-upgrade: `Authorization: Bearer KEY`, or from a browser the subprotocol `qtts-key.KEY` (serving/auth.py).
+upgrade: `Authorization: Bearer KEY`, or from a browser the subprotocol `qtts-key.KEY` (serving/http_api/auth.py).
 
 Client -> server (JSON text messages):
   {"type": "session.update", "session": {voice, language, instructions, seed, temperature, top_k, top_p,
@@ -28,12 +28,12 @@ Server -> client:
   binary messages: the utterance in flight, raw mono at the session's rate (PCM s16le, or G.711 bytes)
   {"type": "utterance.words", "utterance_id": n, "words": [{"word", "start", "end"}]}  with word_timestamps,
                                                    after each part's audio: estimates, seconds from the
-                                                   utterance's start (serving/word_timings.py)
+                                                   utterance's start (serving/audio/word_timings.py)
   {"type": "utterance.done", "utterance_id": n, "cancelled": bool, "frames", "audio_seconds", "timings"}
   {"type": "error", "error": {"code", "message", "param"}, "utterance_id"?}  (the socket stays open,
   except for flooding: too many messages per second closes it with 1008)
 
-Utterances of one socket play in order, one at a time, each admitted by the scheduler when it starts; a long
+Utterances of one socket play in order, one at a time, each admitted (serving/scheduler.py) when it starts; a long
 one is spoken in parts, as one stream (serving/utterance.py).
 """
 
@@ -48,15 +48,17 @@ import uuid
 
 from aiohttp import WSMsgType, hdrs, web
 
-from serving import auth, omni_ws, script, ssml
-from serving.audio_encoders import SAMPLE_RATE
-from serving.audio_out import StreamOut, output_rate
+from serving.audio.encoders import SAMPLE_RATE
+from serving.audio.out import StreamOut, output_rate
 from serving.errors import ApiError, bad
-from serving.keys import ALIASES, BRIDGE, ENGINE, SCHEDULER, SERVED_NAMES, SETTINGS, SOCKETS, VOICES
-from serving.live_input import LiveInput, append_live
+from serving.http_api import auth
+from serving.keys import ADMISSION, ALIASES, BRIDGE, ENGINE, SERVED_NAMES, SETTINGS, SOCKETS, VOICES
 from serving.schemas import Field, base64_chars, check_text, parse_options, speech_fields
-from serving.script import Script
-from serving.sentences import GRANULARITIES, split_units
+from serving.sockets import omni_ws
+from serving.sockets.live_input import LiveInput, append_live
+from serving.text import script, ssml
+from serving.text.script import Script
+from serving.text.sentences import GRANULARITIES, split_units
 from serving.utterance import Utterance
 
 log = logging.getLogger(__name__)
@@ -304,9 +306,9 @@ def _json(msg) -> dict | None:
 
 async def speech_socket(request: web.Request) -> web.WebSocketResponse:
     app = request.app
-    sched = app[SCHEDULER]
-    if not sched.accepting:
-        sched.admit()  # raises the 503 with Retry-After before the upgrade
+    admission = app[ADMISSION]
+    if not admission.accepting:
+        admission.admit()  # raises the 503 with Retry-After before the upgrade
     settings = app[SETTINGS]
     # a Base model's vLLM-Omni session.config may carry a base64 ref_audio as large as a registration's recording
     limit = settings.ws_max_message_bytes + (base64_chars(settings.max_voice_upload_bytes) if VOICES in app else 0)

@@ -1,6 +1,6 @@
 """One live utterance's text on its way into the engine, the same for both WebSockets (split_granularity "live"):
 text appended while the utterance waits its turn or plays joins its one engine stream, whose audio starts as soon
-as the text's first ids can no longer change (serving/live_text.py), before the client says the text is complete.
+as the text's first ids can no longer change (serving/sockets/live_text.py), before the client says the text is complete.
 
 The utterance's job is made from the text that is stable when it is spoken (`start`); every id after those goes
 to the stream with `Engine.append_text` once it exists, and the completion sends the rest and the tts_eos. Should
@@ -15,9 +15,9 @@ from collections.abc import Awaitable, Callable
 
 from serving.bridge import AsyncEngine, AsyncStream
 from qtts_jax.engine import Engine, PromptTooLong
-from serving.live_text import LiveText
 from serving.errors import from_request_error
 from serving.keys import BRIDGE, ENGINE
+from serving.sockets.live_text import LiveText
 
 
 async def append_live(session, text: str | None, start: Callable[["LiveInput"], Awaitable[None]]) -> None:

@@ -1,0 +1,1 @@
+"""The audio each client asked for: rate, speed, prosody, encoding, and the words' times in it."""
