@@ -45,7 +45,7 @@ def serve(argv: list[str]) -> int:
     from bench.sim_device import sim_engine
     from qtts_jax.engine import EngineConfig
     from serving.app import run
-    from serving.scheduler import AdmissionConfig
+    from serving.admission import AdmissionConfig
     from serving.settings import Settings
 
     engine, admission = {}, {}

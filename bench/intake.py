@@ -58,7 +58,7 @@ async def measure(requests: int) -> dict:
     from serving.app import create_app
     from serving.http_api import routes
     from serving.monitoring.collector import freeze_startup, pauses
-    from serving.scheduler import Admission
+    from serving.admission import Admission
     from serving.settings import Settings
 
     config = EngineConfig(slots=2, context=128, prompt_buckets=(64,), max_trailing=32, frames_per_step=1, schedule=(1,))

@@ -34,7 +34,7 @@ from qtts_jax.engine import Engine, EngineConfig  # noqa: E402
 from qtts_jax.model import load_model  # noqa: E402
 from qtts_jax.request import Request  # noqa: E402
 from serving.errors import ApiError  # noqa: E402
-from serving.scheduler import Admission  # noqa: E402
+from serving.admission import Admission  # noqa: E402
 from serving.settings import Settings  # noqa: E402
 from studies.playback import simulate  # noqa: E402
 

@@ -34,7 +34,7 @@ from serving.keys import (ADMISSION, ALIASES, API_KEYS, BRIDGE, ENGINE, METRICS,
                           SETTINGS, SOCKETS, VOICE_WARMUP, VOICES, WARMUP_ERROR, WARMUP_TASK)
 from serving.monitoring.collector import freeze_startup
 from serving.monitoring.metrics import Metrics
-from serving.scheduler import Admission
+from serving.admission import Admission
 from serving.schemas import served_names
 from serving.settings import Settings
 from serving.sockets import ws

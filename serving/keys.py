@@ -12,7 +12,7 @@ from serving.bridge import AsyncEngine
 from serving.http_api.auth import Keyring
 from qtts_jax.engine.core_client import CoreClient
 from serving.monitoring.metrics import Metrics
-from serving.scheduler import Admission
+from serving.admission import Admission
 from serving.settings import Settings
 from serving.voice.store import VoiceStore
 

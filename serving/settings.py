@@ -7,7 +7,7 @@ import dataclasses
 import os
 
 from qtts_jax.engine import EngineConfig
-from serving.scheduler import AdmissionConfig
+from serving.admission import AdmissionConfig
 
 
 # What `qtts-jax serve` takes, as a flag or a QTTS_<NAME> variable (serving/cli.py): each one a user can judge, its
@@ -32,7 +32,7 @@ class Settings:
     voices_dir: str = "voices"  # Base models: registered voices, one file each, reloaded at start-up
     # OpenAI voice names -> this model's voices: "" (the default table), "a=b,c=d" over it, a JSON file, or "none"
     voice_aliases: str = ""
-    # API keys (serving/auth.py): one admin key, "@FILE" (several, with roles), or "none" (a gateway checks them)
+    # API keys (serving/http_api/auth.py): one admin key, "@FILE" (several, with roles), or "none" (a gateway checks them)
     api_key: str = dataclasses.field(default="", repr=False)
     public_metrics: bool = False  # /metrics without a key, where keys are on
     compile_cache: str = "default"  # persistent XLA cache (`run` only): "default", "off" or a directory
@@ -46,7 +46,7 @@ class Settings:
     ws_max_messages_per_s: float = 200.0  # an LLM's tokens sent one message each (~100/s) stay under it
     ws_max_message_bytes: int = 64 * 1024
     ws_max_pending_utterances: int = 8
-    # connections (`run` only): slowloris, idle sockets and descriptor exhaustion (serving/connections.py)
+    # connections (`run` only): slowloris, idle sockets and descriptor exhaustion (serving/http_api/connections.py)
     header_timeout_s: float = 10.0  # from a request's first byte to its last header line, else 408 and closed
     idle_timeout_s: float = 75.0  # a connection with no request in progress is closed after this
     max_connections: int = 512  # open HTTP and WebSocket connections; one more gets 503 and is closed

@@ -35,7 +35,7 @@ class Utterance:
         app[METRICS].intake.observe(time.perf_counter() - self.started)
         if live is not None:  # a live utterance's script is its one job: the text still to come joins its stream
             live.attach(self.streams[0])
-        # its parts still to come count as load from now on, so the next admission sees them (serving/scheduler.py)
+        # its parts still to come count as load from now on, so the next admission sees them (serving/admission.py)
         self.track = admission.open(rid, script.frames_cap, self.stream.stream.id,
                                 tuple(job.frames_cap for job in script.jobs[1:]))
         self.frames = 0

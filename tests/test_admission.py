@@ -11,7 +11,7 @@ import pytest
 
 from qtts_jax.engine import EngineStats, rung, step_frames
 from qtts_jax.engine.stream import FRAME_SECONDS, Timings
-from serving.scheduler import AdmissionConfig, Admission, StreamTrack
+from serving.admission import AdmissionConfig, Admission, StreamTrack
 from serving.errors import ApiError
 
 LADDER = (8, 16, 32, 64)

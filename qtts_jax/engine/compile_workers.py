@@ -3,9 +3,9 @@ store, from which the engine loads them whole (`Runner.compile`).
 
 One process traces and lowers its programs one at a time under its GIL, and its compiles share one XLA client; a
 worker builds only the model's shapes (`model.model_shapes`: no weights, nothing on the device) and compiles its
-share of the programs, in the order they were asked for, so the earlier warm-up stages land first. A worker is
-started as a plain subprocess (the engine core is a daemon process, which `multiprocessing` lets have no
-children) and dies with the process that started it."""
+share of the programs, in the order they were asked for, so the earlier warm-up stages land first
+(`runner.compile_share`). A worker is started as a plain subprocess (the engine core is a daemon process, which
+`multiprocessing` lets have no children) and dies with the process that started it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from qtts_jax.engine.config import EngineConfig
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
+_WORKER = "from qtts_jax.engine.runner import compile_share; compile_share()"  # the worker's side: the runner's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +51,7 @@ class Workers:
         self.procs = []
         for i in range(workers):
             share = Share(model, dtype, config, cache, tuple(keys[i::workers]))
-            proc = subprocess.Popen([sys.executable, "-c", f"from {__name__} import main; main()"],
-                                    stdin=subprocess.PIPE, env=env)
+            proc = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE, env=env)
             proc.stdin.write(pickle.dumps(share))
             proc.stdin.close()
             self.procs.append((proc, share.keys))
@@ -70,23 +69,3 @@ class Workers:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
-
-
-def main() -> None:
-    """A worker: read its `Share` from stdin, compile each program into the store, exit."""
-    if sys.platform.startswith("linux"):  # die with the engine that started this, even if it is killed
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[compile]: %(message)s")
-    share: Share = pickle.loads(sys.stdin.buffer.read())
-    import jax.numpy as jnp
-
-    from qtts_jax.engine import compile_cache
-    from qtts_jax.engine.runner import Runner
-    from qtts_jax.model import model_shapes
-
-    compile_cache.enable(share.cache)
-    runner = Runner(model_shapes(share.model, jnp.dtype(share.dtype)), share.config, shapes_only=True)
-    for key in share.keys:
-        runner.compile([key])

@@ -17,6 +17,9 @@ import functools
 import hashlib
 import logging
 import os
+import pickle
+import signal
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -32,7 +35,7 @@ from qtts_jax.engine import compile_cache, compile_workers, programs
 from qtts_jax.engine.config import EngineConfig
 from qtts_jax.engine.job import Job
 from qtts_jax.generate import pad_prompts
-from qtts_jax.model import Model
+from qtts_jax.model import Model, model_shapes
 from qtts_jax.request import Request
 
 log = logging.getLogger(__name__)
@@ -116,6 +119,8 @@ class DeviceRunner(Protocol):
                                        str(compile_cache.directory()), todo, min(wanted, len(todo)))
 
     def stored(self, keys: list[Key]) -> bool: ...
+
+    def compile_elsewhere(self, keys: list[Key]): ...
 
     def warm_voices(self) -> None: ...
 
@@ -535,6 +540,21 @@ class Runner:
             state = self._codec_one(self.codec_params, state, codes[None, start : start + n])
             start += n
         return state
+
+
+def compile_share() -> None:
+    """A compile worker's process (`compile_workers.Workers`): its `Share` read from stdin, each of its programs
+    compiled into the compilation cache's store by a runner of the model's shapes alone, then exit."""
+    if sys.platform.startswith("linux"):  # die with the engine that started this, even if it is killed
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[compile]: %(message)s")
+    share: compile_workers.Share = pickle.loads(sys.stdin.buffer.read())
+    compile_cache.enable(share.cache)
+    runner = Runner(model_shapes(share.model, jnp.dtype(share.dtype)), share.config, shapes_only=True)
+    for key in share.keys:
+        runner.compile([key])
 
 
 _WARMUP = Request(

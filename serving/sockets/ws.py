@@ -33,7 +33,7 @@ Server -> client:
   {"type": "error", "error": {"code", "message", "param"}, "utterance_id"?}  (the socket stays open,
   except for flooding: too many messages per second closes it with 1008)
 
-Utterances of one socket play in order, one at a time, each admitted (serving/scheduler.py) when it starts; a long
+Utterances of one socket play in order, one at a time, each admitted (serving/admission.py) when it starts; a long
 one is spoken in parts, as one stream (serving/utterance.py).
 """
 

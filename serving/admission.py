@@ -96,8 +96,8 @@ class StreamTrack:
 
 class Admission:
     """The server's admission: whether the engine takes one more request now (`admit`, else a 429 or 503), and the
-    open streams it took, tracked as their clients hear them. Named apart from the engine's scheduler
-    (`qtts_jax.engine.scheduler`), which decides what the loop runs."""
+    open streams it took, tracked as their clients hear them. What the loop runs is decided by the engine's
+    scheduler (`qtts_jax.engine.scheduler`)."""
 
     def __init__(self, engine, config: AdmissionConfig = AdmissionConfig()):
         self.engine = engine
