@@ -160,8 +160,8 @@ def child(args) -> dict:
 
 def placed_timings(runner, key, repeats: int) -> dict:
     """Run and host ms of program `key` three other ways than the engine's (`run_ms`: its per-call arguments
-    (rows, limits...) written into buffers the program keeps, `Runner._inputs_held`, and its outcome into the
-    buffers of its last one, `Runner._run`): the arguments copied to the device afresh for every call (`fresh`: new
+    (rows, limits...) written into buffers the program keeps, `Runner.inputs_held`, and its outcome into the
+    buffers of its last one, `Runner.run`): the arguments copied to the device afresh for every call (`fresh`: new
     buffers each time, as the engine did before 99681c0), placed on the device once and passed again every call
     (`placed`: no copy at all), and the engine's arguments with the outcome in new buffers every call
     (`new_outcome`, as before the outcome was kept). XLA records a CUDA graph again whenever a buffer it reads or
@@ -169,7 +169,7 @@ def placed_timings(runner, key, repeats: int) -> dict:
     import jax
 
     def call_args():
-        return runner._padding_call(*key, runner.state, runner.codec_state)
+        return runner.padding_call(*key, runner.state, runner.codec_state)
 
     host_args = [i for i, a in enumerate(call_args()) if isinstance(a, (np.ndarray, np.generic))]
     placed = {i: jax.device_put(call_args()[i]) for i in host_args}
@@ -186,7 +186,7 @@ def placed_timings(runner, key, repeats: int) -> dict:
     out = {}
     for way, args_of in ways.items():
         def call():
-            return runner._run(key, args_of())
+            return runner.run(key, args_of())
 
         jax.block_until_ready(call())
         host, total = [], []

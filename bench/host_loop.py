@@ -42,13 +42,13 @@ def measure(model, slots: int, iterations: int, frames: int) -> dict:
     job = engine.prepare(Request("A request of the benchmark's length.", speaker="ryan", max_frames=frames))
     sink = []
     parts: list[dict[str, float]] = []  # per iteration, its parts' seconds
-    add = engine._profile.add
+    add = engine.profile.add
 
     def record(timer, **counts):
         parts.append(dict(timer.seconds))
         add(timer, **counts)
 
-    engine._profile.add = record
+    engine.profile.add = record
     sender = [0.0]  # the sender thread's own time (hand-out), which overlaps the step's dispatch on a device
 
     def timed(call):

@@ -102,7 +102,7 @@ def run_rate(model, config: EngineConfig, rate: float, seconds: float, frames: i
     runner = RealTimeRunner(config, seed, clock=clock, scale=scale, jitter_s=jitter_s, xla_host=xla_host)
     engine = Engine(model, config, runner=runner)
     engine.set_clock(clock)
-    engine._sender = Inline()
+    engine.sender = Inline()
     if warmup:
         engine.warmup()
     admission = Admission(engine, Settings().admission_config())

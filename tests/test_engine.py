@@ -430,12 +430,12 @@ def test_how_late_newcomers_first_audio_goes_out_behind_a_codec_call_is_measured
     engine.submit(engine.prepare(Request("Already playing.", speaker="ryan", max_frames=30, **GREEDY)), playing)
     for _ in range(2):
         engine.run_once()
-    assert not engine._first_late and engine.stats().first_late_s == 0.0  # nothing ran ahead of its first frame
-    ahead = engine._audio.shape  # the playing stream's codec call, queued before the newcomer's first frame
+    assert not engine.first_late and engine.stats().first_late_s == 0.0  # nothing ran ahead of its first frame
+    ahead = engine.audio_in_flight.shape  # the playing stream's codec call, queued before the newcomer's first frame
     new = engine.submit(engine.prepare(Request("Newcomer.", speaker="aiden", max_frames=10, **GREEDY)), newcomer)
     engine.run_once()
-    assert list(engine._first_late) == [ahead]  # measured for that call's shape
-    (late,) = engine._first_late[ahead]
+    assert list(engine.first_late) == [ahead]  # measured for that call's shape
+    (late,) = engine.first_late[ahead]
     assert new.codes and late > 0 and engine.stats().first_late_s == pytest.approx(late)
     while engine.run_once():
         pass
@@ -523,7 +523,7 @@ def test_a_failed_step_ends_each_stream_after_the_audio_the_sender_still_had(eng
     monkeypatch.setattr(engine.runner, "step", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         engine.run_once()
-    engine._fail_all("engine failure: device lost")  # what the loop does with the exception
+    engine.fail_all("engine failure: device lost")  # what the loop does with the exception
     assert [c.final for c in col.chunks] == [False, True] and col.final.error == "engine failure: device lost"
 
 
@@ -679,7 +679,7 @@ def test_the_iteration_profile_logs_the_margin_the_loop_planned_with(engine, cap
 
     from qtts_jax.engine.profile import IterationProfile
 
-    monkeypatch.setattr(engine, "_profile", IterationProfile(every_s=0.0))
+    monkeypatch.setattr(engine, "profile", IterationProfile(every_s=0.0))
     with caplog.at_level(logging.INFO, logger="qtts_jax.engine.profile"):
         run(engine, [(0, Request("Profiled.", speaker="aiden", max_frames=4, **GREEDY))])
     margins = [float(m) for m in re.findall(r"'margin_ms': ([\d.]+)", caplog.text)]

@@ -123,7 +123,7 @@ def test_programs_kept_whole_load_untraced_for_the_same_engine_only(tiny_model, 
     assert second.stored(keys) and not second.stored([*keys, ("step", 1, 1)])
     other = Runner(tiny_model, dataclasses.replace(config, frames_per_step=config.frames_per_step + 1))
     assert traced(other) == keys  # built from another configuration: a store of its own
-    (stored,) = [p for p in first._store.root.iterdir() if p.name.startswith("step")]
+    (stored,) = [p for p in first.store.root.iterdir() if p.name.startswith("step")]
     stored.write_bytes(b"not a program")
     assert traced(Runner(tiny_model, config)) == [("step", 2, 1)] and "did not load" in caplog.text
 

@@ -317,10 +317,10 @@ async def test_encoders_are_compiled_in_the_background_after_ready(make_client, 
     assert (ecapa._embed._cache_size(), codec_encoder._forward._cache_size()) == compiled
     # a restart prepares the stored ICL voices' codec state in the same background pass
     await client.close()
-    engine.runner._primed.clear()  # the apps' engine (their core runs it on a thread here)
+    engine.runner.primed_voices.clear()  # the apps' engine (their core runs it on a thread here)
     again = await make_client(warm_voice_encoders=True, voice_max_seconds=2.5, voice_trailing_silence_ms=300)
     await again.app[VOICE_WARMUP][0]
-    assert len(engine.runner._primed) == 2
+    assert len(engine.runner.primed_voices) == 2
 
 
 async def test_vllm_omni_clone_from_a_data_url_over_rest_and_its_websocket(make_client, model):

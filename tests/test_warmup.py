@@ -56,7 +56,7 @@ def test_background_warmup_serves_its_smallest_rung_at_once_then_grows_to_every_
     assert engine.compiling == 0
     assert {(2, 1), (2, 2)} <= set(st.step_costs) and 2 in st.first_costs and 2 in st.prefill_costs
     # what the loop measured while XLA compiled is dropped: the idle timings again, iteration time measured anew
-    assert st.step_costs == engine._idle_step_costs and st.iteration_s == 0.0
+    assert st.step_costs == engine.idle_step_costs and st.iteration_s == 0.0
     assert hooked == [("qtts-warmup", 3, True)]  # rung 2's three programs not yet published
     together = run(engine, [(0, r) for r in reqs])
     assert together[0][0].timings.admitted == together[1][0].timings.admitted

@@ -55,11 +55,11 @@ class Engine:
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._running = False
-        self._audio: HandOut | None = None  # the codec call in flight
+        self.audio_in_flight: HandOut | None = None  # the codec call in flight
         measurements.start(self)
-        self._profile = IterationProfile()
+        self.profile = IterationProfile()
         # hands audio out while the loop dispatches the step; its idle thread ends when the engine is collected
-        self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qtts-audio-out")
+        self.sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qtts-audio-out")
         self.iterations = 0
         self.clock = time.perf_counter  # see `set_clock`
         # called on the background warm-up's thread once its last stage is compiled and timed, before the stats say
@@ -152,9 +152,9 @@ class Engine:
         self._margin_s = self.jitter.margin()
         # the previous codec call's audio goes out from the sender thread as soon as the device has it, while this
         # thread admits and prefills the newcomers (in a burst that takes tens of ms of host time)
-        previous, self._audio = self._audio, None
+        previous, self.audio_in_flight = self.audio_in_flight, None
         ahead = previous.shape if previous is not None else None  # the codec call the device runs first
-        handing = None if previous is None else self._sender.submit(send_audio, self.clock, previous.audio,
+        handing = None if previous is None else self.sender.submit(send_audio, self.clock, previous.audio,
                                                                     previous.due)
         joined, prefill_calls, prefill_done = admit(self)
         trailing.feed(self)
@@ -178,8 +178,8 @@ class Engine:
                         Sizes(self._ladder, self._first_sizes, self._step_sizes), self.config, self._margin_s,
                         self._late.get(ahead, 0.0))
         result = execute(self, plan, playing + new, new, joined, prefill_done, handing, parts)
-        self._audio = update(self, plan, result, t0, ahead, compiled, parts)
-        self._profile.add(parts, live=len(live), new=len(new), frames=plan.step.frames if plan.step else 0,
+        self.audio_in_flight = update(self, plan, result, t0, ahead, compiled, parts)
+        self.profile.add(parts, live=len(live), new=len(new), frames=plan.step.frames if plan.step else 0,
                           margin_ms=self._margin_s * 1e3, held=len(result.held))
         if self.runner.compiled_on_demand == compiled:
             measurements.iteration(self, self.clock() - t0, plan)
@@ -213,7 +213,7 @@ class Engine:
                 busy = self.run_once()
             except Exception as exc:  # a device failure must not strand the callers
                 log.exception("engine step failed")
-                self._fail_all(f"engine failure: {exc}")
+                self.fail_all(f"engine failure: {exc}")
                 busy = False
             if not busy:
                 with self._wake:
@@ -238,9 +238,10 @@ class Engine:
         for s in gone:
             self._finish(s, error="cancelled")
 
-    def _fail_all(self, message: str) -> None:
-        self._audio = None
-        self._sender.submit(lambda: None).result()  # what the sender still hands out goes before the final chunks
+    def fail_all(self, message: str) -> None:
+        """End every stream, playing or queued, with the error `message` (what the loop does when a call fails)."""
+        self.audio_in_flight = None
+        self.sender.submit(lambda: None).result()  # what the sender still hands out goes before the final chunks
         for s in list(self.slots):
             if s is not None:
                 self._finish(s, error=message)

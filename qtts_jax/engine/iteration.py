@@ -51,8 +51,8 @@ def execute(engine, plan: IterationPlan, candidates: list[Stream], new: list[Str
         fresh, decode = np.zeros(plan.first_rung, bool), np.zeros(plan.first_rung, bool)
         fresh[: len(new)], decode[: len(new)] = [s.fresh_codec for s in new], plan.decode_first
         first = e.runner.first(idx, mask, fresh, decode), decode[: len(new)]
-    stamping = None if prefill_done is None else e._sender.submit(stamp_prefilled, e.clock, joined, prefill_done)
-    sending = e._sender.submit(send_first, e.clock, new, *first) if first is not None else None
+    stamping = None if prefill_done is None else e.sender.submit(stamp_prefilled, e.clock, joined, prefill_done)
+    sending = e.sender.submit(send_first, e.clock, new, *first) if first is not None else None
     parts.mark("dispatch")
     stepping = [candidates[j] for j in plan.step_rows]
     limits, out = np.array(plan.limits, np.int32), None

@@ -22,7 +22,7 @@ def start(engine) -> None:
     """The engine's tables, empty: a warm-up seeds the costs, the iterations measure the rest."""
     e = engine
     e.step_costs = {}  # (rung, frames) -> seconds per iteration, measured
-    e._idle_step_costs = {}  # the same, as the warm-up timed them on the idle engine
+    e.idle_step_costs = {}  # the same, as the warm-up timed them on the idle engine
     e.prefill_costs = {}  # requests -> seconds, measured
     e.first_costs = {}  # rung -> seconds of newcomers' first frame and its audio, measured
     e._recent_frame_s = collections.deque(maxlen=64)
@@ -41,7 +41,7 @@ def forget(engine) -> None:
     e._delivery = {}
     # newcomers' first chunks: seconds after the iteration's start + their prefill and first frame, by the shape of
     # the codec call that ran ahead of them on the device (what they wait for)
-    e._first_late = {}
+    e.first_late = {}
     # the least of each shape's recent samples, what the planner counts on: counting on it never lets a newcomer's
     # next audio come after its first has played (behind calls of one shape it varies little)
     e._late = {}
@@ -67,7 +67,7 @@ def iteration(engine, elapsed: float, plan) -> None:
 
 def first_late(engine, ahead: tuple[int, int], seconds: float) -> None:
     """Newcomers' first audio went out `seconds` after their own programs, behind a codec call of shape `ahead`."""
-    samples = engine._first_late.setdefault(ahead, collections.deque(maxlen=64))
+    samples = engine.first_late.setdefault(ahead, collections.deque(maxlen=64))
     samples.append(max(seconds, 0.0))
     engine._late[ahead] = min(samples)
 

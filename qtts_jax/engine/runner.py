@@ -74,7 +74,7 @@ class Calibration:
 @dataclasses.dataclass
 class Scratch:
     """A state of the live one's shapes, for timing programs while the loop owns the live one (and its own
-    buffers for the programs' per-call inputs and outcomes: see `Runner._inputs_held` and `Runner._run`)."""
+    buffers for the programs' per-call inputs and outcomes: see `Runner.inputs_held` and `Runner.run`)."""
 
     state: programs.EngineState
     codec_state: codec_streaming.StreamState
@@ -104,19 +104,6 @@ class DeviceRunner(Protocol):
     def primed_state(self, ref_codes: np.ndarray): ...
 
     def compile(self, keys: list[Key]) -> None: ...
-
-    def compile_elsewhere(self, keys: list[Key]) -> compile_workers.Workers | None:
-        """Start worker processes compiling those of `keys` not stored yet into the compilation cache (see
-        `EngineConfig.compile_workers`); `compile` then loads what they made. None where none were started: the
-        cache is off, the model was not loaded from a source another process can read, or no workers are wanted."""
-        store, wanted = self._store, self.config.compile_workers
-        todo = [key for key in keys if store is not None and not store.has(key)]
-        if wanted is None:
-            wanted = compile_workers.count(len(todo)) if jax.default_backend() == "gpu" else 0
-        if not todo or not wanted or self.model.source is None:
-            return None
-        return compile_workers.Workers(self.model.source, str(self.model.dtype), self.config,
-                                       str(compile_cache.directory()), todo, min(wanted, len(todo)))
 
     def stored(self, keys: list[Key]) -> bool: ...
 
@@ -152,7 +139,7 @@ _OUTCOME_AT = {"step": 1, "codec": 0}
 
 def _writing_into(program, kind: str):
     """`program` with its outcome written into the buffers `into` (donated, so the outcome takes their addresses):
-    see `Runner._run`. The buffers must be the outcome's shapes (`programs.outcome_shapes`)."""
+    see `Runner.run`. The buffers must be the outcome's shapes (`programs.outcome_shapes`)."""
 
     def wrapped(*args, into, **kwargs):
         out = list(program(*args, **kwargs))
@@ -210,10 +197,10 @@ class Runner:
         self.programs: dict[Key, jax.stages.Compiled] = {}
         self.compiled_on_demand = 0  # programs `program` had to compile (none after a warm-up): the engine's timings
         # leave out what waited on one
-        self.held: dict[Key, HeldInputs] = {}  # each program's per-call inputs on the device (`_inputs_held`)
-        self.outcomes: dict[Key, tuple | jax.Array] = {}  # each program's last outcome, its next one's buffers (`_run`)
-        self._primed: OrderedDict[bytes, codec_streaming.StreamState] = OrderedDict()
-        self._primed_lock = threading.Lock()
+        self.held: dict[Key, HeldInputs] = {}  # each program's per-call inputs on the device (`inputs_held`)
+        self.outcomes: dict[Key, tuple | jax.Array] = {}  # each program's last outcome, its next one's buffers (`run`)
+        self.primed_voices: OrderedDict[bytes, codec_streaming.StreamState] = OrderedDict()
+        self.primed_lock = threading.Lock()
         codec_dtype = jnp.dtype(config.codec_dtype)
 
         def cast(codec_params):
@@ -239,7 +226,7 @@ class Runner:
     def prefill(self, bucket: int, items: list[tuple[int, Job]], size: int) -> jax.Array:
         """Prefill `items` (slot, job) of one prompt bucket into their slots, in a call of `size` rows. Returns a
         small output to wait on: the state itself goes on to the next call, donated."""
-        return self._run(("insert", bucket, size), (self.model.params, self.state, *self._insert_args(items, size)))
+        return self.run(("insert", bucket, size), (self.model.params, self.state, *self._insert_args(items, size)))
 
     def first(self, idx: np.ndarray, live: np.ndarray, fresh: np.ndarray, decode: np.ndarray) -> FirstOutcome:
         """The first frame of the slots `idx` (the rows where `live`), and its audio where `decode` (`fresh`:
@@ -252,20 +239,20 @@ class Runner:
         # queued behind these, must not write where this outcome is still to be read. A newcomer's first frame is
         # its frame 0; a frame not made (the row ended, or padding) is -1 in the ring, so the codec skips it.
         b, zeros = len(idx), np.zeros(len(idx), np.int32)
-        frames, valid = self._run(("step", b, 1), (self.model.params, target.state, idx, live.astype(np.int32)),
+        frames, valid = self.run(("step", b, 1), (self.model.params, target.state, idx, live.astype(np.int32)),
                                   target, role="first")
-        audio = self._run(("codec", b, 1), (self.codec_params, target.codec_state, target.state.codes, idx, fresh,
+        audio = self.run(("codec", b, 1), (self.codec_params, target.codec_state, target.state.codes, idx, fresh,
                                             zeros, decode.astype(np.int32)), target, role="first")
         return FirstOutcome(frames, valid, audio)
 
     def step(self, idx: np.ndarray, limits: np.ndarray, frames: int) -> StepOutcome:
         """`frames` frames for the slots `idx`, row j making at most `limits[j]` (padding rows 0)."""
-        return StepOutcome(*self._run(("step", len(idx), frames), (self.model.params, self.state, idx, limits)))
+        return StepOutcome(*self.run(("step", len(idx), frames), (self.model.params, self.state, idx, limits)))
 
     def codec(self, idx: np.ndarray, fresh: np.ndarray, start: np.ndarray, count: np.ndarray, frames: int) -> jax.Array:
         """Audio [rows, samples] of frames start[j] .. start[j] + count[j] - 1 of slot idx[j], read where the step
         writes them (so this call may be queued behind the step that makes them), in a call of up to `frames`."""
-        return self._run(("codec", len(idx), frames),
+        return self.run(("codec", len(idx), frames),
                          (self.codec_params, self.codec_state, self.state.codes, idx, fresh, start, count))
 
     def append_text(self, slot: int, start: int, ids: list[int], cap: int) -> None:
@@ -274,7 +261,7 @@ class Runner:
             part = ids[at : at + APPEND_IDS]
             padded = np.zeros(APPEND_IDS, np.int32)
             padded[: len(part)] = part
-            self._run(("append", 1, APPEND_IDS), (self.model.params, self.state, np.int32(slot), np.int32(start + at),
+            self.run(("append", 1, APPEND_IDS), (self.model.params, self.state, np.int32(slot), np.int32(start + at),
                                                   padded, np.int32(len(part)), np.int32(cap)))
 
     def load_voice(self, slot: int, ref_codes: np.ndarray) -> None:
@@ -286,7 +273,7 @@ class Runner:
     def compile(self, keys: list[Key]) -> None:
         """Compile `keys` at once (tracing holds the GIL; compiling does not) into the program table. Those the
         compilation cache holds whole are loaded instead, untraced, and those compiled are kept there."""
-        store = self._store
+        store = self.store
         stored = self._pool(store.load, keys) if store is not None else [None] * len(keys)
         todo = [key for key, exe in zip(keys, stored) if exe is None]
         self.programs.update({key: exe for key, exe in zip(keys, stored) if exe is not None})
@@ -312,7 +299,7 @@ class Runner:
         """Start worker processes compiling those of `keys` not stored yet into the compilation cache (see
         `EngineConfig.compile_workers`); `compile` then loads what they made. None where none were started: the
         cache is off, the model was not loaded from a source another process can read, or no workers are wanted."""
-        store, wanted = self._store, self.config.compile_workers
+        store, wanted = self.store, self.config.compile_workers
         todo = [key for key in keys if store is not None and not store.has(key)]
         if wanted is None:
             wanted = compile_workers.count(len(todo)) if jax.default_backend() == "gpu" else 0
@@ -323,7 +310,7 @@ class Runner:
 
     def stored(self, keys: list[Key]) -> bool:
         """Whether the compilation cache holds every program of `keys` whole (loading them takes seconds)."""
-        store = self._store
+        store = self.store
         return store is not None and all(store.has(key) for key in keys)
 
     @staticmethod
@@ -335,7 +322,7 @@ class Runner:
             return list(pool.map(fn, items))
 
     @functools.cached_property
-    def _store(self) -> compile_cache.ProgramStore | None:
+    def store(self) -> compile_cache.ProgramStore | None:
         """Where the compilation cache keeps this runner's programs whole: keyed by the model's configuration,
         graph and weight shapes, the engine's configuration and the state's shapes (None when the cache is off).
         Looked up when first used: the cache may be turned on after the runner is built."""
@@ -355,7 +342,7 @@ class Runner:
         static = {"n": b} if kind in ("step", "codec") else {}
         if kind in _OUTCOME_AT:
             static["into"] = self._outcome_shapes(kind, a, b)
-        return jit.lower(*self._padding_call(kind, a, b, *self._specs), **static)
+        return jit.lower(*self.padding_call(kind, a, b, *self._specs), **static)
 
     def _outcome_shapes(self, kind: str, a: int, b: int):
         return programs.outcome_shapes(kind, a, b, self.model.cfg.num_code_groups)
@@ -377,20 +364,20 @@ class Runner:
         """One call of the program `key` on padding rows (every write dropped, so the state keeps its values), on
         the live state or `on`; returns its output."""
         target = on if on is not None else self
-        return self._run(key, self._padding_call(*key, target.state, target.codec_state), target)
+        return self.run(key, self.padding_call(*key, target.state, target.codec_state), target)
 
-    def _run(self, key: Key, args: tuple, target: Runner | Scratch | None = None, role: str = ""):
+    def run(self, key: Key, args: tuple, target: Runner | Scratch | None = None, role: str = ""):
         """Program `key` on `args`, whose state it donates: `target` (this runner, or a `Scratch`) keeps the new
         state, and the rest of the program's output is returned (an append's is its state).
 
         A step's, first frame's or codec call's outcome is written into the buffers of the same program's last
         outcome (donated), so it has the same device addresses every call: XLA records a program's CUDA graph again
-        whenever a buffer it writes has moved, as for the inputs (`_inputs_held`). So an outcome is readable until
+        whenever a buffer it writes has moved, as for the inputs (`inputs_held`). So an outcome is readable until
         the next call of the same program, which the loop makes only after it has read it; a call with another
         `role` keeps its inputs and outcome in buffers of its own."""
         target = self if target is None else target
         kind, exe, place = key[0], self.program(*key), (role, *key) if role else key
-        args = self._inputs_held(place, args, target.held)
+        args = self.inputs_held(place, args, target.held)
         if kind in _OUTCOME_AT:
             into = target.outcomes.pop(place, None)
             if into is None:
@@ -408,7 +395,7 @@ class Runner:
             target.outcomes[place] = out
         return out
 
-    def _inputs_held(self, place: tuple, args: tuple, held: dict[tuple, HeldInputs]) -> tuple:
+    def inputs_held(self, place: tuple, args: tuple, held: dict[tuple, HeldInputs]) -> tuple:
         """`args` with its host arrays (rows, limits, prompts: what changes from call to call) written into device
         buffers that program `place` (a role and a key) keeps from call to call (`held[place]`). XLA records each
         CUDA graph of a program against the addresses of the buffers it reads and records it again whenever one has moved, which inputs
@@ -431,7 +418,7 @@ class Runner:
             args[i] = a
         return tuple(args)
 
-    def _padding_call(self, kind: str, a: int, b: int, state, codec_state) -> tuple:
+    def padding_call(self, kind: str, a: int, b: int, state, codec_state) -> tuple:
         """The arguments of program `kind` for `a` padding rows (aimed past the last slot: every write dropped) and
         size `b`, on `state` and `codec_state`: arrays to call it on, or their shapes to lower it."""
         idx, zeros, ints = np.full(a, self.config.slots, np.int32), np.zeros(a, bool), np.zeros(a, np.int32)
@@ -453,7 +440,7 @@ class Runner:
         timed at the largest bucket. An executable's first call pays a one-off set-up (loading its kernels; the
         codec's convolution plans): run here, not in the loop's first live call of it, where a fresh server's
         first iterations under load would pay it."""
-        c, target, store = self.config, on if on is not None else self, self._store
+        c, target, store = self.config, on if on is not None else self, self.store
         kept = store.load_timings() if store is not None else {}
         for key in keys:
             jax.block_until_ready(self.idle_call(key, on))
@@ -520,15 +507,15 @@ class Runner:
         (thread-safe: the server primes a voice when it is registered)."""
         codes = np.ascontiguousarray(ref_codes, np.int32)
         key = hashlib.sha1(codes.tobytes() + str(codes.shape).encode()).digest()
-        with self._primed_lock:
-            if key in self._primed:
-                self._primed.move_to_end(key)
-                return self._primed[key]
+        with self.primed_lock:
+            if key in self.primed_voices:
+                self.primed_voices.move_to_end(key)
+                return self.primed_voices[key]
         state = self.prime(codes)
-        with self._primed_lock:
-            self._primed[key] = state
-            while len(self._primed) > self.config.cached_voices:
-                self._primed.popitem(last=False)
+        with self.primed_lock:
+            self.primed_voices[key] = state
+            while len(self.primed_voices) > self.config.cached_voices:
+                self.primed_voices.popitem(last=False)
         return state
 
     def prime(self, codes: np.ndarray) -> codec_streaming.StreamState:

@@ -96,7 +96,7 @@ def use(engine, keys: list[Key], timed: Calibration, left: int, settle: bool = F
     e, c = engine, engine.config
     ready = e._ready | set(keys)
     with e._lock:
-        e._idle_step_costs.update(timed.steps)
+        e.idle_step_costs.update(timed.steps)
         for costs, new in ((e.step_costs, timed.steps), (e.first_costs, timed.firsts),
                            (e.prefill_costs, timed.prefills)):
             costs.update({k: v for k, v in new.items() if k not in costs})  # live measurements stay
@@ -107,7 +107,7 @@ def use(engine, keys: list[Key], timed: Calibration, left: int, settle: bool = F
         e._codec_sizes = tuple(n for n in c.codec_sizes if ("codec", c.ladder[0], n) in ready)
         e._prefill_sizes = tuple(r for r in c.prefill_sizes if all(("insert", b, r) in ready for b in c.prompt_buckets))
         if settle:
-            e.step_costs.update(e._idle_step_costs)
+            e.step_costs.update(e.idle_step_costs)
             e._forget_timings()
         e._compiling = left
         e._stats = snapshot(e)
