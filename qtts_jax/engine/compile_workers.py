@@ -5,7 +5,8 @@ One process traces and lowers its programs one at a time under its GIL, and its 
 worker builds only the model's shapes (`model.model_shapes`: no weights, nothing on the device) and compiles its
 share of the programs, in the order they were asked for, so the earlier warm-up stages land first
 (`runner.compile_share`). A worker is started as a plain subprocess (the engine core is a daemon process, which
-`multiprocessing` lets have no children) and dies with the process that started it."""
+`multiprocessing` lets have no children) and dies with the thread that started it (Linux's parent-death signal):
+the core's main thread, or the thread the warm-up is called on, both of which outlive the warm-up."""
 
 from __future__ import annotations
 

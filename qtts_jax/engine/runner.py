@@ -240,9 +240,9 @@ class Runner:
         # its frame 0; a frame not made (the row ended, or padding) is -1 in the ring, so the codec skips it.
         b, zeros = len(idx), np.zeros(len(idx), np.int32)
         frames, valid = self.run(("step", b, 1), (self.model.params, target.state, idx, live.astype(np.int32)),
-                                  target, role="first")
+                                 target, role="first")
         audio = self.run(("codec", b, 1), (self.codec_params, target.codec_state, target.state.codes, idx, fresh,
-                                            zeros, decode.astype(np.int32)), target, role="first")
+                                           zeros, decode.astype(np.int32)), target, role="first")
         return FirstOutcome(frames, valid, audio)
 
     def step(self, idx: np.ndarray, limits: np.ndarray, frames: int) -> StepOutcome:
@@ -253,7 +253,7 @@ class Runner:
         """Audio [rows, samples] of frames start[j] .. start[j] + count[j] - 1 of slot idx[j], read where the step
         writes them (so this call may be queued behind the step that makes them), in a call of up to `frames`."""
         return self.run(("codec", len(idx), frames),
-                         (self.codec_params, self.codec_state, self.state.codes, idx, fresh, start, count))
+                        (self.codec_params, self.codec_state, self.state.codes, idx, fresh, start, count))
 
     def append_text(self, slot: int, start: int, ids: list[int], cap: int) -> None:
         """Live text: `ids` written at `start` of slot `slot`'s trailing text, its frame cap raised to `cap`."""
@@ -262,7 +262,7 @@ class Runner:
             padded = np.zeros(APPEND_IDS, np.int32)
             padded[: len(part)] = part
             self.run(("append", 1, APPEND_IDS), (self.model.params, self.state, np.int32(slot), np.int32(start + at),
-                                                  padded, np.int32(len(part)), np.int32(cap)))
+                                                 padded, np.int32(len(part)), np.int32(cap)))
 
     def load_voice(self, slot: int, ref_codes: np.ndarray) -> None:
         """Slot `slot`'s codec state set to the state after an ICL voice's reference codes."""
