@@ -147,19 +147,17 @@ def load_model(path_or_preset: str | Path, dtype=jnp.float32, seed: int = 0) -> 
     """
     xla_flags.apply()
     name = str(path_or_preset)
+    cfg, defaults, codec_cfg = model_configs(path_or_preset)
     if name in PRESETS:
-        return _preset(name, dtype, seed)
-    directory = _checkpoint(path_or_preset)
-    cfg, defaults = load_config(directory)
-    codec_dir = directory / "speech_tokenizer"
-    codec_cfg = CodecConfig.from_file(codec_dir / "config.json")
+        return _preset(name, cfg, codec_cfg, dtype, seed)
+    directory = Path(path_or_preset)
     return Model(
         name=directory.name,
         cfg=cfg,
         defaults=defaults,
         talker=load_talker(directory, cfg, dtype),
         codec_cfg=codec_cfg,
-        codec=load_codec_decoder(codec_dir, codec_cfg),
+        codec=load_codec_decoder(directory / "speech_tokenizer", codec_cfg),
         tokenizer=TextTokenizer.from_directory(directory),
         is_noise=bool(read_json(directory / "config.json").get(NOISE_KEY)),
         voice_encoders=VoiceEncoders.load(directory, codec_cfg) if cfg.model_type == "base" else None,
@@ -172,31 +170,30 @@ def model_shapes(path_or_preset: str | Path, dtype=jnp.float32) -> Model:
     encoders: all that compiling its programs needs, built in a moment with nothing on the device (the compile
     workers, `engine.compile_workers`)."""
     xla_flags.apply()
+    cfg, defaults, codec_cfg = model_configs(path_or_preset)
+    return Model(name=str(path_or_preset), cfg=cfg, defaults=defaults,
+                 talker=nnx.eval_shape(lambda: Talker(cfg, dtype=dtype, rngs=nnx.Rngs(0))), codec_cfg=codec_cfg,
+                 codec=nnx.eval_shape(lambda: CodecDecoder(codec_cfg)), tokenizer=None, source=str(path_or_preset))
+
+
+def model_configs(path_or_preset: str | Path) -> tuple[ModelConfig, SamplingDefaults, CodecConfig]:
+    """The model's configuration, its sampling defaults and its speech tokenizer's configuration: the one place
+    they are read, from a checkpoint directory's `config.json`, `generation_config.json` and
+    `speech_tokenizer/config.json`, or from a preset's tables."""
     name = str(path_or_preset)
     if name in PRESETS:
         model_dict, codec_dict = presets.preset_configs(name)
-        cfg, codec_cfg = ModelConfig.from_dict(model_dict), CodecConfig.from_dict(codec_dict)
-    else:
-        directory = _checkpoint(path_or_preset)
-        cfg = load_config(directory)[0]
-        codec_cfg = CodecConfig.from_file(directory / "speech_tokenizer" / "config.json")
-    return Model(name=name, cfg=cfg, defaults=SamplingDefaults(),
-                 talker=nnx.eval_shape(lambda: Talker(cfg, dtype=dtype, rngs=nnx.Rngs(0))), codec_cfg=codec_cfg,
-                 codec=nnx.eval_shape(lambda: CodecDecoder(codec_cfg)), tokenizer=None, source=name)
-
-
-def _checkpoint(path: str | Path) -> Path:
-    directory = Path(path)
+        return ModelConfig.from_dict(model_dict), SamplingDefaults(), CodecConfig.from_dict(codec_dict)
+    directory = Path(path_or_preset)
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory} is not a checkpoint directory nor a preset ({', '.join(PRESETS)})")
-    return directory
+    cfg, defaults = load_config(directory)
+    return cfg, defaults, CodecConfig.from_file(directory / "speech_tokenizer" / "config.json")
 
 
-def _preset(name: str, dtype, seed: int) -> Model:
+def _preset(name: str, cfg: ModelConfig, codec_cfg: CodecConfig, dtype, seed: int) -> Model:
     """Random weights at preset shapes; the codec stays fp32 (it is small and sets output quality)."""
     kind = "base" if name.endswith("-base") else "custom_voice"
-    model_dict, codec_dict = presets.preset_configs(name)
-    cfg, codec_cfg = ModelConfig.from_dict(model_dict), CodecConfig.from_dict(codec_dict)
     tokenizer = TextTokenizer(presets.tiny_tokenizer())
     # tiny: a small speaker encoder; the real shapes: the released architecture
     speaker_cfg = presets.tiny_speaker_config() if name.startswith("tiny-random") else None

@@ -65,8 +65,7 @@ class Engine:
         # called on the background warm-up's thread once its last stage is compiled and timed, before the stats say
         # nothing is left to compile (a server process freezes the garbage collector's view of its startup there)
         self.on_compiled = None
-        # compile workers started before the engine existed (`warmup.compile_ahead`), which the warm-up waits for
-        self.compiling_ahead = None
+        self.compiling_ahead = None  # compile workers started before the engine (`warmup.compile_ahead`)
         self._stats: EngineStats = snapshot(self)
 
     # ---- public API -------------------------------------------------------------------------
