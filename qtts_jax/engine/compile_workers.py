@@ -39,9 +39,10 @@ class Share:
 
 
 def count(programs: int) -> int:
-    """Workers for `programs` on this machine: a core each, leaving one to the engine (each worker's compiles also
-    use XLA's own threads), at most 8 and at most one per program."""
-    return max(1, min(programs, 8, (os.cpu_count() or 2) - 1))
+    """Workers for `programs` on this machine: a core each of those this process may run on, leaving one to the
+    engine (each worker's compiles also use XLA's own threads), at most 8 and at most one per program."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    return max(1, min(programs, 8, cores - 1))
 
 
 class Workers:
