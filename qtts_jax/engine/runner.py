@@ -536,6 +536,7 @@ def compile_share() -> None:
         import ctypes
 
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    os.nice(10)  # the engine's own first stage and its model loading go first where the cores are short
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[compile]: %(message)s")
     share: compile_workers.Share = pickle.loads(sys.stdin.buffer.read())
     compile_cache.enable(share.cache)
