@@ -146,9 +146,7 @@ def test_the_simulated_device_is_a_runner_the_loop_warms_up_and_serves_over(tiny
     """The loop takes either device half (`DeviceRunner`): the real runner and the simulated one have every call it
     makes, and the simulated engine comes up as a server's does, compiling its larger rungs in the background on
     a scratch state, then serves a request to its end."""
-    import time
-
-    from qtts_jax.engine import DeviceRunner, Engine, Runner
+    from qtts_jax.engine import DeviceRunner, Engine, Runner, warmup
     from qtts_jax.request import Request
     from support import SMALL
 
@@ -159,10 +157,7 @@ def test_the_simulated_device_is_a_runner_the_loop_warms_up_and_serves_over(tiny
     engine = Engine(tiny_model, config, runner=runner)
     engine.set_clock(clock)
     engine.warmup(background=True)
-    deadline = time.monotonic() + 30
-    while engine.stats().compiling and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert engine.stats().compiling == 0 and engine.stats().ladder == config.ladder
+    assert warmup.wait(engine, 30) and engine.stats().compiling == 0 and engine.stats().ladder == config.ladder
     chunks = []
     engine.submit(engine.prepare(Request("One request.", speaker="ryan", max_frames=12)), chunks.append)
     while engine.run_once():

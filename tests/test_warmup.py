@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 
 from qtts_jax.engine import Engine
 from qtts_jax.engine import warmup as warming
@@ -48,9 +47,7 @@ def test_background_warmup_serves_its_smallest_rung_at_once_then_grows_to_every_
     alone = run(engine, [(0, r) for r in reqs])
     assert alone[1][0].timings.admitted >= alone[0][0].timings.finished
     gate.set()
-    deadline = time.monotonic() + 300
-    while engine.stats().compiling and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert warming.wait(engine, 300)
     st = engine.stats()
     assert (st.slots, st.ladder, st.step_sizes, st.compiling) == (2, (1, 2), (1, 2), 0)
     assert engine.compiling == 0
@@ -91,9 +88,7 @@ def test_programs_compiled_ahead_by_workers_are_loaded_by_the_background_stages(
     traced, lower = [], engine.runner.lower
     monkeypatch.setattr(engine.runner, "lower", lambda *key: (traced.append(key), lower(*key))[1])
     engine.warmup(background=True)
-    deadline = time.monotonic() + 300
-    while engine.stats().compiling and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert warming.wait(engine, 300)
     first, *later = stages(config)
     assert sorted(traced) == sorted(first) and engine.stats().slots == config.slots
     assert all(proc.wait(timeout=60) is not None for proc, _ in ahead.procs)  # done, or stopped by the warm-up

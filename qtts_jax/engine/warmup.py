@@ -49,6 +49,12 @@ def run(engine, background: bool = False) -> None:
         workers.stop()
 
 
+def wait(engine, timeout: float) -> bool:
+    """Wait until a background warm-up has nothing left to compile (or failed); False if `timeout` passed first."""
+    with engine._wake:
+        return engine._wake.wait_for(lambda: engine._compiling == 0, timeout)
+
+
 def compile_ahead(source: str, dtype: str, config: EngineConfig):
     """Start the compile workers on what a background warm-up of an engine of `config` compiles after its first
     stage, from the model's shapes alone, before the model itself is loaded (`engine.compiling_ahead`): their
@@ -81,8 +87,9 @@ def rest(engine, later: list[list[Key]], t0: float, workers=None) -> None:
                  engine.config.slots)
     except Exception:  # what was compiled so far keeps serving
         log.exception("background warm-up failed; serving with rungs %s", engine._ladder)
-        with engine._lock:
+        with engine._wake:
             engine._compiling = 0
+            engine._wake.notify_all()
     finally:
         if workers is not None:
             workers.stop()
@@ -111,3 +118,4 @@ def use(engine, keys: list[Key], timed: Calibration, left: int, settle: bool = F
             e._forget_timings()
         e._compiling = left
         e._stats = snapshot(e)
+        e._wake.notify_all()  # the loop, and whoever waits for the warm-up (`wait`)
