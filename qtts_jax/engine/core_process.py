@@ -76,7 +76,7 @@ def main(conn, spec: CoreSpec) -> None:
     try:
         compile_cache.enable(spec.compile_cache)
         dtype = weights_dtype(spec.dtype)
-        if isinstance(spec.slots, int) and backend() != "cpu":  # a GPU warms up in the background (serving.bridge)
+        if isinstance(spec.slots, int):  # "auto" slots are known only once the model is on the device
             ahead = warmup.compile_ahead(spec.model, dtype, dataclasses.replace(spec.config, slots=spec.slots))
         model = load_model(spec.model, dtype=jnp.dtype(dtype))
         slots, fit = sizing.resolve_slots(model, dataclasses.replace(spec.config, slots=1), spec.slots)

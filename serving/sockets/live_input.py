@@ -15,9 +15,33 @@ from collections.abc import Awaitable, Callable
 
 from serving.bridge import AsyncEngine, AsyncStream
 from qtts_jax.engine import Engine, PromptTooLong
-from serving.errors import from_request_error
+from serving.errors import bad, from_request_error
 from serving.keys import BRIDGE, ENGINE
+from serving.schemas import check_text
 from serving.sockets.live_text import LiveText
+from serving.text import ssml
+from serving.text.sentences import split_units
+
+
+async def take_text(session, text, options: dict, start: Callable[["LiveInput"], Awaitable[None]],
+                    held_as: str) -> list[str]:
+    """A text message's `text` checked (a string, its characters, the held text's cap of `max_input_chars`, which
+    the error calls `held_as`) and taken, either protocol: onto the live utterance under `options`'
+    `split_granularity` "live" (returns nothing), else onto `session.buffer`, whose complete units it returns (an
+    SSML document is spoken whole, at the end)."""
+    if not isinstance(text, str):
+        raise bad("text", "must be a string", "invalid_type")
+    check_text("text", text)
+    held, cap = session.live.text.text if session.live is not None else session.buffer, session.settings.max_input_chars
+    if len(held) + len(text) > cap:
+        raise bad("text", f"the {held_as} would exceed {cap} characters", "too_long")
+    if options.get("split_granularity") == "live" and not ssml.is_input(held + text, options):
+        await append_live(session, text, start)
+        return []
+    text = session.buffer + text
+    units, session.buffer = split_units(text, "none" if ssml.is_input(text, options) else
+                                        options.get("split_granularity", "none"))
+    return units
 
 
 async def append_live(session, text: str | None, start: Callable[["LiveInput"], Awaitable[None]]) -> None:

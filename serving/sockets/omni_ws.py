@@ -38,12 +38,12 @@ from aiohttp import web
 from serving.audio.out import StreamOut, awhole, output_rate
 from serving.errors import ApiError, bad
 from serving.http_api import voice_routes
-from serving.keys import ALIASES, BRIDGE, ENGINE, MODEL, SERVED_NAMES, SETTINGS, VOICES
-from serving.schemas import Field, check_text, parse_options, speech_fields, speech_options, task_type
-from serving.sockets.live_input import LiveInput, append_live
-from serving.text import script, ssml
+from serving.keys import ALIASES, ENGINE, MODEL, SERVED_NAMES, SETTINGS, VOICES
+from serving.schemas import Field, parse_options, speech_fields, speech_options, task_type
+from serving.sockets.live_input import LiveInput, take_text
+from serving.text import script
 from serving.text.script import Script
-from serving.text.sentences import GRANULARITIES, split_units
+from serving.text.sentences import GRANULARITIES
 from serving.utterance import Utterance
 
 log = logging.getLogger(__name__)
@@ -99,20 +99,8 @@ class OmniSession:
             if set(msg) - {"type", "text"}:
                 raise bad(sorted(set(msg) - {"type", "text"})[0], "unknown field; input.text has only text",
                           "unknown_field")
-            text = msg.get("text")
-            if not isinstance(text, str):
-                raise bad("text", "must be a string", "invalid_type")
-            check_text("text", text)
-            held = self.live.text.text if self.live is not None else self.buffer
-            if len(held) + len(text) > self.settings.max_input_chars:
-                raise bad("text", f"the utterance would exceed {self.settings.max_input_chars} characters", "too_long")
-            if self.config.get("split_granularity") == "live" and not ssml.is_input(held + text, self.config):
-                await append_live(self, text, lambda live: self._queue_unit(live.text.stable, live))
-                return
-            self.buffer += text  # an SSML document is spoken whole, at input.done
-            units, self.buffer = split_units(self.buffer, "none" if ssml.is_input(self.buffer, self.config) else
-                                             self.config.get("split_granularity", "none"))
-            for unit in units:
+            for unit in await take_text(self, msg.get("text"), self.config,
+                                        lambda live: self._queue_unit(live.text.stable, live), "utterance"):
                 await self._queue_unit(unit)
         else:  # input.done
             text, self.buffer = self.buffer, ""

@@ -52,13 +52,13 @@ from serving.audio.encoders import SAMPLE_RATE
 from serving.audio.out import StreamOut, output_rate
 from serving.errors import ApiError, bad
 from serving.http_api import auth
-from serving.keys import ADMISSION, ALIASES, BRIDGE, ENGINE, SERVED_NAMES, SETTINGS, SOCKETS, VOICES
-from serving.schemas import Field, base64_chars, check_text, parse_options, speech_fields
+from serving.keys import ADMISSION, ALIASES, ENGINE, SERVED_NAMES, SETTINGS, SOCKETS, VOICES
+from serving.schemas import Field, base64_chars, parse_options, speech_fields
 from serving.sockets import omni_ws
-from serving.sockets.live_input import LiveInput, append_live
-from serving.text import script, ssml
+from serving.sockets.live_input import LiveInput, take_text
+from serving.text import script
 from serving.text.script import Script
-from serving.text.sentences import GRANULARITIES, split_units
+from serving.text.sentences import GRANULARITIES
 from serving.utterance import Utterance
 
 log = logging.getLogger(__name__)
@@ -136,21 +136,7 @@ class Session:
                 raise
             await self.send(self.describe("session.updated"))
         elif kind == "input_text.append":
-            text = msg.get("text")
-            if not isinstance(text, str):
-                raise bad("text", "must be a string", "invalid_type")
-            check_text("text", text)
-            held = self.live.text.text if self.live is not None else self.buffer
-            if len(held) + len(text) > self.settings.max_input_chars:
-                raise bad("text", f"the text buffer would exceed {self.settings.max_input_chars} characters",
-                          "too_long")
-            if self.options.get("split_granularity") == "live" and not ssml.is_input(held + text, self.options):
-                await append_live(self, text, self._start_live)
-                return
-            text = self.buffer + text  # an SSML document is spoken whole, at commit
-            units, self.buffer = split_units(text, "none" if ssml.is_input(text, self.options) else
-                                             self.options.get("split_granularity", "none"))
-            for unit in units:
+            for unit in await take_text(self, msg.get("text"), self.options, self._start_live, "text buffer"):
                 await self._commit(unit)
         elif kind in ("input_text.commit", "flush") and self.live is not None:
             await self._complete_live()
