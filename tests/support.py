@@ -9,10 +9,12 @@ loads its programs from the session's compilation cache (conftest.py) instead of
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import wave
 
+import jax
 import numpy as np
 
 from qtts_jax.engine import Engine, EngineConfig
@@ -71,6 +73,28 @@ class Collector:
     @property
     def final(self):
         return self.chunks[-1] if self.chunks and self.chunks[-1].final else None
+
+
+@contextlib.contextmanager
+def compiles():
+    """The programs compiled while the block runs, as (jax's event, the function's name), from jax's public
+    monitoring events; listens only for its own duration: other listeners (the cache's counts) go on."""
+    seen = []
+
+    def listener(event, duration, **kwargs):
+        if "compile" in event:
+            seen.append((event, kwargs.get("fun_name")))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def compiled_programs(seen) -> list[str]:
+    """The names of the functions XLA compiled among `compiles()`'s events (tracing and lowering left out)."""
+    return [name for event, name in seen if event == "/jax/core/compile/backend_compile_duration"]
 
 
 def run(engine, plan, max_iters=500):

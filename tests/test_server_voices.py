@@ -8,6 +8,7 @@ import io
 import json
 
 import aiohttp
+import jax
 import numpy as np
 import openai
 import pytest
@@ -19,7 +20,7 @@ from qtts_jax.engine import Engine
 from qtts_jax.request import Request
 from serving.app import ENGINE, VOICE_WARMUP, VOICES, Settings, create_app
 from serving.http_api import voice_routes
-from support import SMALL, STREAMING, app_client, assert_same_audio, pcm
+from support import SMALL, STREAMING, app_client, assert_same_audio, compiled_programs, compiles, pcm
 
 pytestmark = pytest.mark.asyncio
 
@@ -239,8 +240,8 @@ async def test_inline_ref_audio_clones_per_request_and_is_cached_by_content(make
     are 400s naming ref_audio, with the registry's checks."""
     client = await make_client(inline_voice_cache=1)
     clones = []
-    real = voice_routes._clone
-    monkeypatch.setattr(voice_routes, "_clone", lambda *a: clones.append(1) or real(*a))
+    clone = model.clone_voice
+    monkeypatch.setattr(model, "clone_voice", lambda *a: clones.append(1) or clone(*a))
     wav = wav_bytes(recording(1.5, pitch=200, seed=5))
     body = {"text": "Cloned inline.", "language": "en", "ref_audio": base64.b64encode(wav).decode(),
             "ref_text": "Hello, it is me.", "max_frames": 8, "seed": 3}
@@ -248,7 +249,7 @@ async def test_inline_ref_audio_clones_per_request_and_is_cached_by_content(make
     assert first.status == 200, await first.text()
     assert first.headers["Content-Type"] == "audio/wav" and float(first.headers["x-rtf"]) > 0
     audio, rate = sf.read(io.BytesIO(await first.read()), dtype="int16")
-    prompt = model.clone_voice(wav, "Hello, it is me.", trailing_silence_s=0.5)
+    prompt = clone(wav, "Hello, it is me.", trailing_silence_s=0.5)
     (res,) = model.generate(Request("Cloned inline.", voice=prompt, language="english", seed=3, max_frames=8))
     assert rate == 24000
     assert_same_audio(audio.astype(np.int32), to_int16(res.audio).astype(np.int32))
@@ -301,20 +302,17 @@ async def test_custom_voice_server_refuses_registration(aiohttp_client, tmp_path
 
 
 async def test_encoders_are_compiled_in_the_background_after_ready(make_client, engine):
-    from qtts_jax.codec import encoder as codec_encoder
-    from qtts_jax.speaker import ecapa
-
-    ecapa._embed.clear_cache()
-    codec_encoder._forward.clear_cache()
-    client = await make_client(warm_voice_encoders=True, voice_max_seconds=2.5, voice_trailing_silence_ms=300)
-    (warming,) = client.app[VOICE_WARMUP]
-    await warming
-    compiled = (ecapa._embed._cache_size(), codec_encoder._forward._cache_size())
-    assert min(compiled) >= 1
-    for name, seconds in (("a", 1.1), ("b", 2.5)):
-        r = await client.post("/v1/audio/voices", data=form(name, wav_bytes(recording(seconds)), transcript="Hi."))
-        assert r.status == 201
-    assert (ecapa._embed._cache_size(), codec_encoder._forward._cache_size()) == compiled
+    jax.clear_caches()  # nothing an earlier test compiled: the warm-up must compile both encoders itself
+    with compiles() as warm_up:
+        client = await make_client(warm_voice_encoders=True, voice_max_seconds=2.5, voice_trailing_silence_ms=300)
+        (warming,) = client.app[VOICE_WARMUP]
+        await warming
+    assert len(set(compiled_programs(warm_up))) >= 2  # the speaker encoder and the codec's encoder
+    with compiles() as registering:
+        for name, seconds in (("a", 1.1), ("b", 2.5)):
+            r = await client.post("/v1/audio/voices", data=form(name, wav_bytes(recording(seconds)), transcript="Hi."))
+            assert r.status == 201
+    assert compiled_programs(registering) == []
     # a restart prepares the stored ICL voices' codec state in the same background pass
     await client.close()
     engine.runner.primed_voices.clear()  # the apps' engine (their core runs it on a thread here)

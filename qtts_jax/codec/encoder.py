@@ -114,7 +114,7 @@ def encode(params: dict, cfg: CodecConfig, wav: np.ndarray, bucket_frames: int |
     every clip up to 40 s, and the padding costs little: the encoder is cheap next to a compilation.
     """
     n, _, _, _, codes = _run(params, cfg, wav, bucket_frames)
-    return np.asarray(codes[: -(-n // cfg.encoder.frame_size)])
+    return np.asarray(codes)[: -(-n // cfg.encoder.frame_size)]  # cut on the host: no program per length
 
 
 def encode_latents(params: dict, cfg: CodecConfig, wav: np.ndarray, bucket_frames: int | None = 16) -> EncoderActivations:
@@ -122,7 +122,7 @@ def encode_latents(params: dict, cfg: CodecConfig, wav: np.ndarray, bucket_frame
     n, seanet, transformer, latent, _ = _run(params, cfg, wav, bucket_frames)
     e = cfg.encoder
     steps, frames = -(-n // e.hop_length), -(-n // e.frame_size)
-    return EncoderActivations(np.asarray(seanet[:steps]), np.asarray(transformer[:steps]), np.asarray(latent[:frames]))
+    return EncoderActivations(np.asarray(seanet)[:steps], np.asarray(transformer)[:steps], np.asarray(latent)[:frames])
 
 
 def _run(params: dict, cfg: CodecConfig, wav: np.ndarray, bucket_frames: int | None):
