@@ -6,10 +6,10 @@ import asyncio
 import dataclasses
 import gc
 import math
+import threading
 import time
 import weakref
 
-import jax
 import numpy as np
 import pytest
 
@@ -17,7 +17,7 @@ from serving.bridge import AsyncEngine
 from qtts_jax.engine import Engine, PromptTooLong, admission, iteration, plan
 from qtts_jax.engine.stream import FRAME_SECONDS
 from qtts_jax.request import Request, RequestError
-from support import GREEDY, STREAMING, Collector, assert_same_codes, run, run_small
+from support import GREEDY, STREAMING, Collector, assert_same_codes, compiles, run, run_small
 
 CONFIG = STREAMING
 
@@ -143,7 +143,7 @@ def test_a_held_first_chunk_is_no_longer_than_the_codecs_largest_and_no_frame_is
     (a schedule of 1 and 2 frames), it holds two and the rest follow: every frame decoded once, the same audio as
     `Model.generate`'s (a chunk wider than the call dropped a frame's audio)."""
     monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, schedule=(1, 2)))
-    monkeypatch.setattr(engine, "_codec_sizes", (1, 2))  # the schedule's, compiled already
+    monkeypatch.setattr(engine, "sizes", dataclasses.replace(engine.sizes, codec=(1, 2)))  # the schedule's, compiled
     req = Request("Held, then capped.", speaker="aiden", max_frames=12, **GREEDY)
     (stream, col), = run(engine, [(0, req)])
     sizes = [c.frames for c in col.chunks if not c.final]
@@ -296,12 +296,21 @@ def test_stats_name_the_stream_of_each_entry(engine):
 def test_stats_read_the_streams_in_slots_and_their_frames_left_together(engine, monkeypatch):
     """Between two published snapshots, streams join slots (and leave them): `stats()` counts them as they are
     now, and must count their frames left with them, or admission's slot arithmetic runs out of slots (an
-    IndexError that turned a burst's 429s into 500s)."""
+    IndexError that turned a burst's 429s into 500s). The iteration is held in its prefill: the streams are in
+    slots, the snapshot is still the one published before them."""
+    inside, release = threading.Event(), threading.Event()
+    prefill = engine.runner.prefill
+    monkeypatch.setattr(engine.runner, "prefill", lambda *a: (inside.set(), release.wait(60), prefill(*a))[2])
     streams = [engine.submit(engine.prepare(Request(t, speaker="ryan", max_frames=50, **GREEDY)), Collector())
                for t in TEXTS[: engine.config.slots]]
-    engine.run_once()
-    monkeypatch.setattr(engine, "_stats", dataclasses.replace(engine.stats(), live=0, frames_left=()))  # stale
-    st = engine.stats()
+    iteration = threading.Thread(target=engine.run_once)
+    iteration.start()
+    try:
+        assert inside.wait(60)
+        st = engine.stats()
+    finally:
+        release.set()
+        iteration.join()
     assert st.live == engine.config.slots and len(st.frames_left) == st.live and min(st.frames_left) > 0
     for s in streams:
         s.cancel()
@@ -320,19 +329,10 @@ def test_guards(engine, model):
 
 
 def test_no_compilation_in_steady_state(engine):
-    compiles = []
-
-    def listener(event, *args, **kwargs):
-        if "compile" in event:
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with compiles() as seen:
         run(engine, [(0, Request("No compiles.", speaker="ryan", max_frames=17)),
                      (2, Request("Another one here.", speaker="sohee", seed=3, max_frames=11, non_streaming=False))])
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)  # only its own: the cache counts through others
-    assert compiles == []
+    assert seen == []
 
 
 def test_asyncio_bridge_streams_chunks_with_timings(engine):

@@ -20,10 +20,10 @@ def admit(engine) -> tuple[list[Stream], tuple[PrefillCall, ...], jax.Array | No
     joined = []
     with e._lock:
         free = [i for i, s in enumerate(e.slots) if s is None]
-        free = free[: max(e._ladder) - (len(e.slots) - len(free))]  # the rungs compiled so far
+        free = free[: max(e.sizes.ladder) - (len(e.slots) - len(free))]  # the rungs compiled so far
         now = e.clock()
         heads = [h for s in e.slots if s is not None and not s.waiting_text and (h := s.buffered(now)) is not None]
-        limit = admissions(min(len(free), len(e.queue), max(e._first_sizes)), min(heads, default=None),
+        limit = admissions(min(len(free), len(e.queue), max(e.sizes.first)), min(heads, default=None),
                            sum(s is not None and not s.lm_done for s in e.slots), measurements.costs(e), e._margin_s)
         while free and e.queue and len(joined) < limit:
             stream = e.queue.popleft()
@@ -42,7 +42,7 @@ def admit(engine) -> tuple[list[Stream], tuple[PrefillCall, ...], jax.Array | No
         if voice is not None and voice.ref_codes is not None:
             e.runner.load_voice(stream.slot, voice.ref_codes)
             stream.fresh_codec = False
-    calls = prefills([s.job.bucket for s in joined], measurements.costs(e), e._prefill_sizes)
+    calls = prefills([s.job.bucket for s in joined], measurements.costs(e), e.sizes.prefill)
     done = None
     for call in calls:
         done = e.runner.prefill(call.bucket, [(joined[j].slot, joined[j].job) for j in call.rows], call.size)

@@ -82,7 +82,8 @@ def _count(event: str, **_) -> None:
 def program_store(built_from) -> ProgramStore | None:
     """The store of the programs built from `built_from` (the model's and engine's shapes and settings: see
     `describe`) on this device, with this JAX and this package's source; None when the cache is off."""
-    if _dir is None:
+    root = directory()
+    if root is None:
         return None
     device = jax.devices()[0]
     source = hashlib.sha256()
@@ -97,7 +98,7 @@ def program_store(built_from) -> ProgramStore | None:
     key = "\n".join([describe(built_from), *versions, device.platform, device.device_kind,
                      getattr(device.client, "platform_version", ""), os.environ.get("XLA_FLAGS", ""),
                      source.hexdigest()])
-    return ProgramStore(_dir / "engine" / hashlib.sha256(key.encode()).hexdigest()[:32])
+    return ProgramStore(root / "engine" / hashlib.sha256(key.encode()).hexdigest()[:32])
 
 
 def describe(value) -> str:

@@ -45,8 +45,7 @@ class Engine:
         self.runner = runner if runner is not None else Runner(model, config)
         # the sizes the loop may use: all of them, but while `warmup(background=True)` compiles only those compiled
         # and timed so far (`warmup.use`); the slots in use never exceed the largest rung
-        self._ladder, self._first_sizes, self._step_sizes = c.ladder, c.first_sizes, c.step_sizes
-        self._codec_sizes, self._prefill_sizes = c.codec_sizes, c.prefill_sizes
+        self.sizes = Sizes(c.ladder, c.first_sizes, c.step_sizes, c.codec_sizes, c.prefill_sizes)
         self._ready: set = set()  # programs warmed up (compiled and timed), by runner key
         self._compiling = 0  # programs the background warm-up has still to compile and time
         self.slots: list[Stream | None] = [None] * c.slots
@@ -174,7 +173,7 @@ class Engine:
         allowed = [s.text_frames() for s in playing] + [None if (f := s.text_frames()) is None else f - 1 for s in new]
         plan = schedule(prefill_calls, np.array([h for s in playing if (h := s.buffered(t0)) is not None], float),
                         np.array([s.next_chunk_frames() for s in new], int), allowed, measurements.costs(self),
-                        Sizes(self._ladder, self._first_sizes, self._step_sizes), self.config, self._margin_s,
+                        self.sizes, self.config, self._margin_s,
                         self._late.get(ahead, 0.0))
         result = execute(self, plan, playing + new, new, joined, prefill_done, handing, parts)
         self.audio_in_flight = update(self, plan, result, t0, ahead, compiled, parts)

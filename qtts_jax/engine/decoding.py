@@ -27,13 +27,13 @@ def decode_audio(engine, now: float, coming: dict[Stream, int], step: int | None
         return None
     call = codec_call(
         pending=np.array([s.pending + coming.get(s, 0) for s in waiting]),
-        want=np.array([min(s.pending + coming.get(s, 0), max(e._codec_sizes)) if s in held
+        want=np.array([min(s.pending + coming.get(s, 0), max(e.sizes.codec)) if s in held
                        else s.next_chunk_frames() for s in waiting]),
         lm_done=np.array([s.lm_done or s.waiting_text for s in waiting]),  # none coming soon: all out
         # a listener that ran dry waiting for live text gets what there is at once, as one below its lead
         headroom=np.array([0.0 if s.resumes else np.nan if (h := s.buffered(now)) is None else h for s in waiting]),
         lead_s=c.lead_s, horizon_s=e._iteration_s + e._delivery_s + e._margin_s,
-        ladder=e._ladder, codec_sizes=e._codec_sizes, step=step)
+        ladder=e.sizes.ladder, codec_sizes=e.sizes.codec, step=step)
     if call is None:
         return None
     due = [(waiting[j], f) for j, f in zip(call.rows, call.counts)]

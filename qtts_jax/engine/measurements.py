@@ -51,7 +51,8 @@ def forget(engine) -> None:
 def costs(engine) -> Costs:
     """The cost model over what the loop has measured so far (its own tables, not copies)."""
     e = engine
-    return Costs(e.step_costs, e.prefill_costs, e.first_costs, e._ladder, e._delivery_s, e._delivery, e._codec_sizes)
+    return Costs(e.step_costs, e.prefill_costs, e.first_costs, e.sizes.ladder, e._delivery_s, e._delivery,
+                 e.sizes.codec)
 
 
 def iteration(engine, elapsed: float, plan) -> None:

@@ -63,6 +63,8 @@ class Sizes:
     ladder: tuple[int, ...]
     first: tuple[int, ...]
     step: tuple[int, ...]
+    codec: tuple[int, ...]
+    prefill: tuple[int, ...]
 
 
 def admissions(waiting: int, min_headroom_s: float | None, live: int, costs: Costs, margin_s: float) -> int:

@@ -77,5 +77,6 @@ def occupancy(engine, now: float) -> dict:
 
 def sizes(engine) -> dict:
     """The fields a background warm-up changes (read under the engine's lock, which it takes to change them)."""
-    return dict(slots=max(engine._ladder), ladder=engine._ladder, step_sizes=engine._step_sizes,
+    s = engine.sizes
+    return dict(slots=max(s.ladder), ladder=s.ladder, step_sizes=s.step,
                 compiling=engine._compiling)

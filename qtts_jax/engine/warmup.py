@@ -13,6 +13,7 @@ import time
 import jax.numpy as jnp
 
 from qtts_jax.engine.config import EngineConfig
+from qtts_jax.engine.plan import Sizes
 from qtts_jax.engine.runner import Calibration, Key, Runner, stages
 from qtts_jax.model import model_shapes
 from qtts_jax.engine.stats import snapshot
@@ -86,7 +87,7 @@ def rest(engine, later: list[list[Key]], t0: float, workers=None) -> None:
         log.info("every rung compiled and timed after %.1f s (slots=%d)", time.perf_counter() - t0,
                  engine.config.slots)
     except Exception:  # what was compiled so far keeps serving
-        log.exception("background warm-up failed; serving with rungs %s", engine._ladder)
+        log.exception("background warm-up failed; serving with rungs %s", engine.sizes.ladder)
         with engine._wake:
             engine._compiling = 0
             engine._wake.notify_all()
@@ -108,11 +109,12 @@ def use(engine, keys: list[Key], timed: Calibration, left: int, settle: bool = F
                            (e.prefill_costs, timed.prefills)):
             costs.update({k: v for k, v in new.items() if k not in costs})  # live measurements stay
         e._ready = ready
-        e._ladder = tuple(b for b in c.ladder if {("step", b, 1), ("codec", b, 1)} <= ready)
-        e._first_sizes = tuple(b for b in c.first_sizes if {("step", b, 1), ("codec", b, 1)} <= ready)
-        e._step_sizes = tuple(n for n in c.step_sizes if ("step", c.ladder[0], n) in ready)
-        e._codec_sizes = tuple(n for n in c.codec_sizes if ("codec", c.ladder[0], n) in ready)
-        e._prefill_sizes = tuple(r for r in c.prefill_sizes if all(("insert", b, r) in ready for b in c.prompt_buckets))
+        e.sizes = Sizes(
+            ladder=tuple(b for b in c.ladder if {("step", b, 1), ("codec", b, 1)} <= ready),
+            first=tuple(b for b in c.first_sizes if {("step", b, 1), ("codec", b, 1)} <= ready),
+            step=tuple(n for n in c.step_sizes if ("step", c.ladder[0], n) in ready),
+            codec=tuple(n for n in c.codec_sizes if ("codec", c.ladder[0], n) in ready),
+            prefill=tuple(r for r in c.prefill_sizes if all(("insert", b, r) in ready for b in c.prompt_buckets)))
         if settle:
             e.step_costs.update(e.idle_step_costs)
             e._forget_timings()
