@@ -26,7 +26,7 @@ OUT_FORMATS = {".wav": "wav", ".mp3": "mp3", ".flac": "flac", ".opus": "opus", "
                ".pcm": "pcm"}
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qtts-jax", description="Qwen3-TTS (12 Hz) in JAX")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("synth", help="synthesize text into a 24 kHz WAV",
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         from studies.cli import main as study_main
 
         return study_main(argv[1:], prog="qtts-jax study")
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.command == "serve":
         # JAX probes for a TPU on every start and logs the missing libtpu.so, which reads as an error on CPU/GPU
         logging.getLogger("jax._src.xla_bridge").addFilter(lambda r: "libtpu.so" not in r.getMessage())

@@ -26,7 +26,7 @@ class _Help(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def _parser(prog: str = "python -m studies") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m studies") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="capacity studies of a qtts-jax speech server")
     sub = p.add_subparsers(dest="command", required=True)
     defaults = {"formatter_class": _Help}  # every flag's help shows its default, once
@@ -121,7 +121,7 @@ def _parser(prog: str = "python -m studies") -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m studies") -> int:
-    args = _parser(prog).parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     if args.command == "fleet":
         price = DEFAULT_PRICE_PER_HOUR if args.price_per_hour is None else args.price_per_hour
         try:

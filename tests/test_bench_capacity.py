@@ -39,16 +39,15 @@ def test_table_has_the_contract_beside_the_slo():
     assert "batched: ready 9.5 s after start" in text
 
 
-def test_the_bench_counts_the_long_collector_passes_and_what_they_freed(monkeypatch):
+def test_the_bench_counts_the_long_collector_passes_and_what_they_freed():
     from prometheus_client import CollectorRegistry, generate_latest
 
     from serving.monitoring import collector
 
     clock = iter([0.0, 0.004, 1.0, 1.03, 2.0, 2.08, 3.0, 3.001])
     pauses = collector.Pauses(clock=lambda: next(clock))
-    monkeypatch.setattr(collector, "_pauses", pauses)  # not in gc.callbacks: only the calls below reach it
     registry = CollectorRegistry()
-    registry.register(collector.PauseCollector())
+    registry.register(collector.PauseCollector(pauses))  # not in gc.callbacks: only the calls below reach it
 
     def passes(*generations):
         for g, freed in generations:

@@ -95,8 +95,8 @@ def test_fleet_says_when_its_price_is_the_placeholder(capsys):
 
 
 def test_every_flag_of_every_command_has_help():
-    from qtts_cli.main import _parser
-    from studies.cli import _parser as study_parser
+    from qtts_cli.main import build_parser
+    from studies.cli import build_parser as study_parser
 
     def missing(parser, name):
         for action in parser._actions:
@@ -106,7 +106,7 @@ def test_every_flag_of_every_command_has_help():
             elif action.dest != "help" and not action.help:
                 yield f"{name} {'/'.join(action.option_strings) or action.dest}"
 
-    assert not [*missing(_parser(), "qtts-jax"), *missing(study_parser(), "qtts-jax study")]
+    assert not [*missing(build_parser(), "qtts-jax"), *missing(study_parser(), "qtts-jax study")]
 
 
 def test_cluster_without_the_fleet_extra_names_a_make_target_that_exists(capsys, monkeypatch):

@@ -318,10 +318,13 @@ def test_websocket_utterance_that_fails_is_reported_and_logged(served, monkeypat
 def test_websocket_session_task_that_dies_is_logged_and_closes_the_socket(served, monkeypatch, caplog):
     """Defect 4: if the task that runs a session's utterances dies anyway, the session ends (1011) and the
     log says why; it never sits there silently."""
+    def failing(*args, **kwargs):
+        raise TypeError("the utterance could not start")
+
     async def broken(self, *args):
         raise RuntimeError("reporting is broken too")
 
-    monkeypatch.setattr(ws_mod.Session, "_speak", broken)
+    monkeypatch.setattr(ws_mod, "Utterance", failing)  # the utterance fails, and reporting its failure fails too
     monkeypatch.setattr(ws_mod.Session, "error", broken)
 
     async def go():

@@ -99,7 +99,7 @@ def test_programs_kept_whole_load_untraced_for_the_same_engine_only(tiny_model, 
 
     from qtts_jax.engine import Engine, compile_cache
 
-    monkeypatch.setattr(compile_cache, "_dir", tmp_path)
+    monkeypatch.setattr(compile_cache, "directory", lambda: tmp_path)
     # a context no other test compiles for: these programs are compiled here, not handed back by XLA's cache
     config = dataclasses.replace(SMALL, context=SMALL.context + 8)
     job = Engine(tiny_model, config).prepare(Request("Kept whole.", speaker="ryan", max_frames=8, **GREEDY))
@@ -140,7 +140,7 @@ def test_a_compile_workers_programs_load_untraced_and_compute_what_the_engines_o
 
     from qtts_jax.engine import compile_cache
 
-    monkeypatch.setattr(compile_cache, "_dir", tmp_path)
+    monkeypatch.setattr(compile_cache, "directory", lambda: tmp_path)
     model = tiny_model if source == "preset" else checkpoint_model()
     config = dataclasses.replace(SMALL, context=SMALL.context + 16, compile_workers=1)
     keys = [("step", 2, 1), ("codec", 2, 1)]

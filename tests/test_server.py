@@ -677,7 +677,7 @@ def live_server(engine):
         loop.run_until_complete(runner.setup())
         site = web.TCPSite(runner, "127.0.0.1", 0)
         loop.run_until_complete(site.start())
-        info["port"] = site._server.sockets[0].getsockname()[1]
+        info["port"] = runner.addresses[0][1]
         info["app"], info["loop"] = app, loop
         stop = asyncio.Event()
         started.set()

@@ -79,7 +79,7 @@ def test_programs_compiled_ahead_by_workers_are_loaded_by_the_background_stages(
     from qtts_jax.engine import compile_cache
     from qtts_jax.engine.runner import stages
 
-    monkeypatch.setattr(compile_cache, "_dir", tmp_path)
+    monkeypatch.setattr(compile_cache, "directory", lambda: tmp_path)
     config = dataclasses.replace(SMALL, batch_sizes=(1,), frames_per_step=2, context=SMALL.context + 24,
                                  compile_workers=1)
     ahead = warming.compile_ahead("tiny-random", "float32", config)

@@ -65,8 +65,8 @@ def freeze_startup() -> None:
 class PauseCollector:
     """A prometheus-client collector of the process's timer and frozen objects (register one per app registry)."""
 
-    def __init__(self):
-        self.pauses = pauses()
+    def __init__(self, timer: Pauses | None = None):
+        self.pauses = timer if timer is not None else pauses()  # a timer of its own reports only what it was fed
 
     def collect(self):
         family = HistogramMetricFamily("qtts_gc_pause_seconds", "Garbage-collector passes by generation: each holds "
