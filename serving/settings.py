@@ -82,12 +82,6 @@ class Settings:
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
-    def model_dtype(self) -> str:
-        """The weights' dtype `dtype` names on this machine's backend."""
-        from qtts_jax.model import weights_dtype
-
-        return weights_dtype(self.dtype)
-
     def engine_config(self) -> EngineConfig:
         buckets = tuple(b for b in EngineConfig.prompt_buckets if b < self.context // 2) or (min(32, self.context // 2),)
         return EngineConfig(**{"slots": self.slots, "context": self.context, "prompt_buckets": buckets,

@@ -94,11 +94,13 @@ def test_settings_take_slots_auto_and_the_compile_cache_from_the_environment(mon
 def test_the_weights_default_to_bfloat16_on_a_gpu_and_float32_elsewhere(monkeypatch):
     """`serve --model DIR` gets the fast dtype capacity is measured at on a GPU, the reference's on a CPU (parity);
     a dtype named by flag or variable is kept anywhere."""
-    assert Settings().dtype == "auto" and Settings().model_dtype() == "float32"  # this machine: a CPU
+    from qtts_jax.model import weights_dtype  # what the core process loads `Settings.dtype` as
+
+    assert Settings().dtype == "auto" and weights_dtype(Settings().dtype) == "float32"  # this machine: a CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert Settings().model_dtype() == "bfloat16"
+    assert weights_dtype(Settings().dtype) == "bfloat16"
     monkeypatch.setenv("QTTS_DTYPE", "float32")
-    assert Settings.from_env().model_dtype() == "float32"
+    assert weights_dtype(Settings.from_env().dtype) == "float32"
 
 
 def test_create_app_sizes_auto_slots_and_refuses_a_count_that_does_not_fit(model):

@@ -63,15 +63,6 @@ class Example:
     xvector: np.ndarray  # [talker hidden] float32
 
 
-def read_jsonl(path: Path) -> list[Line]:
-    """Parse and check every line's shape; relative audio paths are read from the JSONL's folder. Every bad line
-    is named, each with its first problem."""
-    lines, problems = _read(Path(path))
-    if problems:
-        raise DataError.every(problems)
-    return lines
-
-
 def _read(path: Path) -> tuple[list[Line], list[DataError]]:
     """The good lines and a problem per bad one."""
     try:

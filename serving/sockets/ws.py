@@ -86,7 +86,6 @@ class Session:
         self.live: LiveInput | None = None  # the open live utterance's text (split_granularity "live")
         self.pending: asyncio.Queue = asyncio.Queue()
         self.current: Utterance | None = None
-        self.current_id: int | None = None
         self.next_id = 1
         self.closing = False
         self.generation = 0  # bumped by cancel: queued utterances of an older generation are dropped
@@ -219,7 +218,7 @@ class Session:
         u = Utterance(self.app, speech, rid, "/v1/audio/speech/stream", speed=speed, rate=rate,
                       words=options.get("word_timestamps", False), live=live)
         out = StreamOut(fmt, rate, speed)
-        self.current, self.current_id = u, uid
+        self.current = u
         try:
             await self.send({"type": "utterance.started", "utterance_id": uid, "request_id": rid})
             async for pcm in u.chunks():
