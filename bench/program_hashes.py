@@ -53,7 +53,8 @@ def main() -> None:
     a, b = found.values()
     commits = [subprocess.run(["git", "-C", tree, "describe", "--always", "--dirty"], capture_output=True,
                               text=True).stdout.strip() for tree in found]
-    result = {"model": args.model, "slots": args.slots, "context": args.context, "trees": list(found), "commits": commits,
+    result = {"model": args.model, "slots": args.slots, "context": args.context, "trees": list(found),
+              "commits": commits,
               "programs": len(a), "differ": sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k)),
               "hashes": found}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
