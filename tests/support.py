@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 import wave
 
@@ -60,9 +61,17 @@ class Collector:
 
     def __init__(self):
         self.chunks = []
+        self._came = threading.Condition()
 
     def __call__(self, chunk):
-        self.chunks.append(chunk)
+        with self._came:
+            self.chunks.append(chunk)
+            self._came.notify_all()
+
+    def wait(self, count: int, timeout: float) -> bool:
+        """Until `count` chunks came (the engine's sender thread hands them out); False if `timeout` passed first."""
+        with self._came:
+            return self._came.wait_for(lambda: len(self.chunks) >= count, timeout)
 
     @property
     def audio(self):
