@@ -250,9 +250,9 @@ async def drain(app: web.Application, timeout_s: float | None = None) -> bool:
     """Stop admitting (ready -> 503), wait for open streams to finish up to the deadline. True if all did."""
     admission = app[ADMISSION]
     admission.draining = True
-    deadline = time.monotonic() + (app[SETTINGS].drain_timeout_s if timeout_s is None else timeout_s)
-    while admission.streams and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    timeout_s = app[SETTINGS].drain_timeout_s if timeout_s is None else timeout_s
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(admission.wait_idle(), timeout_s)
     return not admission.streams
 
 
