@@ -9,6 +9,7 @@ loads its programs from the session's compilation cache (conftest.py) instead of
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 import time
@@ -119,13 +120,28 @@ async def app_client(aiohttp_client, settings, engine, ready=True):
 
 
 async def wait_ready(client, timeout=60.0):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        r = await client.get("/ready")
-        if r.status == 200:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("server never became ready")
+    """Until /ready is 200, waiting for what it reports: the app's warm-up task to end, then its engine to have
+    nothing left to compile in the background."""
+    from serving.keys import ENGINE, WARMUP_TASK
+
+    app, deadline = client.app, time.monotonic() + timeout
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            await asyncio.shield(app[WARMUP_TASK])
+    await asyncio.to_thread(app[ENGINE].wait_stats, lambda st: not st.compiling, deadline - time.monotonic())
+    r = await client.get("/ready")
+    assert r.status == 200, f"server never became ready: {await r.text()}"
+
+
+def wait_warm(app, loop, timeout=60.0) -> None:
+    """From another thread: until the warm-up task of `app`, served on `loop`, has ended (or `timeout` passed)."""
+    from serving.keys import WARMUP_TASK
+
+    async def ended():
+        await app[WARMUP_TASK]
+
+    with contextlib.suppress(TimeoutError):
+        asyncio.run_coroutine_threadsafe(ended(), loop).result(timeout)
 
 
 def pcm(data: bytes) -> np.ndarray:

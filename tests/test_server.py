@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import gc
 import io
@@ -21,10 +22,11 @@ from qtts_jax.io.audio import to_int16
 from qtts_jax.engine import Engine
 from qtts_jax.request import Request
 from serving.app import ADMISSION, ENGINE, METRICS, Settings, create_app, drain
+from serving.keys import WARMUP_TASK
 from serving.schemas import ApiError
 from studies.load import server_timing
 from support import (ADMIN_KEY, CAPPED_KEY, SCRAPE_KEY, SMALL, SPEAK_KEY, app_client, assert_same_audio, bearer,
-                     hostile_credentials, pcm, wait_ready)
+                     hostile_credentials, pcm, wait_ready, wait_warm)
 
 # test_clients' and test_hardening's (2 slots; its programs come from the compilation cache). The chunk schedule and
 # multi-frame steps are test_engine's; with a server in front, test_server_voices'.
@@ -99,11 +101,15 @@ async def client(make_client):
 
 
 async def wait_idle(app, timeout=5.0):
+    """Seconds until the server has no stream open and its engine none live or queued (each waited for as an event)."""
     t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if app[ENGINE].active == 0 and not app[ADMISSION].streams and not app[ENGINE].stats().queued:
-            return time.monotonic() - t0
-        await asyncio.sleep(0.01)
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            await app[ADMISSION].wait_idle()
+    idle = await asyncio.to_thread(app[ENGINE].wait_stats, lambda st: not st.live and not st.queued,
+                                   t0 + timeout - time.monotonic())
+    if idle and not app[ADMISSION].streams:
+        return time.monotonic() - t0
     raise AssertionError(f"slot not freed: active={app[ENGINE].active} open={len(app[ADMISSION].streams)}")
 
 
@@ -263,10 +269,9 @@ async def test_metrics_present(client):
     await (await client.post("/v1/audio/speech", json={"input": 5})).read()
     # gauges read the engine's published snapshot: the finished stream leaves it at the end of the iteration
     # that sent its last bytes, so the client may ask before then
-    deadline = time.monotonic() + 5
-    while "qtts_active_streams 0.0" not in (text := await (await client.get("/metrics")).text()):
-        assert time.monotonic() < deadline, "the finished stream still counts as active after 5 s"
-        await asyncio.sleep(0.02)
+    assert await asyncio.to_thread(client.app[ENGINE].wait_stats, lambda st: not st.live, 5), \
+        "the finished stream still counts as active after 5 s"
+    text = await (await client.get("/metrics")).text()
     for name in ("qtts_ttfa_seconds_bucket", 'qtts_ttfa_part_seconds_count{part="queue"}',
                  'qtts_ttfa_part_seconds_count{part="prefill"}', 'qtts_ttfa_part_seconds_count{part="codec"}',
                  "qtts_buffer_headroom_seconds_bucket", "qtts_late_chunks_total", "qtts_engine_late_chunks ",
@@ -387,12 +392,13 @@ async def test_ready_only_at_full_capacity_while_it_serves_the_rungs_it_has(aioh
         gate.wait(60) if threading.current_thread().name == "qtts-warmup" else None, real_compile(keys))[1])
     client = await app_client(aiohttp_client, SETTINGS, fresh, ready=False)
     try:
-        for _ in range(600):
-            r = await client.get("/ready")
-            body = await r.json()
-            if body.get("compiling"):
-                break
-            await asyncio.sleep(0.05)
+        # /ready tells what is left to compile once the warm-up task has it serving: both waited for as events
+        deadline = time.monotonic() + 30
+        async with asyncio.timeout(30):
+            await asyncio.shield(client.app[WARMUP_TASK])
+        await asyncio.to_thread(client.app[ENGINE].wait_stats, lambda st: st.compiling, deadline - time.monotonic())
+        r = await client.get("/ready")
+        body = await r.json()
         assert r.status == 503 and body["status"] == "warming" and "Retry-After" in r.headers
         assert body["slots"] == 1 < body["slots_configured"] == CONFIG.slots and body["compiling"] > 0
         speech = {**SPEECH, "input": "Served while warming.", "response_format": "pcm"}
@@ -451,8 +457,7 @@ async def test_drain_refuses_new_work_and_lets_streams_finish(client, offline):
     r = await client.post("/v1/audio/speech", json={**SPEECH, "input": "Finish me during drain.", "seed": 2,
                                                     "max_frames": 30, "response_format": "pcm", "stream": True})
     first = await r.content.readany()
-    drained = asyncio.create_task(drain(app, timeout_s=20))
-    await asyncio.sleep(0.01)
+    drained = asyncio.create_task(drain(app, timeout_s=20))  # it stops admitting before the server's next request
     ready = await client.get("/ready")
     assert ready.status == 503 and (await ready.json())["status"] == "draining"
     refused = await client.post("/v1/audio/speech", json={**SPEECH, "input": "New work."})
@@ -690,12 +695,8 @@ def live_server(engine):
     assert started.wait(30)
     import urllib.request
 
-    for _ in range(600):
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{info['port']}/ready", timeout=5).status == 200:
-                break
-        except OSError:
-            time.sleep(0.05)
+    wait_warm(info["app"], info["loop"])
+    assert urllib.request.urlopen(f"http://127.0.0.1:{info['port']}/ready", timeout=5).status == 200
     yield info
     info["loop"].call_soon_threadsafe(stop.set)
     thread.join(30)
