@@ -144,6 +144,40 @@ def wait_warm(app, loop, timeout=60.0) -> None:
         asyncio.run_coroutine_threadsafe(ended(), loop).result(timeout)
 
 
+class ChildOutput:
+    """What a child process prints (started with stdout=PIPE, stderr=STDOUT, text=True), read line by line on a thread
+    of its own: a test waits for a line the child prints instead of polling the child or a log file."""
+
+    def __init__(self, proc):
+        self._lines: list[str] = []
+        self._ended = False
+        self._came = threading.Condition()
+        threading.Thread(target=self._read, args=(proc.stdout,), daemon=True).start()
+
+    def _read(self, out) -> None:
+        for line in out:
+            with self._came:
+                self._lines.append(line)
+                self._came.notify_all()
+        with self._came:
+            self._ended = True
+            self._came.notify_all()
+
+    def wait_for(self, text: str, timeout: float) -> bool:
+        """Until a line holding `text` came (True), or the output ended or `timeout` passed first (False)."""
+        def seen():
+            return any(text in line for line in self._lines)
+
+        with self._came:
+            return self._came.wait_for(lambda: seen() or self._ended, timeout) and seen()
+
+    def text(self, timeout: float = 10.0) -> str:
+        """All the child printed, once its output ended (it exited); what came, if `timeout` passed first."""
+        with self._came:
+            self._came.wait_for(lambda: self._ended, timeout)
+            return "".join(self._lines)
+
+
 def pcm(data: bytes) -> np.ndarray:
     return np.frombuffer(data, "<i2").astype(np.int32)
 

@@ -25,8 +25,8 @@ from serving.app import ADMISSION, ENGINE, METRICS, Settings, create_app, drain
 from serving.keys import WARMUP_TASK
 from serving.schemas import ApiError
 from studies.load import server_timing
-from support import (ADMIN_KEY, CAPPED_KEY, SCRAPE_KEY, SMALL, SPEAK_KEY, app_client, assert_same_audio, bearer,
-                     hostile_credentials, pcm, wait_ready, wait_warm)
+from support import (ADMIN_KEY, CAPPED_KEY, SCRAPE_KEY, SMALL, SPEAK_KEY, ChildOutput, app_client, assert_same_audio,
+                     bearer, hostile_credentials, pcm, wait_ready, wait_warm)
 
 # test_clients' and test_hardening's (2 slots; its programs come from the compilation cache). The chunk schedule and
 # multi-frame steps are test_engine's; with a server in front, test_server_voices'.
@@ -42,7 +42,7 @@ def model(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def serve_process(request, tmp_path_factory):
+def serve_process():
     """A `qtts-jax serve` subprocess with a small engine (one slot, one step size): the explore notebook's own
     server's configuration (test_studies_server), so that one start loads what the other compiled."""
     import os
@@ -56,10 +56,10 @@ def serve_process(request, tmp_path_factory):
     from studies.server import server_command
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "QTTS_DRAIN_TIMEOUT_S": "20"}
-    log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w+")
     proc = subprocess.Popen(server_command("--model", "tiny-random", "--port", str(port), "--slots", "1", "--context",
-                                           "256", engine={"frames_per_step": 1}), env=env, stdout=log, stderr=log)
-    yield proc, f"http://127.0.0.1:{port}", log
+                                           "256", engine={"frames_per_step": 1}), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    yield proc, f"http://127.0.0.1:{port}", ChildOutput(proc)
     if proc.poll() is None:
         proc.kill()
         proc.wait()
@@ -780,18 +780,11 @@ def test_serve_cli_sigterm_drains_and_exits_0(serve_process):
     import urllib.error
     import urllib.request
 
-    proc, base, log = serve_process
-    for _ in range(1200):  # ready, and done compiling in the background (the stream is to last, not the compile)
-        try:
-            with urllib.request.urlopen(base + "/ready", timeout=2) as r:
-                if r.status == 200 and json.loads(r.read())["compiling"] == 0:
-                    break
-        except (OSError, urllib.error.HTTPError):
-            pass
-        time.sleep(0.1)
-    else:
-        log.seek(0)
-        raise AssertionError("server not ready: " + log.read()[-2000:])
+    proc, base, output = serve_process
+    assert output.wait_for("ready after", 120), "server not ready: " + output.text(0)[-2000:]
+    # ready, and done compiling (the stream is to last, not the compile): a CPU server compiles all before it is ready
+    with urllib.request.urlopen(base + "/ready", timeout=5) as r:
+        assert r.status == 200 and json.loads(r.read())["compiling"] == 0
     # once warm, the process froze startup's objects out of the collector's passes (which stall the engine loop)
     with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
         (frozen,) = [line.split()[1] for line in r.read().decode().splitlines()
