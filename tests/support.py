@@ -1,5 +1,6 @@
 """Helpers several test files use (fixtures are in conftest.py): the engine configurations, a driver for the
-engine's loop, and the audio checks of the server and CLI tests.
+engine's loop, the audio checks of the server and CLI tests, and waits on the events of a server (its warm-up task,
+its engine's snapshot) or of a child process (the lines it prints), which tests use instead of sleeping.
 
 The configurations are few on purpose: an engine's programs depend only on its configuration and the model's
 shapes (the same for tiny-random and tiny-random-base), so every engine of one configuration after the first
