@@ -28,6 +28,7 @@ Each open stream is also tracked here as the client hears it (headroom when each
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import heapq
 import itertools
@@ -106,6 +107,8 @@ class Admission:
         self.draining = False
         self.core_up = True  # False while the engine core is down (it died and is restarting)
         self.streams: dict[int, StreamTrack] = {}
+        self._idle = asyncio.Event()  # set while no stream is open (`wait_idle`)
+        self._idle.set()
         self._service = None  # EMA seconds: admitted -> first chunk, as observed
 
     @property
@@ -217,10 +220,17 @@ class Admission:
         caps of the parts after it (counted as load from now on: see `load`)."""
         track = StreamTrack(request_id, cap_frames, part, to_come)
         self.streams[track.key] = track
+        self._idle.clear()
         return track
 
     def close(self, track: StreamTrack) -> None:
         self.streams.pop(track.key, None)
+        if not self.streams:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Until no stream is open (a drain waits for this; so do tests, for a server to settle)."""
+        await self._idle.wait()
 
 
 _KEEP_AHEAD_S = 0.008  # an iteration must beat its audio by this much (host jitter, a scrape, a GC pause)

@@ -250,9 +250,9 @@ async def drain(app: web.Application, timeout_s: float | None = None) -> bool:
     """Stop admitting (ready -> 503), wait for open streams to finish up to the deadline. True if all did."""
     admission = app[ADMISSION]
     admission.draining = True
-    deadline = time.monotonic() + (app[SETTINGS].drain_timeout_s if timeout_s is None else timeout_s)
-    while admission.streams and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    timeout_s = app[SETTINGS].drain_timeout_s if timeout_s is None else timeout_s
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(admission.wait_idle(), timeout_s)
     return not admission.streams
 
 
@@ -299,12 +299,13 @@ def run(settings: Settings, engine: Engine | None = None) -> int:
         await runner.setup()
         site = runner.site(settings.host, settings.port)
         await site.start()
-        log.info("listening on http://%s:%d (model %s)", settings.host, settings.port, settings.model)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         app[WARMUP_TASK].add_done_callback(lambda _: app[WARMUP_ERROR] and stop.set())
+        # once a signal drains it: a supervisor may stop it as soon as it reads this line
+        log.info("listening on http://%s:%d (model %s)", settings.host, settings.port, settings.model)
         await stop.wait()
         if app[WARMUP_ERROR]:
             log.error("warm-up failed, exiting: %s", app[WARMUP_ERROR][0])

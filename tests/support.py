@@ -1,5 +1,6 @@
 """Helpers several test files use (fixtures are in conftest.py): the engine configurations, a driver for the
-engine's loop, and the audio checks of the server and CLI tests.
+engine's loop, the audio checks of the server and CLI tests, and waits on the events of a server (its warm-up task,
+its engine's snapshot) or of a child process (the lines it prints), which tests use instead of sleeping.
 
 The configurations are few on purpose: an engine's programs depend only on its configuration and the model's
 shapes (the same for tiny-random and tiny-random-base), so every engine of one configuration after the first
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import threading
 import time
 import wave
 
@@ -62,9 +64,17 @@ class Collector:
 
     def __init__(self):
         self.chunks = []
+        self._came = threading.Condition()
 
     def __call__(self, chunk):
-        self.chunks.append(chunk)
+        with self._came:
+            self.chunks.append(chunk)
+            self._came.notify_all()
+
+    def wait(self, count: int, timeout: float) -> bool:
+        """Until `count` chunks came (the engine's sender thread hands them out); False if `timeout` passed first."""
+        with self._came:
+            return self._came.wait_for(lambda: len(self.chunks) >= count, timeout)
 
     @property
     def audio(self):
@@ -134,13 +144,62 @@ async def app_client(aiohttp_client, settings, engine, ready=True):
 
 
 async def wait_ready(client, timeout=60.0):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        r = await client.get("/ready")
-        if r.status == 200:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("server never became ready")
+    """Until /ready is 200, waiting for what it reports: the app's warm-up task to end, then its engine to have
+    nothing left to compile in the background."""
+    from serving.keys import ENGINE, WARMUP_TASK
+
+    app, deadline = client.app, time.monotonic() + timeout
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            await asyncio.shield(app[WARMUP_TASK])
+    await asyncio.to_thread(app[ENGINE].wait_stats, lambda st: not st.compiling, deadline - time.monotonic())
+    r = await client.get("/ready")
+    assert r.status == 200, f"server never became ready: {await r.text()}"
+
+
+def wait_warm(app, loop, timeout=60.0) -> None:
+    """From another thread: until the warm-up task of `app`, served on `loop`, has ended (or `timeout` passed)."""
+    from serving.keys import WARMUP_TASK
+
+    async def ended():
+        await app[WARMUP_TASK]
+
+    with contextlib.suppress(TimeoutError):
+        asyncio.run_coroutine_threadsafe(ended(), loop).result(timeout)
+
+
+class ChildOutput:
+    """What a child process prints (started with stdout=PIPE, stderr=STDOUT, text=True), read line by line on a thread
+    of its own: a test waits for a line the child prints instead of polling the child or a log file."""
+
+    def __init__(self, proc):
+        self._lines: list[str] = []
+        self._ended = False
+        self._came = threading.Condition()
+        threading.Thread(target=self._read, args=(proc.stdout,), daemon=True).start()
+
+    def _read(self, out) -> None:
+        for line in out:
+            with self._came:
+                self._lines.append(line)
+                self._came.notify_all()
+        with self._came:
+            self._ended = True
+            self._came.notify_all()
+
+    def wait_for(self, text: str, timeout: float) -> bool:
+        """Until a line holding `text` came (True), or the output ended or `timeout` passed first (False)."""
+        def seen():
+            return any(text in line for line in self._lines)
+
+        with self._came:
+            return self._came.wait_for(lambda: seen() or self._ended, timeout) and seen()
+
+    def text(self, timeout: float = 10.0) -> str:
+        """All the child printed, once its output ended (it exited); what came, if `timeout` passed first."""
+        with self._came:
+            self._came.wait_for(lambda: self._ended, timeout)
+            return "".join(self._lines)
 
 
 def pcm(data: bytes) -> np.ndarray:

@@ -11,6 +11,26 @@ from qtts_jax.engine.stream import Chunk
 from serving.bridge import AsyncStream, Outbox
 
 
+class Watched(asyncio.Queue):
+    """A stream's queue that says when its request first waits on it: a batch is handed out once every request
+    waits, as in a server, where each has long been waiting for its next chunk."""
+
+    def __init__(self):
+        super().__init__()
+        self.waited = asyncio.Event()
+
+    async def get(self):
+        self.waited.set()
+        return await super().get()
+
+
+async def waiting(streams) -> None:
+    """Until each stream's request waits on its queue."""
+    async with asyncio.timeout(10):
+        for stream in streams:
+            await stream.queue.waited.wait()
+
+
 def test_the_lag_reported_for_a_batch_counts_until_its_last_request_took_its_chunk():
     """Requests that take a batch's chunks one after another, each working on the event loop before its next await,
     make the last of them take its chunk that much later: the lag the outbox reports includes that work, where a
@@ -18,9 +38,9 @@ def test_the_lag_reported_for_a_batch_counts_until_its_last_request_took_its_chu
     work_s, requests = 0.01, 5
 
     async def scenario():
-        lags = []
-        outbox = Outbox(asyncio.get_running_loop(), lags.append)
-        streams = [AsyncStream(asyncio.Queue()) for _ in range(requests)]
+        lags, reported = [], asyncio.Event()
+        outbox = Outbox(asyncio.get_running_loop(), lambda lag: (lags.append(lag), reported.set()))
+        streams = [AsyncStream(Watched()) for _ in range(requests)]
 
         async def request(stream):
             chunk = await stream.__anext__()
@@ -28,13 +48,14 @@ def test_the_lag_reported_for_a_batch_counts_until_its_last_request_took_its_chu
             return chunk
 
         tasks = [asyncio.create_task(request(s)) for s in streams]
-        await asyncio.sleep(0)  # every request waits on its queue
+        await waiting(streams)
         chunk = Chunk(np.zeros(1920, np.float32), 0, 1, sent_at=time.perf_counter())
         handing = threading.Thread(target=lambda: [outbox.put(chunk, s) for s in streams])
         handing.start()
         handing.join()
         taken = await asyncio.gather(*tasks)
-        await asyncio.sleep(0)
+        async with asyncio.timeout(10):
+            await reported.wait()
         return lags, taken
 
     lags, taken = asyncio.run(scenario())
@@ -54,9 +75,9 @@ def test_a_batch_reaches_its_requests_soonest_due_first():
             taken.append(name)
 
         order = [("far ahead", 105.0), ("first", -math.inf), ("second chunk", 100.02), ("ahead", 101.0)]
-        streams = {name: AsyncStream(asyncio.Queue()) for name, _ in order}
+        streams = {name: AsyncStream(Watched()) for name, _ in order}
         tasks = [asyncio.create_task(request(name, s)) for name, s in streams.items()]
-        await asyncio.sleep(0)
+        await waiting(streams.values())
         for name, due in order:
             outbox.put(Chunk(np.zeros(1920, np.float32), 1, 1, sent_at=100.0, due=due), streams[name])
         await asyncio.gather(*tasks)
@@ -71,7 +92,7 @@ def test_a_requests_own_chunks_keep_their_order_whatever_else_is_more_urgent():
     the same batch still goes first."""
     async def scenario():
         outbox = Outbox(asyncio.get_running_loop(), lambda lag: None)
-        ending, urgent = AsyncStream(asyncio.Queue()), AsyncStream(asyncio.Queue())
+        ending, urgent = AsyncStream(Watched()), AsyncStream(Watched())
         taken = []
 
         async def request(name, stream):
@@ -79,7 +100,7 @@ def test_a_requests_own_chunks_keep_their_order_whatever_else_is_more_urgent():
                 taken.append((name, len(chunk.pcm), chunk.final))
 
         tasks = [asyncio.create_task(request("ending", ending)), asyncio.create_task(request("urgent", urgent))]
-        await asyncio.sleep(0)
+        await waiting([ending, urgent])
         audio = np.zeros(1920, np.float32)
         outbox.put(Chunk(audio, 10, 1, sent_at=100.0, due=100.5), ending)
         outbox.put(Chunk(audio, 1, 1, sent_at=100.0, due=100.01), urgent)

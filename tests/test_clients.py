@@ -19,7 +19,6 @@ import base64
 import io
 import json
 import threading
-import time
 import urllib.request
 import wave
 
@@ -34,7 +33,7 @@ from aiohttp import web
 from qtts_jax.engine import Engine
 from serving.app import ADMISSION, METRICS, Settings, create_app
 from studies.load import open_loop
-from support import SCRAPE_KEY, SMALL, SPEAK_KEY, assert_same_audio, bearer, pcm
+from support import SCRAPE_KEY, SMALL, SPEAK_KEY, assert_same_audio, bearer, pcm, wait_warm
 
 CONFIG = SMALL  # test_hardening's too: its programs come from the compilation cache
 FRAME = 1920  # samples per 80 ms frame at 24 kHz
@@ -52,13 +51,8 @@ class Live:
         self.thread = threading.Thread(target=self._serve, args=(engine, settings, started), daemon=True)
         self.thread.start()
         assert started.wait(60), "the server did not start"
-        for _ in range(600):
-            try:
-                if urllib.request.urlopen(self.url + "/ready", timeout=5).status == 200:
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise AssertionError("the server never became ready")
+        wait_warm(self.app, self.loop)
+        assert urllib.request.urlopen(self.url + "/ready", timeout=5).status == 200, "the server never became ready"
 
     def _serve(self, engine, settings, started) -> None:
         asyncio.set_event_loop(self.loop)

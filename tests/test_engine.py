@@ -458,8 +458,8 @@ def test_audio_goes_out_while_the_step_is_being_dispatched(engine, clock, cheap,
 
     def slow_step(*args):
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not (newcomer.chunks and len(playing.chunks) > chunks_before):
-            time.sleep(0.001)
+        newcomer.wait(1, 10)
+        playing.wait(chunks_before + 1, deadline - time.monotonic())
         seen_during_step.append((len(newcomer.chunks), len(playing.chunks) - chunks_before))
         return step(*args)
 
@@ -489,9 +489,7 @@ def test_the_playing_streams_audio_goes_out_while_newcomers_are_admitted(engine,
     prefill = engine.runner.prefill
 
     def slow_prefill(*args):
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and len(playing.chunks) == chunks_before:
-            time.sleep(0.001)
+        playing.wait(chunks_before + 1, 5)
         seen_during_prefill.append(len(playing.chunks) - chunks_before)
         return prefill(*args)
 
@@ -513,7 +511,7 @@ def test_a_failed_step_ends_each_stream_after_the_audio_the_sender_still_had(eng
     send_first = iteration.send_first
 
     def slow_send_first(*args):
-        time.sleep(0.2)
+        time.sleep(0.2)  # still busy when the step fails: fail_all waits for the sender, so an event would deadlock
         return send_first(*args)
 
     def failing(*args):

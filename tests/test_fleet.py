@@ -138,7 +138,7 @@ def _replicas(url: str, count: int, timeout_s: float = 240) -> list[str]:
         ids = [x["replica"] for x in r.json()["replicas"] if x["ready"]]
         if r.status_code == 200 and len(ids) == count:
             return ids
-        time.sleep(0.5)
+        time.sleep(0.5)  # Ray tells no one when a replica has warmed up or replaced one killed: ask again
     raise TimeoutError(f"/ready never listed {count} replicas (last: {r.json()})")
 
 
@@ -156,6 +156,8 @@ class Stream(threading.Thread):
         self.url, self.frames, self.extra = url, frames, extra
         self.started, self.body, self.error, self.response = threading.Event(), b"", None, None
         self.cancelled = threading.Event()
+        self.ended = False
+        self._grew = threading.Condition()  # notified as the body grows, and once the stream ended
         self.start()
 
     def run(self):
@@ -163,7 +165,9 @@ class Stream(threading.Thread):
             self.response = _speech(self.url, self.frames, **self.extra)
             self.started.set()
             for data in self.response.iter_content(chunk_size=None):
-                self.body += data
+                with self._grew:
+                    self.body += data
+                    self._grew.notify_all()
                 if self.cancelled.is_set():
                     break  # the client goes away (the with-block closes the connection)
             self.response.close()
@@ -171,6 +175,14 @@ class Stream(threading.Thread):
             self.error = exc
         finally:
             self.started.set()
+            with self._grew:
+                self.ended = True
+                self._grew.notify_all()
+
+    def wait_for(self, count: int, timeout: float = 120) -> None:
+        """Until the body holds `count` bytes, or the stream ended."""
+        with self._grew:
+            self._grew.wait_for(lambda: len(self.body) >= count or self.ended, timeout)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -237,7 +249,7 @@ def test_the_fleet_serves_the_servers_api(fleet_of_two):
         if all(e["relay_late_p99_ms"] is not None for e in entries):
             break
         assert time.monotonic() < deadline, entries
-        time.sleep(0.2)
+        time.sleep(0.2)  # the front's reports reach /ready through the replicas' stats (every 0.2 s), not as events
     assert all(e["relay_late_p99_ms"] >= 0 and e["margin_ms"] > 0 for e in entries)
     # a voice registration goes to every replica (these CustomVoice ones each refuse it, naming the model)
     before = _counted(url, "/v1/audio/voices", "bad_request")
@@ -376,8 +388,7 @@ def test_a_replica_killed_mid_stream_ends_its_streams_with_an_error_and_the_rest
         else:
             doomed = Stream(url, 200, **({"stream_format": "sse"} if fmt == "sse" else {}))
             victim = doomed.replica
-            while len(doomed.body) < 4 * FRAME_BYTES and doomed.is_alive():
-                time.sleep(0.05)
+            doomed.wait_for(4 * FRAME_BYTES)
             _kill(victim)
             doomed.join(60)
         if fmt == "sse":  # the stream ends with an error event, not speech.audio.done
@@ -440,7 +451,7 @@ def test_scale_down_during_streams_cuts_none(url):
                     async with s.get(f"{url}/ready") as r:
                         if [x["replica"] for x in (await r.json())["replicas"]] == [first]:
                             return scaled.append(len(seen))
-                    await asyncio.sleep(0.2)
+                    await asyncio.sleep(0.2)  # only /ready shows Ray removing the replica: ask as the session plays
 
             watching = asyncio.ensure_future(watch())
             async for msg in ws:

@@ -6,29 +6,35 @@ from __future__ import annotations
 import asyncio
 import time
 
-from fleet.relay import REPORT_S, LoopLag
+from fleet.relay import LoopLag
 
 
 def test_the_probe_reports_a_blocked_loop_to_the_replicas_being_relayed():
     async def main():
-        lag, reports = LoopLag(), []
+        lag, reports, reported = LoopLag(), [], asyncio.Event()
 
         async def report(replica, seconds):
             reports.append((replica, seconds))
+            reported.set()
+
+        async def next_report():
+            """Until the probe's next report. The probe then sleeps again, its wait timed from before this test
+            resumes: the wake-up that a report schedules runs ahead of the probe's (no task in between)."""
+            reported.clear()
+            async with asyncio.timeout(10):
+                await reported.wait()
 
         probe = asyncio.ensure_future(lag.run(report))
         lag.opened("a")
         lag.opened("a")
-        await asyncio.sleep(2 * REPORT_S)
+        await next_report()
         lag.closed("a")  # one of a's two streams ends: a is still relayed
-        await asyncio.sleep(0.01)
         time.sleep(0.05)  # the loop blocked 50 ms: a chunk arriving meanwhile waits as long
-        await asyncio.sleep(2 * REPORT_S)
-        lag.closed("a")
-        await asyncio.sleep(2 * REPORT_S)
+        await next_report()  # its worst lateness counts that block
+        lag.closed("a")  # right after a report: a is owed none
         before_b = len(reports)
         lag.opened("b")
-        await asyncio.sleep(2 * REPORT_S)
+        await next_report()
         probe.cancel()
         return reports, before_b
 

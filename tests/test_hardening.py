@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import gzip
 import io
 import json
@@ -20,6 +21,7 @@ import pathlib
 import socket
 import string
 import threading
+import time
 import urllib.parse
 
 import aiohttp
@@ -37,7 +39,7 @@ from serving.http_api.auth import SOCKET
 from serving.http_api.connections import LimitedAppRunner
 from serving.sockets import ws as ws_mod
 from serving.voice.store import Voice, VoiceStore
-from support import ADMIN_KEY, SMALL, SPEAK_KEY, bearer, hostile_credentials
+from support import ADMIN_KEY, SMALL, SPEAK_KEY, bearer, hostile_credentials, wait_warm
 
 CONFIG = SMALL  # test_clients' too: its programs come from the compilation cache
 VOICE = "house"  # an x-vector voice stored before start-up, so no test compiles the voice encoders
@@ -107,14 +109,15 @@ class Served:
             return r.status, await r.read()
 
     def healthy(self) -> None:
-        """Health and readiness answer, and no stream or slot is left behind."""
+        """Health and readiness answer, and no stream or slot is left behind (waited for on the server's events: its
+        streams closing, then its engine's snapshot)."""
         assert self.run(self.request("GET", "/health"))[0] == 200
         assert self.run(self.request("GET", "/ready"))[0] == 200
-        for _ in range(200):
-            if not self.app[ADMISSION].streams and self.app[ENGINE].active == 0:
-                return
-            self.run(asyncio.sleep(0.05))
-        raise AssertionError("a stream or slot was left open")
+        deadline = time.monotonic() + 10
+        with contextlib.suppress(TimeoutError):
+            asyncio.run_coroutine_threadsafe(self.app[ADMISSION].wait_idle(), self.loop).result(10)
+        freed = self.app[ENGINE].wait_stats(lambda st: not st.live, deadline - time.monotonic())
+        assert freed and not self.app[ADMISSION].streams, "a stream or slot was left open"
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +130,8 @@ def served(tmp_path_factory, tiny_base_model, keys_file):
     VoiceStore(voices_dir, model.voice_encoders.fingerprint()).save(
         Voice(VOICE, VoicePrompt(xvector=xvector), {"mode": "xvector"}))
     s = Served(engine, voices_dir, keys_file)
-    for _ in range(600):
-        if s.run(s.request("GET", "/ready"))[0] == 200:
-            break
-        s.run(asyncio.sleep(0.1))
+    wait_warm(s.app, s.loop)
+    assert s.run(s.request("GET", "/ready"))[0] == 200
     yield s
     s.close()
 
@@ -426,12 +427,13 @@ async def _read_until_closed(reader: asyncio.StreamReader) -> bytes:
 def test_slowloris_connections_get_408_and_are_closed(served):
     """Slowloris: sockets that trickle a header line at a time are answered 408 and closed once their headers
     take longer than the header timeout, while a normal request is still served meanwhile."""
-    async def trickle():
+    async def trickle(started: asyncio.Event):
         reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
         answer = asyncio.ensure_future(_read_until_closed(reader))
         writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        started.set()
         for i in range(50):
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # a line every 0.1 s: its headers take longer than the header timeout
             if answer.done():
                 break
             writer.write(f"X-Slow-{i}: 1\r\n".encode())
@@ -441,8 +443,10 @@ def test_slowloris_connections_get_408_and_are_closed(served):
     async def go():
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        slow = [asyncio.ensure_future(trickle()) for _ in range(MAX_CONNECTIONS // 2)]
-        await asyncio.sleep(0.3)
+        started = [asyncio.Event() for _ in range(MAX_CONNECTIONS // 2)]
+        slow = [asyncio.ensure_future(trickle(s)) for s in started]
+        for s in started:  # every slow client is part-way through its headers
+            await s.wait()
         assert (await served.request("GET", "/health"))[0] == 200
         answers = await asyncio.gather(*slow)
         return answers, loop.time() - t0
@@ -475,13 +479,18 @@ def test_connections_over_the_cap_get_503_and_the_server_recovers(served):
     server serves again."""
     async def go():
         held = [await asyncio.open_connection("127.0.0.1", served.port) for _ in range(MAX_CONNECTIONS)]
-        await asyncio.sleep(0.1)
+        # the server takes connections in the order they were made: it counts those held before this one
         reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
         refused = await _read_until_closed(reader)
         writer.close()
         for _, w in held:
             w.close()
-        await asyncio.sleep(0.3)
+        # aiohttp stops counting a connection when its handler task ends, a moment after the close, and says so to
+        # nobody: the test reads the count the cap reads
+        deadline = time.monotonic() + 5
+        while len(served.runner.server.connections) >= MAX_CONNECTIONS:
+            assert time.monotonic() < deadline, "the server still holds the closed connections"
+            await asyncio.sleep(0.01)
         return refused
 
     refused = served.run(go(), timeout=20)

@@ -99,7 +99,7 @@ def _wait(browser, script: str, timeout_s: float = 60.0):
         if value or time.monotonic() > deadline:
             assert value, f"timed out waiting for {script}: page state {browser.execute_script('return window.qttsPage')}"
             return value
-        time.sleep(0.05)
+        time.sleep(0.05)  # the page, in Chromium's process, has no event for an arbitrary state of it: ask again
 
 
 def _open(browser, url: str, key: str = ADMIN_KEY) -> None:
@@ -229,7 +229,7 @@ def test_voice_registration_uploads_the_file_and_shows_the_servers_answer(url, b
     browser.execute_script("document.getElementById('register').hidden = false")
     browser.find_element("id", "record").click()
     _wait(browser, "document.getElementById('rec-status').textContent.startsWith('recording')", 10)
-    time.sleep(1)
+    time.sleep(1)  # the recording lasts as long as the test waits between the clicks: about a second
     browser.find_element("id", "record").click()
     _wait(browser, "document.getElementById('rec-status').textContent.startsWith('recorded')", 10)
     browser.find_element("id", "reg-name").send_keys("bob")

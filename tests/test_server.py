@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import gc
 import io
@@ -21,10 +22,11 @@ from qtts_jax.io.audio import to_int16
 from qtts_jax.engine import Engine
 from qtts_jax.request import Request
 from serving.app import ADMISSION, ENGINE, METRICS, Settings, create_app, drain
+from serving.keys import WARMUP_TASK
 from serving.schemas import ApiError
 from studies.load import server_timing
-from support import (ADMIN_KEY, CAPPED_KEY, SCRAPE_KEY, SMALL, SPEAK_KEY, app_client, assert_same_audio, bearer,
-                     hostile_credentials, pcm, wait_ready)
+from support import (ADMIN_KEY, CAPPED_KEY, SCRAPE_KEY, SMALL, SPEAK_KEY, ChildOutput, app_client, assert_same_audio,
+                     bearer, hostile_credentials, pcm, wait_ready, wait_warm)
 
 # test_clients' and test_hardening's (2 slots; its programs come from the compilation cache). The chunk schedule and
 # multi-frame steps are test_engine's; with a server in front, test_server_voices'.
@@ -40,7 +42,7 @@ def model(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def serve_process(request, tmp_path_factory):
+def serve_process():
     """A `qtts-jax serve` subprocess with a small engine (one slot, one step size): the explore notebook's own
     server's configuration (test_studies_server), so that one start loads what the other compiled."""
     import os
@@ -54,10 +56,10 @@ def serve_process(request, tmp_path_factory):
     from studies.server import server_command
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "QTTS_DRAIN_TIMEOUT_S": "20"}
-    log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w+")
     proc = subprocess.Popen(server_command("--model", "tiny-random", "--port", str(port), "--slots", "1", "--context",
-                                           "256", engine={"frames_per_step": 1}), env=env, stdout=log, stderr=log)
-    yield proc, f"http://127.0.0.1:{port}", log
+                                           "256", engine={"frames_per_step": 1}), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    yield proc, f"http://127.0.0.1:{port}", ChildOutput(proc)
     if proc.poll() is None:
         proc.kill()
         proc.wait()
@@ -99,11 +101,15 @@ async def client(make_client):
 
 
 async def wait_idle(app, timeout=5.0):
+    """Seconds until the server has no stream open and its engine none live or queued (each waited for as an event)."""
     t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if app[ENGINE].active == 0 and not app[ADMISSION].streams and not app[ENGINE].stats().queued:
-            return time.monotonic() - t0
-        await asyncio.sleep(0.01)
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            await app[ADMISSION].wait_idle()
+    idle = await asyncio.to_thread(app[ENGINE].wait_stats, lambda st: not st.live and not st.queued,
+                                   t0 + timeout - time.monotonic())
+    if idle and not app[ADMISSION].streams:
+        return time.monotonic() - t0
     raise AssertionError(f"slot not freed: active={app[ENGINE].active} open={len(app[ADMISSION].streams)}")
 
 
@@ -263,10 +269,9 @@ async def test_metrics_present(client):
     await (await client.post("/v1/audio/speech", json={"input": 5})).read()
     # gauges read the engine's published snapshot: the finished stream leaves it at the end of the iteration
     # that sent its last bytes, so the client may ask before then
-    deadline = time.monotonic() + 5
-    while "qtts_active_streams 0.0" not in (text := await (await client.get("/metrics")).text()):
-        assert time.monotonic() < deadline, "the finished stream still counts as active after 5 s"
-        await asyncio.sleep(0.02)
+    assert await asyncio.to_thread(client.app[ENGINE].wait_stats, lambda st: not st.live, 5), \
+        "the finished stream still counts as active after 5 s"
+    text = await (await client.get("/metrics")).text()
     for name in ("qtts_ttfa_seconds_bucket", 'qtts_ttfa_part_seconds_count{part="queue"}',
                  'qtts_ttfa_part_seconds_count{part="prefill"}', 'qtts_ttfa_part_seconds_count{part="codec"}',
                  "qtts_buffer_headroom_seconds_bucket", "qtts_late_chunks_total", "qtts_engine_late_chunks ",
@@ -387,12 +392,13 @@ async def test_ready_only_at_full_capacity_while_it_serves_the_rungs_it_has(aioh
         gate.wait(60) if threading.current_thread().name == "qtts-warmup" else None, real_compile(keys))[1])
     client = await app_client(aiohttp_client, SETTINGS, fresh, ready=False)
     try:
-        for _ in range(600):
-            r = await client.get("/ready")
-            body = await r.json()
-            if body.get("compiling"):
-                break
-            await asyncio.sleep(0.05)
+        # /ready tells what is left to compile once the warm-up task has it serving: both waited for as events
+        deadline = time.monotonic() + 30
+        async with asyncio.timeout(30):
+            await asyncio.shield(client.app[WARMUP_TASK])
+        await asyncio.to_thread(client.app[ENGINE].wait_stats, lambda st: st.compiling, deadline - time.monotonic())
+        r = await client.get("/ready")
+        body = await r.json()
         assert r.status == 503 and body["status"] == "warming" and "Retry-After" in r.headers
         assert body["slots"] == 1 < body["slots_configured"] == CONFIG.slots and body["compiling"] > 0
         speech = {**SPEECH, "input": "Served while warming.", "response_format": "pcm"}
@@ -451,8 +457,7 @@ async def test_drain_refuses_new_work_and_lets_streams_finish(client, offline):
     r = await client.post("/v1/audio/speech", json={**SPEECH, "input": "Finish me during drain.", "seed": 2,
                                                     "max_frames": 30, "response_format": "pcm", "stream": True})
     first = await r.content.readany()
-    drained = asyncio.create_task(drain(app, timeout_s=20))
-    await asyncio.sleep(0.01)
+    drained = asyncio.create_task(drain(app, timeout_s=20))  # it stops admitting before the server's next request
     ready = await client.get("/ready")
     assert ready.status == 503 and (await ready.json())["status"] == "draining"
     refused = await client.post("/v1/audio/speech", json={**SPEECH, "input": "New work."})
@@ -653,7 +658,8 @@ async def test_a_keys_stream_cap_refuses_one_more_with_429_and_retry_after(keyed
     assert r.headers["Retry-After"] == "1"
     assert (await keyed.post("/v1/audio/speech", json=speech, headers=bearer(SPEAK_KEY))).status == 200
     await ws.close()
-    for _ in range(100):  # the server sees the close a moment later
+    # the key's count drops when the server's handler returns, a moment after the close handshake: no event says when
+    for _ in range(100):
         r = await keyed.post("/v1/audio/speech", json=speech, headers=bearer(CAPPED_KEY))
         if r.status != 429:
             break
@@ -690,12 +696,8 @@ def live_server(engine):
     assert started.wait(30)
     import urllib.request
 
-    for _ in range(600):
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{info['port']}/ready", timeout=5).status == 200:
-                break
-        except OSError:
-            time.sleep(0.05)
+    wait_warm(info["app"], info["loop"])
+    assert urllib.request.urlopen(f"http://127.0.0.1:{info['port']}/ready", timeout=5).status == 200
     yield info
     info["loop"].call_soon_threadsafe(stop.set)
     thread.join(30)
@@ -779,18 +781,11 @@ def test_serve_cli_sigterm_drains_and_exits_0(serve_process):
     import urllib.error
     import urllib.request
 
-    proc, base, log = serve_process
-    for _ in range(1200):  # ready, and done compiling in the background (the stream is to last, not the compile)
-        try:
-            with urllib.request.urlopen(base + "/ready", timeout=2) as r:
-                if r.status == 200 and json.loads(r.read())["compiling"] == 0:
-                    break
-        except (OSError, urllib.error.HTTPError):
-            pass
-        time.sleep(0.1)
-    else:
-        log.seek(0)
-        raise AssertionError("server not ready: " + log.read()[-2000:])
+    proc, base, output = serve_process
+    assert output.wait_for("ready after", 120), "server not ready: " + output.text(0)[-2000:]
+    # ready, and done compiling (the stream is to last, not the compile): a CPU server compiles all before it is ready
+    with urllib.request.urlopen(base + "/ready", timeout=5) as r:
+        assert r.status == 200 and json.loads(r.read())["compiling"] == 0
     # once warm, the process froze startup's objects out of the collector's passes (which stall the engine loop)
     with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
         (frozen,) = [line.split()[1] for line in r.read().decode().splitlines()

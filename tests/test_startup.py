@@ -11,8 +11,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import jax
 import pytest
@@ -22,6 +20,7 @@ from qtts_jax.codec import streaming as codec_streaming
 from qtts_jax.engine import EngineConfig, init_state
 from serving.app import ENGINE, SETTINGS, Settings, create_app, run, serve_alone
 from studies.server import server_command
+from support import ChildOutput
 
 CONFIG = EngineConfig(slots=1, context=128, prompt_buckets=(32, 64), max_trailing=64)
 
@@ -116,40 +115,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_and_stop(tmp_path, *args: str, warmup: bool = False,
-                   stop_on: str | None = None) -> tuple[int, str, float, float]:
-    """Runs `qtts-jax serve` until /ready is 200 (with `stop_on`, until that line is in its log), then SIGTERM;
-    returns (exit code, log, seconds to the signal, seconds from the signal to the exit). Without `warmup` (the
-    server's `--no-warmup`), only the calibration request's programs compile, which keeps the starts short on a
-    CPU."""
-    port = free_port()
-    log_path = tmp_path / f"serve-{time.monotonic_ns()}.log"
-
-    def up() -> bool:
-        if stop_on is not None:
-            return stop_on in log_path.read_text()
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2)
-            return True
-        except (urllib.error.URLError, ConnectionError):
-            return False
-
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(server_command("--model", "tiny-random", "--port", str(port), *args,
-                                               engine={"frames_per_step": 1}, warmup=warmup), stdout=log, stderr=log,
-                                env={**os.environ, "JAX_PLATFORMS": "cpu", "QTTS_DRAIN_TIMEOUT_S": "1"})
-        t0 = time.monotonic()
-        try:
-            while proc.poll() is None and time.monotonic() - t0 < 120 and not up():
-                time.sleep(0.1)
-            elapsed = time.monotonic() - t0
-            proc.terminate()
-            code = proc.wait(timeout=60)
-            exit_s = time.monotonic() - t0 - elapsed
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    return code, log_path.read_text(), elapsed, exit_s
+def start_and_stop(*args: str, warmup: bool = False, stop_on: str = "ready after") -> tuple[int, str, float, float]:
+    """Runs `qtts-jax serve` until it logs `stop_on` (by default that it is ready: /ready is 200 from then on, as
+    nothing compiles in the background on a CPU), then SIGTERM; returns (exit code, log, seconds to the signal,
+    seconds from the signal to the exit). Without `warmup` (the server's `--no-warmup`), only the calibration
+    request's programs compile, which keeps the starts short on a CPU."""
+    proc = subprocess.Popen(server_command("--model", "tiny-random", "--port", str(free_port()), *args,
+                                           engine={"frames_per_step": 1}, warmup=warmup),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu", "QTTS_DRAIN_TIMEOUT_S": "1"})
+    output = ChildOutput(proc)
+    t0 = time.monotonic()
+    try:
+        output.wait_for(stop_on, 120)  # or it exited first
+        elapsed = time.monotonic() - t0
+        proc.terminate()
+        code = proc.wait(timeout=60)
+        exit_s = time.monotonic() - t0 - elapsed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return code, output.text(), elapsed, exit_s
 
 
 def test_run_refuses_slots_that_do_not_fit_before_listening(caplog):
@@ -209,10 +195,10 @@ def test_a_second_start_loads_every_program_from_the_compile_cache(tmp_path):
     from its own cache."""
     cache = tmp_path / "xla"
     args = ("--slots", "1", "--context", "128", "--compile-cache", str(cache))
-    code1, log1, ready1, _ = start_and_stop(tmp_path, *args)
+    code1, log1, ready1, _ = start_and_stop(*args)
     xla_entries = len([p for p in cache.iterdir() if p.name != "engine"])
     (stored,) = [len(list(d.iterdir())) for d in (cache / "engine").iterdir()]  # one store: one engine's programs
-    code2, log2, ready2, _ = start_and_stop(tmp_path, *args)
+    code2, log2, ready2, _ = start_and_stop(*args)
     assert code1 == code2 == 0
     ((made, total),) = re.findall(r"ready after .*; 0 engine programs loaded whole and (\d+) made; (\d+) XLA "
                                   rf"programs: 0 loaded from the compilation cache {cache}, \2 compiled", log1)
@@ -223,10 +209,10 @@ def test_a_second_start_loads_every_program_from_the_compile_cache(tmp_path):
     assert ready2 < ready1
 
 
-def test_a_signal_during_the_warm_up_stops_the_server_at_once_and_exits_0(tmp_path):
+def test_a_signal_during_the_warm_up_stops_the_server_at_once_and_exits_0():
     """XLA's compiles cannot be stopped: a server told to stop while it compiles exits without waiting for them (it
     once waited out the whole warm-up, and on a GPU crashed at exit under its background compiles)."""
-    code, text, _, exit_s = start_and_stop(tmp_path, "--slots", "64", "--compile-cache", "off", warmup=True,
+    code, text, _, exit_s = start_and_stop("--slots", "64", "--compile-cache", "off", warmup=True,
                                            stop_on="listening on")  # the warm-up started before it listens
     assert "ready after" not in text  # the signal came during the warm-up
     assert code == 0 and exit_s < 10, (code, exit_s, text[-2000:])

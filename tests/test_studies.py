@@ -417,13 +417,19 @@ def _fake_nvidia_smi(tmp_path, body: str):
 def test_gpu_sampler_absent_failing_and_present(tmp_path, monkeypatch):
     from studies.gpu import GpuSampler, parse_sample
 
-    async def sample(sampler, seconds=0.3, samples=0):
-        """Samples for `seconds`, and on until `samples` were taken (a loaded machine starts the fake slowly)."""
-        async with sampler:
-            await asyncio.sleep(seconds)
-            deadline = time.monotonic() + 60
-            while len(sampler.samples) < samples and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+    async def sample(sampler, samples=1):
+        """The sampler's result once it has answered: `samples` samples or a failure (at once if it runs nothing)."""
+        answered, sample_once = asyncio.Event(), sampler.sample_once
+
+        async def sampled():
+            await sample_once()
+            answered.set()
+
+        sampler.sample_once = sampled
+        async with sampler, asyncio.timeout(60):  # a loaded machine starts the fake slowly
+            while sampler.exe and sampler.error is None and len(sampler.samples) < samples:
+                answered.clear()
+                await answered.wait()
         return sampler.result()
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi anywhere: null fields, no crash

@@ -80,6 +80,7 @@ class CoreClient:
     def __init__(self, connect: Callable, restart: bool = False):
         self._connect, self._restart = connect, restart
         self._lock = threading.Condition()
+        self._published = threading.Condition()  # notified whenever the snapshot changes (`wait_stats`)
         self._streams: dict[int, CoreStream] = {}  # until their final chunk
         self._unseen: dict[int, tuple[CoreStream, bool]] = {}  # submitted (ahead?), not yet in a core snapshot
         self._ended: set[int] = set()  # final chunk in, maybe still in the latest snapshot
@@ -220,6 +221,16 @@ class CoreClient:
                                    queued_frames=tuple(f for _, f, _ in queued),
                                    queued_ids=tuple(i for i, _, _ in queued), oldest_wait_s=oldest)
 
+    def wait_stats(self, done: Callable[[EngineStats], bool], timeout: float) -> bool:
+        """Wait until `done(self.stats())` holds, checked whenever the core's snapshot changes; False if `timeout`
+        passed first. For callers that wait for the engine to settle (tests), instead of polling it."""
+        with self._published:
+            return self._published.wait_for(lambda: done(self.stats()), timeout)
+
+    def _snapshot_changed(self) -> None:
+        with self._published:
+            self._published.notify_all()
+
     @property
     def compiling(self) -> int:
         return self._stats.compiling
@@ -303,6 +314,7 @@ class CoreClient:
         for future, r in calls:
             if future is not None:
                 future.set_exception(r.error) if r.error is not None else future.set_result(r.value)
+        self._snapshot_changed()
         if was_compiling and not st.compiling and self.on_compiled is not None:
             self.on_compiled()
 
@@ -321,6 +333,7 @@ class CoreClient:
             self._outbox = [m for m in self._outbox if isinstance(m, Stop)]
             stopping = self._stopping or _exiting.is_set()
             self._lock.notify_all()
+        self._snapshot_changed()
         message = "engine stopped" if stopping else _LOST
         if not stopping:
             log.error("%s; %d streams ended", _LOST, len(streams))
@@ -352,6 +365,7 @@ class CoreClient:
             self._link, self.process, self._linked = link, process, True
             self._stats, self._compiled_on_demand = hello.stats, 0
             self._lock.notify_all()
+        self._snapshot_changed()
         threading.Thread(target=self._read_loop, args=(link,), name="qtts-core-out", daemon=True).start()
         try:
             if self._warm is not None:
