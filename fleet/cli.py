@@ -75,12 +75,13 @@ def cluster(args) -> int:
     serve.start(http_options={"host": settings.host, "port": settings.port})
     log.info("starting %d replica(s) of %s (compiling without a cache takes minutes)", args.replicas, settings.model)
     serve.run(app, name=APP, route_prefix="/")
-    log.info("listening on http://%s:%d (%s)", settings.host, settings.port,
-             f"autoscaling {fleet.autoscaling(settings)}" if args.min_replicas or args.max_replicas
-             else f"{args.replicas} replica(s)")
     stopping: list[int] = []  # a flag, not an Event: Event.set in a signal handler can deadlock its wait
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _: stopping.append(signum))
+    # once a signal shuts it down in order: a supervisor may stop it as soon as it reads this line
+    log.info("listening on http://%s:%d (%s)", settings.host, settings.port,
+             f"autoscaling {fleet.autoscaling(settings)}" if args.min_replicas or args.max_replicas
+             else f"{args.replicas} replica(s)")
     while not stopping:
         time.sleep(0.2)
     log.info("shutting down: replicas finish their streams (up to %.0f s)", settings.drain_timeout_s)
