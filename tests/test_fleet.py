@@ -354,13 +354,29 @@ def test_a_stream_never_goes_to_a_replica_that_refuses_while_another_has_headroo
     long.join(120)
 
 
+def _replicas_answering():
+    """aiohttp's public request tracing, and the X-Replica header of each response a session gets through it, in
+    order: a WebSocket's handshake is one of them."""
+    import aiohttp
+
+    answered, trace = [], aiohttp.TraceConfig()
+
+    async def ended(session, context, params):
+        answered.append(params.response.headers.get("X-Replica"))
+
+    trace.on_request_end.append(ended)
+    return trace, answered
+
+
 async def _session_cut_by_a_kill(url: str) -> tuple[str, int, list[dict], int]:
     """A WebSocket session whose replica is killed once 4 frames of its utterance have played: the replica, the audio
     bytes, the events and the close code the client got."""
     import aiohttp
 
-    async with aiohttp.ClientSession(headers=KEY) as s, s.ws_connect(f"{url}/v1/audio/speech/stream") as ws:
-        victim = ws._response.headers["X-Replica"]
+    trace, answered = _replicas_answering()
+    async with aiohttp.ClientSession(headers=KEY, trace_configs=[trace]) as s, \
+            s.ws_connect(f"{url}/v1/audio/speech/stream") as ws:
+        victim = answered[-1]
         for msg in ({"type": "session.update", "session": {"voice": "ryan", "max_frames": 200}},
                     {"type": "input_text.append", "text": "Hello there."}, {"type": "input_text.commit"}):
             await ws.send_str(json.dumps(msg))
@@ -432,12 +448,13 @@ def test_scale_down_during_streams_cuts_none(url):
 
     async def session():  # every message up front: none can reach a replica once it drains
         seen, audio, scaled = [], 0, []
-        async with aiohttp.ClientSession(headers=KEY) as s:
-            async with s.ws_connect(f"{url}/v1/audio/speech/stream") as idle:  # the first replica's second request
-                assert idle._response.headers["X-Replica"] == first
+        trace, answered = _replicas_answering()
+        async with aiohttp.ClientSession(headers=KEY, trace_configs=[trace]) as s:
+            async with s.ws_connect(f"{url}/v1/audio/speech/stream"):  # the first replica's second request
+                assert answered[-1] == first
                 (second,) = set(await asyncio.to_thread(_replicas, url, 2)) - {first}
                 ws = await s.ws_connect(f"{url}/v1/audio/speech/stream")
-            replica = ws._response.headers["X-Replica"]
+                replica = answered[-1]
             # 1600 frames: longer than the autoscaler takes to remove a replica (up to ~10 s) on a fast machine
             await ws.send_str(json.dumps({"type": "session.update", "session": {"voice": "ryan", "max_frames": 200}}))
             for _ in range(UTTERANCES):
