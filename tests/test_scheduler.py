@@ -191,7 +191,7 @@ def test_an_iterations_plan_groups_prefills_by_bucket_and_steps_what_its_streams
     config = EngineConfig(slots=8, max_step_s=0.5)
     # two playing streams (the second waits for text), two newcomers (next chunks 1 and 2)
     plan = schedule(calls, np.array([1.0, 1.0]), np.array([1, 2]), [None, 0, None, 3], costs,
-                    Sizes((8,), (8,), (1, 4)), config, 0.01, 0.0)
+                    Sizes((8,), (8,), (1, 4), (1,), (1, 8)), config, 0.01, 0.0)
     assert plan.decode_first == (True, False) and plan.first_rung == 8
     assert plan.step.frames == 1 and plan.step_rows == (0, 2, 3)
     assert plan.limits == (1, 1, 1)  # a 4-frame step would outlast the newcomer's one-frame first chunk
