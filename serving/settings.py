@@ -32,7 +32,8 @@ class Settings:
     voices_dir: str = "voices"  # Base models: registered voices, one file each, reloaded at start-up
     # OpenAI voice names -> this model's voices: "" (the default table), "a=b,c=d" over it, a JSON file, or "none"
     voice_aliases: str = ""
-    # API keys (serving/http_api/auth.py): one admin key, "@FILE" (several, with roles), or "none" (a gateway checks them)
+    # API keys (serving/http_api/auth.py): one admin key, "@FILE" (several, with roles), or "none" (a gateway
+    # checks them)
     api_key: str = dataclasses.field(default="", repr=False)
     public_metrics: bool = False  # /metrics without a key, where keys are on
     compile_cache: str = "default"  # persistent XLA cache (`run` only): "default", "off" or a directory

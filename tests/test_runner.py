@@ -147,7 +147,7 @@ def test_a_compile_workers_programs_load_untraced_and_compute_what_the_engines_o
     runner = Runner(model, config)
     workers = runner.compile_elsewhere(keys)
     assert workers is not None and len(workers.procs) == 1
-    workers.wait(keys, lambda key: runner.stored([key]))
+    workers.wait(keys, runner.stored)
     workers.stop()
     assert runner.stored(keys) and runner.compile_elsewhere(keys) is None  # nothing left for a worker
     lowered = []

@@ -59,11 +59,11 @@ class Workers:
             self.procs.append((proc, share.keys))
         log.info("compiling %d programs in %d worker processes", len(keys), workers)
 
-    def wait(self, keys: list, done) -> None:
-        """Return once `done(key)` holds for each of `keys` that a worker was given, or its worker has exited
-        (failed or not: the engine then compiles what is missing itself)."""
+    def wait(self, keys: list, stored) -> None:
+        """Return once `stored([key])` holds for each of `keys` that a worker was given (`Runner.stored`), or its
+        worker has exited (failed or not: the engine then compiles what is missing itself)."""
         mine = [(proc, key) for proc, given in self.procs for key in given if key in keys]
-        while any(proc.poll() is None and not done(key) for proc, key in mine):
+        while any(proc.poll() is None and not stored([key]) for proc, key in mine):
             time.sleep(_POLL_S)
 
     def stop(self) -> None:

@@ -37,7 +37,7 @@ def run(engine, background: bool = False) -> None:
     workers = engine.compiling_ahead or engine.runner.compile_elsewhere([key for stage in later for key in stage])
     keys = [key for stage in now for key in stage]
     if workers is not None:
-        workers.wait(keys, lambda key: engine.runner.stored([key]))
+        workers.wait(keys, engine.runner.stored)
     engine.runner.compile(keys)
     if engine.model.cfg.model_type == "base":
         engine.runner.warm_voices()
@@ -73,7 +73,7 @@ def rest(engine, later: list[list[Key]], t0: float, workers=None) -> None:
         for i, keys in enumerate(later):
             t1 = time.perf_counter()
             if workers is not None:
-                workers.wait(keys, lambda key: engine.runner.stored([key]))
+                workers.wait(keys, engine.runner.stored)
             engine.runner.compile(keys)
             t2 = time.perf_counter()
             timed, last = engine.runner.calibrate(keys, on=scratch), i == len(later) - 1
