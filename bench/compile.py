@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import collections
 import fcntl
+import glob
+import gzip
 import json
 import os
 import re
@@ -42,6 +44,7 @@ ENV_TOKEN = re.compile(r"^[A-Z_][A-Z0-9_]*=")  # a variant's NAME=VALUE token: a
 # XLA's pass that turns a program's thunks into CUDA graphs logs, at verbosity 2, each thunk it leaves out and why;
 # a loop goes into a graph only if every thunk of its body does, so these lines say what keeps a loop on the host
 GRAPH_LOG = re.compile(r"command_buffer_conversion_pass\.cc:\d+\] (.*)")
+NUMBERS = re.compile(r"0x[0-9a-f]+|\d+")  # what varies between lines that say the same thing
 
 
 def model_for(args):
@@ -125,13 +128,22 @@ def child(args) -> dict:
         t0 = time.perf_counter()
         lowered = engine.runner.lower(kind, a, b)
         lower_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
         compiled[spec] = key = (kind, a, b)
-        engine.runner.programs[key] = lowered.compile()
+        spans = []
+
+        def compile_it():
+            engine.runner.programs[key] = lowered.compile()
+
+        t0 = time.perf_counter()
+        if args.phases:
+            spans = host_spans(traced(compile_it), args.phases)
+        else:
+            compile_it()
         compile_s = time.perf_counter() - t0
         mem = engine.runner.programs[key].memory_analysis()
         rows[spec] = {"lower_s": round(lower_s, 2), "compile_s": round(compile_s, 2),
-                      "temp_gib": round(getattr(mem, "temp_size_in_bytes", 0) / 2**30, 3)}
+                      "temp_gib": round(getattr(mem, "temp_size_in_bytes", 0) / 2**30, 3),
+                      **({"compile_spans": spans} if args.phases else {})}
         print(spec, rows[spec], file=sys.stderr, flush=True)
     if args.codes_check:
         rows["codes_digest"] = codes_digest(args, engine.model)
@@ -213,6 +225,33 @@ def wait_for_siblings(barrier: str, siblings: int) -> None:
         time.sleep(0.2)
 
 
+def traced(work) -> dict:
+    """The JAX profiler's trace (its Chrome-trace JSON) of `work()`, which must wait for its own device work."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp, create_perfetto_trace=True)
+        work()
+        jax.profiler.stop_trace()
+        with gzip.open(glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)[0]) as f:
+            return json.load(f)
+
+
+def host_spans(trace: dict, top: int) -> list[dict]:
+    """The `top` host-side span names of a trace by their summed seconds, each with its count: where a compile's
+    time goes (XLA's passes, its autotuners, code generation), as XLA names its own work (Python's frames, named
+    "$file:line function", left out). Nested spans each count their whole length, so the sums overlap."""
+    procs = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    total, count = collections.Counter(), collections.Counter()
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X" and "/host:" in procs.get(e["pid"], "") and not e["name"].startswith("$"):
+            name = NUMBERS.sub("#", e["name"])[:120]
+            total[name] += e.get("dur", 0) / 1e6
+            count[name] += 1
+    return [{"span": name, "s": round(s, 2), "count": count[name]} for name, s in total.most_common(top)]
+
+
 def _read(f) -> str:
     f.seek(0)
     return f.read()
@@ -234,6 +273,10 @@ def main() -> None:
     p.add_argument("--placed-args", action="store_true",
                    help="also time each program with its per-call arguments copied afresh each call, placed once, "
                         "and with its outcome in new buffers each call")
+    p.add_argument("--phases", type=int, default=0, metavar="N",
+                   help="trace each compile with the profiler and report its N host spans of most seconds")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="compile the variants one after another, each alone on the machine, not side by side")
     p.add_argument("--child-timeout-s", type=float, default=200, help="give up on a variant after this long")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--lock", default="/tmp/qtts-compile-bench.lock", help=argparse.SUPPRESS)
@@ -246,9 +289,22 @@ def main() -> None:
         return
     result = {"model": args.model, "slots": args.slots, "context": args.context, "variants": {}}
     base = os.environ.get("XLA_FLAGS", "")
-    started = {}
+    started, wall = {}, {}
     variants = args.variants.split(";")
+    siblings = 1 if args.one_at_a_time else len(variants)
     barrier = tempfile.mkdtemp(prefix="qtts-compile-bench-")
+
+    def finish(running):  # a variant that ends early (it failed) counts as compiled: the others must not wait for it
+        while running:
+            for name, (_, proc, _, _, t0) in list(running.items()):
+                if proc.poll() is None and time.perf_counter() - t0 > args.child_timeout_s:
+                    proc.kill()
+                if proc.poll() is not None:
+                    mark_compiled(barrier, proc.pid)
+                    wall[name] = round(time.perf_counter() - t0, 1)
+                    del running[name]
+            time.sleep(0.2)
+
     for variant in variants:
         name, _, flags = variant.partition("=")
         # a token NAME=VALUE (no leading dashes) is an environment variable of the variant's process, the rest XLA's
@@ -258,27 +314,22 @@ def main() -> None:
         env = {**os.environ, **settings, "XLA_FLAGS": f"{base} {xla}".strip(), "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
         if args.graph_log:
             env.update(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="command_buffer_conversion_pass=2")
-        cmd = [sys.executable, __file__, "--child", "--barrier", barrier, "--siblings", str(len(variants)),
+        cmd = [sys.executable, __file__, "--child", "--barrier", barrier, "--siblings", str(siblings),
                *sys.argv[1:]]
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         started[name] = (flags, subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True), out, err,
                          time.perf_counter())
-    running, wall = dict(started), {}
-    while running:  # a variant that ends early (it failed) counts as compiled: the others must not wait for it
-        for name, (_, proc, _, _, t0) in list(running.items()):
-            if proc.poll() is None and time.perf_counter() - t0 > args.child_timeout_s:
-                proc.kill()
-            if proc.poll() is not None:
-                mark_compiled(barrier, proc.pid)
-                wall[name] = round(time.perf_counter() - t0, 1)
-                del running[name]
-        time.sleep(0.2)
+        if args.one_at_a_time:
+            finish({name: started[name]})
+            shutil.rmtree(barrier)
+            os.mkdir(barrier)
+    finish({name: v for name, v in started.items() if name not in wall})
     for name, (flags, proc, out, err, _) in started.items():
         stdout, stderr = (_read(f) for f in (out, err))
         log = "\n".join(line for line in stderr.splitlines() if not GRAPH_LOG.search(line))
         sys.stderr.write(log[-4000:])
         plans = [f"{v} {u}" for v, u in REMAT.findall(stderr)]
-        graph_log = collections.Counter(re.sub(r"0x[0-9a-f]+|\d+", "#", m) for m in GRAPH_LOG.findall(stderr))
+        graph_log = collections.Counter(NUMBERS.sub("#", m) for m in GRAPH_LOG.findall(stderr))
         result["variants"][name] = {
             "xla_flags": flags, "wall_s": wall[name], "returncode": proc.returncode,
             "remat_warnings": len(plans), "remat_plans": plans[:8],

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.compile import engine_for, model_for  # noqa: E402
+from bench.compile import engine_for, model_for, traced  # noqa: E402
 
 
 def device_events(trace: dict) -> tuple[dict[str, list[dict]], dict]:
@@ -53,18 +53,6 @@ def device_events(trace: dict) -> tuple[dict[str, list[dict]], dict]:
         if "/device:" in proc:
             events["kernels" if "Stream" in thread else "xla_ops" if "Ops" in thread else "other"].append(e)
     return events, {k: round(v, 4) for k, v in lines.most_common(40)}
-
-
-def traced(work) -> dict:
-    """The JAX profiler's trace (its Chrome-trace JSON) of `work()`, which must wait for its own device work."""
-    import jax
-
-    with tempfile.TemporaryDirectory() as tmp:
-        jax.profiler.start_trace(tmp, create_perfetto_trace=True)
-        work()
-        jax.profiler.stop_trace()
-        with gzip.open(glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)[0]) as f:
-            return json.load(f)
 
 
 def busy_us(events: list[dict]) -> float:

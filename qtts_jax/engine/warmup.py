@@ -57,11 +57,12 @@ def wait(engine, timeout: float) -> bool:
 
 
 def compile_ahead(source: str, dtype: str, config: EngineConfig):
-    """Start the compile workers on what a background warm-up of an engine of `config` compiles after its first
-    stage, from the model's shapes alone, before the model itself is loaded (`engine.compiling_ahead`): their
-    compiles then overlap the loading. None where the runner would start none (`Runner.compile_elsewhere`)."""
+    """Start the compile workers on every program of an engine of `config`, the first stage's first, from the
+    model's shapes alone, before the model itself is loaded (`engine.compiling_ahead`): their compiles then overlap
+    the loading, and the engine only loads what they store. Compiled in the engine beside the workers, the first
+    stage took several times as long as alone. None where the runner would start none (`Runner.compile_elsewhere`)."""
     runner = Runner(model_shapes(source, jnp.dtype(dtype)), config, shapes_only=True)
-    return runner.compile_elsewhere([key for stage in stages(config)[1:] for key in stage])
+    return runner.compile_elsewhere([key for stage in stages(config) for key in stage])
 
 
 def rest(engine, later: list[list[Key]], t0: float, workers=None) -> None:
