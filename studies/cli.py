@@ -26,6 +26,13 @@ class _Help(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+def request_options(args) -> dict:
+    """The speech request's fields every measured request carries (`--chunk-schedule` given empty: none, so the
+    server streams at its own schedule)."""
+    return {"voice": "ryan", "seed": 0, "max_frames": args.max_frames,
+            **({"chunk_schedule": args.chunk_schedule} if args.chunk_schedule else {})}
+
+
 def build_parser(prog: str = "python -m studies") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="capacity studies of a qtts-jax speech server")
     sub = p.add_subparsers(dest="command", required=True)
@@ -54,8 +61,9 @@ def build_parser(prog: str = "python -m studies") -> argparse.ArgumentParser:
                    help="measured requests per load; 59 or more bound a p95 from above, so fewer can never pass")
     c.add_argument("--warmup", type=int, default=2, help="unmeasured requests at the start of each load")
     c.add_argument("--max-frames", type=int, default=24, help="frames (80 ms) per request")
-    c.add_argument("--chunk-schedule", type=int, nargs="+", default=[1, 2, 4], metavar="FRAMES",
-                   help="frames per streamed chunk, the last repeating")
+    c.add_argument("--chunk-schedule", type=int, nargs="*", default=[1, 2, 4], metavar="FRAMES",
+                   help="frames per streamed chunk, the last repeating; given with none, the server's own schedule "
+                        "(a GPU server's capacity is measured at its own)")
     c.add_argument("--buffer-ms", type=float, default=0.0,
                    help="client start-up buffer of the simulated player (the SLO is defined at 0)")
     c.add_argument("--contract-ttfa-ms", type=float, default=100.0,
@@ -176,7 +184,7 @@ def capacity(args) -> int:
         return 2
     run_dir = new_run_dir(args.runs_dir, "capacity" + ("-serialised" if args.serialised else ""))
     loads = [int(x) if args.mode == "closed" else x for x in args.loads]
-    options = {"voice": "ryan", "seed": 0, "chunk_schedule": args.chunk_schedule, "max_frames": args.max_frames}
+    options = request_options(args)
     local = {"model": args.model, "context": 256, "frames_per_step": 1}  # local_server's defaults
     with contextlib.ExitStack() as stack:
         servers, configs = {}, {}

@@ -597,3 +597,14 @@ def test_server_timing_reads_each_named_duration_and_skips_what_it_cannot_read()
     header = "queue;dur=12.5, prefill;desc=\"x\";dur=30, ttfa;dur=soon, ;dur=4, first_frame"
     assert server_timing(header) == {"queue": 12.5, "prefill": 30.0}
     assert server_timing("") == {}
+
+
+def test_an_empty_chunk_schedule_leaves_the_servers_own():
+    """`--chunk-schedule` given no sizes sends none, so a GPU server streams (and is measured) at its own
+    schedule; sizes given are sent as they are."""
+    from studies.cli import build_parser, request_options
+
+    parse = build_parser().parse_args
+    assert "chunk_schedule" not in request_options(parse(["capacity", "--chunk-schedule"]))
+    assert request_options(parse(["capacity", "--chunk-schedule", "1", "4"]))["chunk_schedule"] == [1, 4]
+    assert request_options(parse(["capacity"]))["chunk_schedule"] == [1, 2, 4]
