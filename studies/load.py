@@ -359,10 +359,10 @@ async def run_condition(url: str, mode: str, load: float, requests: int, prompts
     if mode == "closed" and load != int(load):
         raise ValueError(f"closed-loop load is a whole number of clients, got {load}")
     await wait_ready(url, timeout_s=timeout_s, idle=True)
-    t0 = time.perf_counter()
-    scraping = (sampler.running(t0, condition=condition_name(mode, load), load=load) if sampler
-                else contextlib.nullcontext())
-    with collector_paused(), scraping:
+    with collector_paused(), contextlib.ExitStack() as scraping:
+        t0 = time.perf_counter()  # after the collector's pass: an open loop's schedule counts from here
+        if sampler:
+            scraping.enter_context(sampler.running(t0, condition=condition_name(mode, load), load=load))
         if mode == "closed":
             return await closed_loop(url, int(load), requests, prompts, options, warmup, timeout_s, protocol,
                                      on_done, t0, seed)
