@@ -11,6 +11,7 @@ graceful shutdown, waiting up to the server's drain timeout), so a scale-down cu
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 from qtts_jax import xla_flags
@@ -73,6 +74,24 @@ class FleetConfig:
             flags = xla_flags.merged(os.environ.get("XLA_FLAGS", ""), xla_flags.ONE_CORE)
             options["runtime_env"] = {"env_vars": {"XLA_FLAGS": flags}}
         return options
+
+
+def safe_capacity_from(summary_path: str) -> tuple[float, str]:
+    """The `safe_capacity` a capacity study's summary.json gives the autoscaler, and why. Ray Serve scales on ongoing
+    requests only, which here are a replica's open streams: the study's chosen signal's threshold when it chose open
+    or generating streams (`scale_signal.slo.fleet_safe_capacity`), else a closed-loop study's safe capacity (its
+    clients are streams offered; an open loop's requests per second are not). ValueError when neither is there."""
+    with open(summary_path, encoding="utf-8") as f:
+        summary = json.load(f)
+    choice = (summary.get("scale_signal") or {}).get("slo") or {}
+    if choice.get("fleet_safe_capacity"):
+        return float(choice["fleet_safe_capacity"]), (f"the study's scale signal {choice['signal']}, "
+                                                      f"threshold {choice['threshold']:g}")
+    why = (f"the study chose {choice['signal']} (threshold {choice['threshold']:g}), which Ray Serve cannot scale on"
+           if choice.get("status") == "chosen" else f"the study's scale signal is undecided ({choice.get('reason')})")
+    if summary.get("mode") == "closed" and summary.get("safe_capacity", 0) > 0:
+        return float(summary["safe_capacity"]), f"its safe capacity in clients: {why}"
+    raise ValueError(f"{summary_path}: no number for the autoscaler: {why}, and no closed-loop safe capacity")
 
 
 def build(settings: Settings, fleet: FleetConfig = FleetConfig(), engine_factory=None):

@@ -31,6 +31,9 @@ def add_cluster_parser(sub) -> argparse.ArgumentParser:
                                                     "--replicas when only --min-replicas is given)")
     c.add_argument("--safe-capacity", type=float, help="streams one replica carries within the SLOs, from "
                                                        "`qtts-jax study capacity` (default: its slots)")
+    c.add_argument("--scale-from", metavar="SUMMARY", help="a capacity study's summary.json: the safe capacity is "
+                                                          "the threshold of the signal it chose to scale on, or its "
+                                                          "safe capacity (docs/fleet.md)")
     c.add_argument("--headroom", type=float, default=0.4, help="warm capacity kept beyond the live streams: each "
                                                                "replica aims at safe / (1 + headroom) (default 0.4)")
     c.add_argument("--gpus-per-replica", type=float, help="GPUs each replica takes (default: 1 when Ray sees a "
@@ -48,10 +51,21 @@ def cluster(args) -> int:
     import ray
     from ray import serve
 
-    from fleet.app import RAY_ENV, FleetConfig, build
+    from fleet.app import RAY_ENV, FleetConfig, build, safe_capacity_from
     from serving.cli import settings_from_args
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    safe = args.safe_capacity
+    if args.scale_from:
+        if safe is not None:
+            log.error("not starting: give --safe-capacity or --scale-from, not both")
+            return 2
+        try:
+            safe, why = safe_capacity_from(args.scale_from)
+        except (OSError, ValueError) as exc:
+            log.error("not starting: %s", exc)
+            return 2
+        log.info("safe capacity %g streams per replica, from %s", safe, why)
     settings = settings_from_args(args)
     for name, value in RAY_ENV.items():  # before Ray starts, so its processes inherit them
         os.environ.setdefault(name, value)
@@ -65,7 +79,7 @@ def cluster(args) -> int:
     if gpus is None:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     fleet = FleetConfig(replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
-                        safe_capacity=args.safe_capacity, headroom=args.headroom, gpus=gpus,
+                        safe_capacity=safe, headroom=args.headroom, gpus=gpus,
                         cpus=args.cpus_per_replica)
     try:
         app = build(settings, fleet)

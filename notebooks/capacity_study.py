@@ -60,7 +60,7 @@ from studies.plots import capacity_curves, show, ttfa_cdfs
 from studies.records import read_jsonl
 from studies.slo import SLO, Contract
 from studies.verdict import (batching_text, conditions_table, contract_text, fleet_text, machine_text, provenance_table,
-                             verdict_text)
+                             scaling_table, scaling_text, verdict_text)
 
 pd.set_option("display.max_colwidth", None)  # provenance values are long; never cut them to "..."
 out = Path(out_dir)
@@ -122,6 +122,22 @@ show(ttfa_cdfs(summary, read_jsonl(out / "records.jsonl")), out / "ttfa_cdf.png"
 # %%
 for server in summary["servers"]:
     display(Markdown(fleet_text(server, summary)))
+
+# %% [markdown]
+# ## What to scale on
+# While each load ran, the study scraped the server's `/metrics` every half second (`samples.jsonl`) and counted
+# its own streams in flight and still playing. Per signal: its median at the last load that meets the SLO (with
+# every lower load) and at the first load above it that fails, their separation in units of the signal's spread
+# within a load, and the threshold (the passing load's upper quartile; lower quartile for a signal that falls).
+# The signal that separates the two loads most is the one to scale on.
+
+# %%
+for server in summary["servers"]:
+    if "scale_signal" not in server:  # a summary written before the study sampled /metrics
+        display(Markdown(f"**{server['label']}**: not sampled (this run predates the /metrics sampler)."))
+        continue
+    display(Markdown(scaling_text(server)))
+    display(scaling_table(server["scale_signal"]["slo"]))
 
 # %% [markdown]
 # ## Provenance

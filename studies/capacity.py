@@ -11,6 +11,7 @@ from pathlib import Path
 
 from studies import provenance
 from studies.fleet import DEFAULT_PRICE_PER_HOUR, fleet_size
+from studies.scaling import choices
 from studies.slo import SLO, Contract, safe_capacity, zero_underrun_capacity
 from studies.sweep import sweep
 
@@ -90,8 +91,8 @@ def study(servers: dict[str, str], out_dir: str | Path, mode: str, loads: list[f
           protocol: str = "http", target_load: float = 100.0, price_per_hour: float | None = None,
           configs: dict[str, dict] | None = None, contract: Contract = Contract()) -> dict:
     """Sweeps each server (label -> URL) in turn into out_dir/servers/<label>/ and writes out_dir/summary.json
-    (provenance, settings, per server: conditions, assessment, fleet) and out_dir/records.jsonl (every
-    request of every server, labelled). `configs`: how local servers were started, for provenance. The fleet
+    (provenance, settings, per server: conditions, assessment, fleet, the signal to scale on), out_dir/records.jsonl
+    (every request of every server, labelled) and out_dir/samples.jsonl (their /metrics while each load ran). `configs`: how local servers were started, for provenance. The fleet
     is sized on the SLO's safe capacity; the zero-underrun contract is reported beside it. Without a
     `price_per_hour` the fleet is priced at the placeholder default and the summary says so."""
     price_is_default = price_per_hour is None
@@ -109,15 +110,18 @@ def study(servers: dict[str, str], out_dir: str | Path, mode: str, loads: list[f
         results.append({"label": label, "url": url, "slots": about[label].get("slots"), **a,
                         "fleet": fleet_size(a["safe_capacity"], target_load, price_per_hour)
                         if a["safe_capacity"] > 0 else None,
+                        "scale_signal": choices(r["conditions"], r["samples"]),
                         "machine_load": meter.result(), "conditions": r["conditions"]})
-    with open(out / "records.jsonl", "w", encoding="utf-8") as f:
-        for label in servers:
-            f.write((dirs[label] / "records.jsonl").read_text(encoding="utf-8"))
+    for name in ("records.jsonl", "samples.jsonl"):
+        with open(out / name, "w", encoding="utf-8") as f:
+            for label in servers:
+                f.write((dirs[label] / name).read_text(encoding="utf-8"))
     summary = {"provenance": provenance.provenance(out.name, about, whole.result()), "mode": mode, "protocol": protocol,
                "unit": unit(mode), "loads": sorted(loads), "requests_per_condition": requests, "warmup": warmup,
                "buffer_ms": buffer_ms, "options": options, "slo": vars(slo), "target_load": target_load,
                "price_per_hour": price_per_hour, "price_is_default": price_is_default, "servers": results, "safe_capacity": results[0]["safe_capacity"],
                "safe_capacity_status": results[0]["safe_capacity_status"],
-               "contract": vars(contract), "zero_underrun_capacity": results[0]["zero_underrun_capacity"]}
+               "contract": vars(contract), "zero_underrun_capacity": results[0]["zero_underrun_capacity"],
+               "scale_signal": results[0]["scale_signal"]}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     return summary

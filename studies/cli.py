@@ -172,7 +172,7 @@ def capacity(args) -> int:
     from studies.report import new_run_dir, run_notebook
     from studies.server import local_server
     from studies.slo import SLO, Contract
-    from studies.verdict import batching_text, contract_text, last_line, machine_text, verdict_text
+    from studies.verdict import batching_text, contract_text, last_line, machine_text, scaling_text, verdict_text
 
     if args.compare_url and args.compare_serialised:
         print("error: give --compare-url or --compare-serialised, not both", file=sys.stderr)
@@ -211,6 +211,7 @@ def capacity(args) -> int:
     for server in summary["servers"]:
         print(verdict_text(server, summary).replace("**", ""), end="\n\n")
         print(contract_text(server, summary).replace("**", ""), end="\n\n")
+        print(scaling_text(server).replace("**", ""), end="\n\n")
     for text in (batching_text(summary), machine_text(summary)):
         if text:
             print(text.replace("**", ""), end="\n\n")

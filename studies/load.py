@@ -312,12 +312,14 @@ def arrival_times(rate: float, count: int, poisson: bool, seed: int = 0) -> np.n
 
 async def open_loop(url: str, rate: float, requests: int, prompts: list[str], poisson: bool = False,
                     options: dict | None = None, warmup: int = 0, seed: int = 0,
-                    timeout_s: float = 60.0, protocol: str = "http", on_done=None) -> list[RequestRecord]:
-    """Sends `warmup + requests` at `rate`/s (fixed gaps or Poisson) regardless of how many are in flight."""
+                    timeout_s: float = 60.0, protocol: str = "http", on_done=None,
+                    t0: float | None = None) -> list[RequestRecord]:
+    """Sends `warmup + requests` at `rate`/s (fixed gaps or Poisson) regardless of how many are in flight. Times
+    count from `t0` (a `time.perf_counter` reading; by default the call's start), as `closed_loop`'s do."""
     _check(1, requests, prompts, warmup, protocol, options)
     mode = "open-poisson" if poisson else "open-fixed"
     offsets = arrival_times(rate, warmup + requests, poisson, seed)
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if t0 is None else t0
     tasks = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=key_headers()) as s:
         for i, at in enumerate(offsets):
@@ -346,21 +348,26 @@ def _check(concurrency, requests, prompts, warmup, protocol="http", options=None
 
 async def run_condition(url: str, mode: str, load: float, requests: int, prompts: list[str],
                         options: dict | None = None, warmup: int = 0, seed: int = 0,
-                        timeout_s: float = 60.0, protocol: str = "http", on_done=None) -> list[RequestRecord]:
+                        timeout_s: float = 60.0, protocol: str = "http", on_done=None,
+                        sampler=None) -> list[RequestRecord]:
     """One condition after the server has drained the previous one (so conditions do not overlap); `on_done()`
-    is called as each request ends (a progress bar)."""
+    is called as each request ends (a progress bar). A `sampler` (`studies.scrape.MetricsSampler`) scrapes the
+    server while the load runs, on the records' clock."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
     _check(1, requests, prompts, warmup, protocol, options)
     if mode == "closed" and load != int(load):
         raise ValueError(f"closed-loop load is a whole number of clients, got {load}")
     await wait_ready(url, timeout_s=timeout_s, idle=True)
-    with collector_paused():
+    with collector_paused(), contextlib.ExitStack() as scraping:
+        t0 = time.perf_counter()  # after the collector's pass: an open loop's schedule counts from here
+        if sampler:
+            scraping.enter_context(sampler.running(t0, condition=condition_name(mode, load), load=load))
         if mode == "closed":
             return await closed_loop(url, int(load), requests, prompts, options, warmup, timeout_s, protocol,
-                                     on_done, seed=seed)
+                                     on_done, t0, seed)
         return await open_loop(url, load, requests, prompts, mode == "open-poisson", options, warmup, seed,
-                               timeout_s, protocol, on_done)
+                               timeout_s, protocol, on_done, t0)
 
 
 @contextlib.contextmanager

@@ -292,3 +292,49 @@ def _load_row(load: dict | None) -> str:
     return (f"other processes {load['other_cpu_s']:g} CPU-s in {load['wall_s']:g} s ({load['other_cores']:g} "
             f"CPUs on average: {'busy' if load['busy'] else 'quiet'}); the study's own {load['study_cpu_s']:g} "
             f"CPU-s; load average (1, 5, 15 min) {avg}")
+
+
+def _num(x) -> str:
+    return "n/a" if x is None else ("∞" if x == math.inf else "–∞" if x == -math.inf else f"{x:.3g}")
+
+
+def scaling_table(choice: dict) -> pd.DataFrame:
+    """One row per signal sampled from /metrics (and the client's own counts): its median at the last passing and
+    the first failing load, their separation in within-load spreads, the threshold and how often the failing load
+    was beyond it."""
+    last, fail = choice["last_pass_load"], choice["first_fail_load"]
+    at = {"pass": f"at load {_num(last)} (passes)", "fail": f"at load {_num(fail)} (fails)"}
+    rows = [{"signal": r["signal"], "what": r["label"], "from": r["source"], at["pass"]: _num(r["pass_value"]),
+             at["fail"]: _num(r["fail_value"]), "separation": _num(r["separation"]),
+             "threshold": ("> " if r["scale_out_when"] == "above" else "< ") + _num(r["threshold"])
+             if r["threshold"] is not None else "n/a",
+             "beyond it at the failing load": _pct(r["fail_beyond_share"]) if r["fail_beyond_share"] is not None
+             else "n/a"} for r in choice["rows"]]
+    return pd.DataFrame(rows).set_index("signal")
+
+
+def scaling_text(server: dict) -> str:
+    """Markdown: the signal to scale on and its threshold, judged on the SLO and on the zero-underrun contract, and
+    what the fleet's autoscaler takes from it; or why the data cannot tell."""
+    lines = []
+    for choice in (server["scale_signal"]["slo"], server["scale_signal"]["contract"]):
+        on = "the SLO" if choice["judged_on"] == "slo" else "the zero-underrun contract"
+        if choice["status"] != "chosen":
+            lines.append(f"**What to scale on ({server['label']}, {on}): undecided**: {choice['reason']}.")
+            continue
+        r = next(r for r in choice["rows"] if r["signal"] == choice["signal"])
+        lines.append(f"**Scale on `{r['signal']}` ({server['label']}, {on})**: scale out when it is {r['scale_out_when']} "
+                     f"{_num(r['threshold'])}. It reads {_num(r['pass_value'])} at load {choice['last_pass_load']:g}, "
+                     f"the last that meets {on}, and {_num(r['fail_value'])} at load {choice['first_fail_load']:g}, "
+                     f"the first that breaks it: {_num(r['separation'])} times its spread within a load; "
+                     f"{_pct(r['fail_beyond_share'])} of load {choice['first_fail_load']:g}'s samples were beyond it.")
+    slo = server["scale_signal"]["slo"]
+    if slo["fleet_safe_capacity"] is not None:
+        lines.append(f"Ray Serve's autoscaler counts open streams per replica, so the fleet takes this threshold: "
+                     f"`qtts-jax cluster --scale-from summary.json` (= `--safe-capacity {_num(slo['fleet_safe_capacity'])}`, "
+                     f"`FLEET_SAFE_CAPACITY` in deploy/rayservice.yaml).")
+    else:
+        lines.append("Ray Serve's autoscaler counts only open streams per replica, and this choice is not that: "
+                     "`qtts-jax cluster --scale-from summary.json` falls back to the closed-loop safe capacity; "
+                     "alert on the chosen signal (docs/fleet.md).")
+    return "\n\n".join(lines)

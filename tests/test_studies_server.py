@@ -13,6 +13,7 @@ import pytest
 from studies.load import arrival_times, run_condition
 from studies.records import read_jsonl
 from studies.report import run_notebook
+from studies.scrape import MetricsSampler
 from studies.server import local_server
 from studies.slo import SLO, Contract, safe_capacity, zero_underrun_capacity
 from studies.sweep import sweep
@@ -53,6 +54,20 @@ def test_closed_sweep_writes_valid_timed_records_and_a_consistent_summary(url, t
     assert result["safe_capacity"] == safe_capacity(result["conditions"], SLO())
     assert result["zero_underrun_capacity"] == zero_underrun_capacity(result["conditions"], Contract())
     assert json.loads((tmp_path / "summary.json").read_text())["safe_capacity"] == result["safe_capacity"]
+    # the server's /metrics, scraped while each load ran, on the records' clock
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert samples == json.loads(json.dumps(result["samples"])) and {s["load"] for s in samples} == {1, 2}
+    for load in (1, 2):
+        mine = [s for s in samples if s["load"] == load]
+        sent = [r for r in records if r.load == load]
+        assert len(mine) >= 2 and all(s["error"] is None and s["server"] == url for s in mine)
+        assert 0 <= mine[0]["t_s"] <= min(r.end_s for r in sent) and mine[-1]["t_s"] >= max(r.end_s for r in sent)
+        assert all(0 <= s["metrics"]["qtts_active_streams"] <= 2 and s["metrics"]["qtts_queue_depth"] is not None
+                   and 0 <= s["client"]["streams_in_flight"] <= load for s in mine)
+        # the TTFA histogram counts every request once it has had its first audio: all of them by the last scrape
+        assert dict(mine[-1]["ttfa_buckets"])["+Inf"] >= 5 * load
+    no_metrics = MetricsSampler(f"{url}/nothing", gpu=False).sample(0.0, {"load": 1})
+    assert no_metrics["error"].startswith("HTTP 404") and set(no_metrics["metrics"].values()) == {None}
 
 
 def test_open_loop_sends_on_schedule(url):
@@ -135,7 +150,7 @@ def test_capacity_notebook_executes_and_renders_a_report(url, tmp_path):
         assert f"<strong>{name}: no fleet size</strong>" in html
         # beside the SLO's; 3 streams decide the contract only if one stalled, so either reading, never a bare 0
         assert re.search(rf"Zero-underrun capacity per replica \({name}\): (none \(load 1 fails|undecided \(load 1 "
-                         "is undecided)\)", html)
+                         r"is undecided)\)", html)
     assert "streams that underran [90% CI]</th>" in html and "zero-underrun</th>" in html
     # 3 streams bound a p95 only from below: a 1 ms TTFA target is failed with confidence
     assert "Load 1 fails: p95 TTFA is above 1 ms" in html and "<table" in html  # pandas tables, not Markdown
@@ -155,6 +170,13 @@ def test_capacity_notebook_executes_and_renders_a_report(url, tmp_path):
     assert all(json.loads(line)["ttfa_ms"] > 0 for line in (tmp_path / "records.jsonl").read_text().splitlines())
     for name in ("capacity_study.ipynb", "curves.png", "ttfa_cdf.png"):
         assert (tmp_path / name).stat().st_size > 0
+    # what to scale on: load 1 already fails the 1 ms target, so the data cannot tell, and the report says so
+    assert summary["scale_signal"] == summary["servers"][0]["scale_signal"]
+    assert summary["scale_signal"]["slo"]["status"] == "undecided"
+    assert "What to scale on (first, the SLO): undecided</strong>: no load passes (load 1 is fail)" in html
+    assert "<th>separation</th>" in html and "streams_open</th>" in html
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert {s["server"] for s in samples} == {"first", "second"} and all(s["error"] is None for s in samples)
 
 
 def test_local_server_that_dies_reports_it():
