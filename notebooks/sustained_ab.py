@@ -38,6 +38,7 @@ window_s = 90.0
 pause_ms = 120.0  # processed: silence between the two turns
 gpu = True  # sample GPU use and memory with nvidia-smi when present
 gpu_ids = ""  # nvidia-smi -i (e.g. "0"); empty: every GPU
+measured = False  # True: out_dir already holds this A/B's summary.json (measured where the servers run); only draw it
 out_dir = "runs/sustained"
 
 # %%
@@ -49,28 +50,19 @@ import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
 from studies.plots import show
-from studies.records import write_jsonl
-from studies.sustained import compare_builds, sustained_ab, workload_items
+from studies.sustained import measure
 
 out = Path(out_dir)
-options = {"voice": voice, "seed": seed}
-if max_frames:
-    options["max_frames"] = max_frames
-corpora = {"plain": plain_corpus, "processed": processed_corpus}
-names = {"A": label_a, "B": label_b}
-records = []
-results = {}
-for workload in workloads:
-    items = workload_items(workload, corpora[workload], items_per_workload)
-    passes = sustained_ab(url_a, url_b, items, options, concurrency, fill_s, window_s, workload=workload,
-                          protocol=protocol, pause_ms=pause_ms, gpu=gpu, gpu_ids=gpu_ids or None,
-                          records_out=records)
-    results[workload] = {"items": len(items), "passes": passes, "comparison": compare_builds(passes)}
-write_jsonl(out / "records.jsonl", records)
-summary = {"url_a": url_a, "url_b": url_b, "label_a": label_a, "label_b": label_b, "protocol": protocol,
-           "options": options, "concurrency": concurrency, "fill_s": fill_s, "window_s": window_s,
-           "pause_ms": pause_ms, "workloads": results}
-_ = (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+if measured:
+    summary = json.loads((out / "summary.json").read_text())
+else:
+    options = {"voice": voice, "seed": seed, **({"max_frames": max_frames} if max_frames else {})}
+    summary = measure(out, url_a, url_b, label_a, label_b, workloads,
+                      {"plain": plain_corpus, "processed": processed_corpus}, items_per_workload, options,
+                      concurrency, fill_s, window_s, protocol, pause_ms, gpu, gpu_ids or None)
+names = {"A": summary["label_a"], "B": summary["label_b"]}
+results = summary["workloads"]
+protocol, concurrency, fill_s, window_s = (summary[k] for k in ("protocol", "concurrency", "fill_s", "window_s"))
 
 # %% [markdown]
 # ## Passes

@@ -75,7 +75,7 @@ def build_parser(prog: str = "python -m studies") -> argparse.ArgumentParser:
     c.add_argument("--no-report", action="store_true",
                    help="measure only (records and summary.json), for a machine without papermill such as a GPU "
                         "host; render the report anywhere with `report RUN_DIR`")
-    r = sub.add_parser("report", help="render report.html from a capacity run measured with --no-report (or again)",
+    r = sub.add_parser("report", help="render report.html from a capacity or sustained run measured with --no-report (or again)",
                        **defaults)
     r.add_argument("run_dir", help="the run directory: its summary.json and records")
     s = sub.add_parser("sustained", help="A/B of two builds under sustained load: passes A, B, B, A per workload, "
@@ -112,6 +112,9 @@ def build_parser(prog: str = "python -m studies") -> argparse.ArgumentParser:
     s.add_argument("--pause-ms", type=float, default=120.0, help="processed: silence between the turns")
     s.add_argument("--no-gpu", action="store_true", help="do not sample nvidia-smi")
     s.add_argument("--gpu-ids", default="", help="nvidia-smi -i (e.g. 0); default every GPU")
+    s.add_argument("--no-report", action="store_true",
+                   help="measure only (records and summary.json), for a machine without papermill such as a GPU "
+                        "host; render the report anywhere with `report RUN_DIR`")
     s.add_argument("--runs-dir", default="runs", help="parent directory of the run directory")
     e = sub.add_parser("explore", help="one synthesis through a server: listen, waveform, spectrogram, where the "
                                        "time to first audio goes; runs notebooks/explore_model.py -> "
@@ -220,14 +223,18 @@ def capacity(args) -> int:
 
 
 def render_report(args) -> int:
-    """The capacity report of a run measured elsewhere: the notebook draws it from the run's own files."""
+    """The report of a capacity study or a sustained A/B measured elsewhere: its notebook draws it from the run's
+    own files."""
     from studies.report import run_notebook
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "summary.json").is_file():
-        print(f"error: {run_dir / 'summary.json'} not found: give a capacity run directory", file=sys.stderr)
+        print(f"error: {run_dir / 'summary.json'} not found: give a capacity or sustained run directory",
+              file=sys.stderr)
         return 2
-    print(f"report: {run_notebook('capacity_study', {'measured': True}, run_dir)}")
+    kind = json.loads((run_dir / "summary.json").read_text()).get("kind")
+    notebook = "sustained_ab" if kind == "sustained" else "capacity_study"
+    print(f"report: {run_notebook(notebook, {'measured': True}, run_dir)}")
     return 0
 
 
@@ -240,6 +247,7 @@ def _fmt(v, spec: str) -> str:
 def sustained(args) -> int:
     from studies.report import new_run_dir, run_notebook
     from studies.server import local_server
+    from studies.sustained import measure
 
     if args.compare_url and args.compare_serialised:
         print("error: give --compare-url or --compare-serialised, not both", file=sys.stderr)
@@ -258,14 +266,13 @@ def sustained(args) -> int:
         label_b = args.label_b or args.compare_url or (
             f"local {args.model}, serialised" if args.compare_serialised else f"{label_a} (again)")
         print(f"sustained A/B: A = {url_a}, B = {url_b} -> {run_dir}", file=sys.stderr)
-        report = run_notebook("sustained_ab", {
-            "url_a": url_a, "url_b": url_b, "label_a": label_a, "label_b": label_b, "workloads": args.workload,
-            "items_per_workload": args.items, "plain_corpus": args.plain_corpus,
-            "processed_corpus": args.processed_corpus, "protocol": args.protocol, "voice": args.voice, "seed": args.seed,
-            "max_frames": args.max_frames, "concurrency": args.concurrency, "fill_s": args.fill_s,
-            "window_s": args.window_s, "pause_ms": args.pause_ms, "gpu": not args.no_gpu,
-            "gpu_ids": args.gpu_ids}, run_dir)
-    summary = json.loads((run_dir / "summary.json").read_text())
+        options = {"voice": args.voice, "seed": args.seed, **({"max_frames": args.max_frames} if args.max_frames else {})}
+        summary = measure(run_dir, url_a, url_b, label_a, label_b, args.workload,
+                          {"plain": args.plain_corpus, "processed": args.processed_corpus}, args.items, options,
+                          args.concurrency, args.fill_s, args.window_s, args.protocol, args.pause_ms,
+                          not args.no_gpu, args.gpu_ids or None)
+    report = ("not rendered: python -m studies report " + str(run_dir) if args.no_report
+              else run_notebook("sustained_ab", {"measured": True}, run_dir))
     names = {"A": label_a, "B": label_b}
     print("workload   pass build  req/s  p50 ms  p95 ms  outst.  wait  GPU%  GPU MiB  failed  mismatch  valid")
     for workload, res in summary["workloads"].items():

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 import time
 import uuid
+from pathlib import Path
 from xml.sax.saxutils import escape
 
 import aiohttp
@@ -32,7 +34,7 @@ import numpy as np
 from studies.corpora import load_corpus
 from studies.gpu import GpuSampler
 from studies.load import key_headers, speak, wait_ready
-from studies.records import RequestRecord
+from studies.records import RequestRecord, write_jsonl
 from studies.stats import percentile
 from studies.sweep import run_sync
 
@@ -298,3 +300,23 @@ def compare_builds(passes: list[dict]) -> dict:
     a = out["A"]["req_per_s"]
     out["b_over_a"] = out["B"]["req_per_s"] / a if a > 0 else math.nan
     return out
+
+
+def measure(out: Path, url_a: str, url_b: str, label_a: str, label_b: str, workloads, corpora: dict,
+            items_per_workload: int, options: dict, concurrency: int, fill_s: float, window_s: float,
+            protocol: str = "http", pause_ms: float = PAUSE_MS, gpu: bool = True, gpu_ids: str | None = None) -> dict:
+    """The whole A/B, each workload's passes and their comparison, written to `out` as records.jsonl and
+    summary.json (what the report draws), and returned. It runs where the servers are; the report is drawn from
+    those files on any machine."""
+    records, results = [], {}
+    for workload in workloads:
+        items = workload_items(workload, corpora.get(workload), items_per_workload)
+        passes = sustained_ab(url_a, url_b, items, options, concurrency, fill_s, window_s, workload=workload,
+                              protocol=protocol, pause_ms=pause_ms, gpu=gpu, gpu_ids=gpu_ids, records_out=records)
+        results[workload] = {"items": len(items), "passes": passes, "comparison": compare_builds(passes)}
+    write_jsonl(out / "records.jsonl", records)
+    summary = {"kind": "sustained", "url_a": url_a, "url_b": url_b, "label_a": label_a, "label_b": label_b,
+               "protocol": protocol, "options": options, "concurrency": concurrency, "fill_s": fill_s,
+               "window_s": window_s, "pause_ms": pause_ms, "workloads": results}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    return summary

@@ -222,6 +222,7 @@ def test_explore_reports_the_servers_error(url):
 
 
 def test_sustained_cli_runs_both_workloads_abba_with_golden_checks_and_no_gpu(url, tmp_path, monkeypatch, capsys):
+    """Measured where the servers run (--no-report: no papermill needed there), then drawn from the run's files."""
     from studies.cli import main as study_main
     from studies.sustained import document
 
@@ -234,10 +235,11 @@ def test_sustained_cli_runs_both_workloads_abba_with_golden_checks_and_no_gpu(ur
                      "--plain-corpus", str(tmp_path / "plain.txt"),
                      "--processed-corpus", str(tmp_path / "processed.txt"),
                      "--concurrency", "2", "--fill-s", "0.3", "--window-s", "2.0", "--max-frames", "6",
-                     "--runs-dir", str(tmp_path / "runs")])
+                     "--runs-dir", str(tmp_path / "runs"), "--no-report"])
     out = capsys.readouterr().out
     assert rc == 0, out
     (run,) = (tmp_path / "runs").iterdir()
+    assert not (run / "report.html").exists() and f"python -m studies report {run}" in out
     summary = json.loads((run / "summary.json").read_text())
     assert list(summary["workloads"]) == ["plain", "processed"] and summary["pause_ms"] == 120
     for workload, res in summary["workloads"].items():
@@ -255,6 +257,7 @@ def test_sustained_cli_runs_both_workloads_abba_with_golden_checks_and_no_gpu(ur
     processed = [r for r in records if r.condition.startswith("processed:") and not r.warmup]
     assert processed and {r.text for r in processed} >= {document(("Hi there.", "How can I help?"))}  # SSML, one request
     assert all(r.ok for r in records)
+    assert study_main(["report", str(run)]) == 0
     html = (run / "report.html").read_text()
     assert "same server" in html and "Workload <em>processed</em>" in html and "from studies" not in html
     assert (run / "sustained.png").stat().st_size > 0 and html.count('src="data:image/png;base64') == 1
