@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -39,6 +41,32 @@ def test_calibrating_on_the_live_state_leaves_a_playing_slot_untouched(tiny_mode
     assert set(timed.firsts) == {a for kind, a, n in keys if kind == "step" and n == 1 and a in SMALL.first_sizes}
     assert set(timed.prefills) == set(SMALL.prefill_sizes)  # timed at the largest bucket only
     assert all(v > 0 for costs in (timed.steps, timed.firsts, timed.prefills) for v in costs.values())
+
+
+def test_a_runners_states_are_one_program_and_its_first_buffers_none(tiny_model):
+    """A fresh state is one program, its live one and a scratch alike, each leaf a buffer of its own (the calls
+    donate them); a program's first per-call inputs and outcome are zeros copied from the host. Made with jnp.zeros,
+    each shape was a program to compile on a cold start, or load on a restart: 73 of a 16-slot engine's 98."""
+    from support import compiled_programs, compiles
+
+    from qtts_jax.engine import Engine
+
+    config = dataclasses.replace(SMALL, context=SMALL.context + 40)  # a shape no other test makes
+    with compiles() as seen:
+        runner = Runner(tiny_model, config)
+        scratch = runner.scratch()
+        again = Runner(tiny_model, config)
+    assert compiled_programs(seen) == ["jit(_fresh_states)"]
+    for state in ((runner.state, runner.codec_state), (scratch.state, scratch.codec_state)):
+        leaves = jax.tree.leaves(state)
+        assert len({a.unsafe_buffer_pointer() for a in leaves}) == len(leaves)
+    job = Engine(tiny_model, config).prepare(Request("A slot in use.", speaker="ryan", max_frames=8, **GREEDY))
+    again.prefill(job.bucket, [(0, job)], 1)
+    again.compile([("step", 2, 1)])
+    with compiles() as seen:
+        again.step(np.array([0, config.slots], np.int32), np.array([1, 0], np.int32), 1)
+    # at most the inputs' copy into their kept buffers (once a process for their shapes), and nothing else
+    assert set(compiled_programs(seen)) <= {"jit(_write_into)"}
 
 
 def test_a_programs_per_call_inputs_keep_their_device_buffers_and_take_each_calls_values(tiny_model):

@@ -49,8 +49,8 @@ def nbytes(tree) -> int:
 
 def test_slot_bytes_are_one_more_slot_of_engine_and_codec_state_plus_workspace(model):
     plan = sizing.plan(model, CONFIG, Gpu(bytes_limit=10 * 2**30, bytes_in_use=2**30))
-    engine_slot = (nbytes(init_state(model, dataclasses.replace(CONFIG, slots=3)))
-                   - nbytes(init_state(model, dataclasses.replace(CONFIG, slots=2))))
+    engine_slot = (nbytes(init_state(model.cfg, model.dtype, dataclasses.replace(CONFIG, slots=3)))
+                   - nbytes(init_state(model.cfg, model.dtype, dataclasses.replace(CONFIG, slots=2))))
     assert plan.state_bytes == engine_slot + nbytes(codec_streaming.init_state(model.codec_cfg, 1))
     assert plan.workspace_bytes > 0 and plan.slot_bytes == plan.state_bytes + plan.workspace_bytes
     assert plan.free_bytes == 9 * 2**30 and plan.fixed_bytes == int(sizing.RESERVE_FRACTION * 9 * 2**30)

@@ -25,7 +25,7 @@ from qtts_jax.codec import streaming as codec_streaming
 from qtts_jax.codec.config import SAMPLES_PER_FRAME
 from qtts_jax.engine.config import EngineConfig
 from qtts_jax.generate import RowSettings, RowState, frame_step
-from qtts_jax.model import Model
+from qtts_jax.config import ModelConfig
 from qtts_jax.prompt import Prompt, embed_prompt
 from qtts_jax.talker.transformer import KVCache, rows_layout
 
@@ -76,10 +76,9 @@ def blank_prompt(cfg, length: int):
     )
 
 
-def init_state(model: Model, c: EngineConfig) -> EngineState:
-    """Every slot empty and done; shapes fixed for the engine's life."""
-    cfg, b = model.cfg, c.slots
-    dtype = model.dtype
+def init_state(cfg: ModelConfig, dtype, c: EngineConfig) -> EngineState:
+    """Every slot empty and done, for a model of `cfg` in `dtype`; shapes fixed for the engine's life."""
+    b = c.slots
     t = cfg.talker
     shape = (t.num_layers, b, t.num_kv_heads, c.context, t.head_dim)
     cache = KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))

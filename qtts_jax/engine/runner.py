@@ -126,6 +126,21 @@ def _write_into(buffers, values):
 _refill = jax.jit(_write_into, donate_argnums=(0,))
 
 
+@functools.partial(jax.jit, static_argnums=range(5))
+def _fresh_states(cfg, dtype, config: EngineConfig, codec_cfg, codec_dtype):
+    """One program makes every buffer of a fresh state, each its own (XLA never returns one buffer twice; the calls
+    donate them). Made leaf by leaf, each shape was a program of its own to compile, or to load from the cache on a
+    restart; made here, it is one program per engine shape, in a process."""
+    return (programs.init_state(cfg, dtype, config),
+            codec_streaming.init_state(codec_cfg, config.slots, codec_dtype))
+
+
+def _zeros(shapes):
+    """Zeroed device buffers of `shapes`' shapes, copied from the host: `jnp.zeros` compiles a program for each
+    shape. Copied, not borrowed, so the device owns them and a call can donate them."""
+    return jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), may_alias=False), shapes)
+
+
 class HeldInputs(NamedTuple):
     """A program's per-call inputs on the device (`buffers`) and the host values last written into them."""
 
@@ -207,19 +222,16 @@ class Runner:
             return jax.tree.map(lambda a: a.astype(codec_dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a,
                                 codec_params)
 
-        def states():
-            return programs.init_state(model, config), codec_streaming.init_state(codec_cfg, config.slots, codec_dtype)
-
         # what programs are lowered on: the states' shapes on the default device, never their buffers (the calls
         # donate those)
         on = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         self._specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on),
-                                   jax.eval_shape(states))
+                                   jax.eval_shape(self.fresh_states))
         if shapes_only:
             self.codec_params = jax.eval_shape(cast, model.codec_params)
         else:
             self.codec_params = cast(model.codec_params)
-            self.state, self.codec_state = states()
+            self.state, self.codec_state = self.fresh_states()
 
     # ---- the loop's calls -------------------------------------------------------------------
 
@@ -357,8 +369,13 @@ class Runner:
 
     # ---- calibration ------------------------------------------------------------------------
 
+    def fresh_states(self) -> tuple[programs.EngineState, codec_streaming.StreamState]:
+        """Every slot empty: the engine's state and the codec's, on the device."""
+        m, c = self.model, self.config
+        return _fresh_states(m.cfg, jnp.dtype(m.dtype), c, m.codec_cfg, jnp.dtype(c.codec_dtype))
+
     def scratch(self) -> Scratch:
-        return Scratch(*jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._specs))
+        return Scratch(*self.fresh_states())
 
     def idle_call(self, key: Key, on: Scratch | None = None):
         """One call of the program `key` on padding rows (every write dropped, so the state keeps its values), on
@@ -381,7 +398,7 @@ class Runner:
         if kind in _OUTCOME_AT:
             into = target.outcomes.pop(place, None)
             if into is None:
-                into = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._outcome_shapes(*key))
+                into = _zeros(self._outcome_shapes(*key))
             out = exe(*args, into=into)
         else:
             out = exe(*args)
@@ -410,7 +427,7 @@ class Runner:
         if last is not None and all(np.array_equal(a, b) for a, b in zip(new, last.values)):
             buffers = last.buffers  # the values are there already (a stable batch's steps): no copy, no program
         else:  # the first call's buffers are the device's own (a CPU's device_put may borrow numpy's memory instead)
-            into = last.buffers if last is not None else jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), new)
+            into = last.buffers if last is not None else _zeros(new)
             buffers = _refill(into, new)
             held[place] = HeldInputs(buffers, tuple(np.array(a) for a in new))
         args = list(args)

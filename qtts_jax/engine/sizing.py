@@ -105,7 +105,7 @@ def available_bytes(device: jax.Device) -> tuple[int, str]:
 
 
 def _state_shapes(model: Model, config: EngineConfig, slots: int):
-    return jax.eval_shape(lambda: init_state(model, dataclasses.replace(config, slots=slots)))
+    return jax.eval_shape(lambda: init_state(model.cfg, model.dtype, dataclasses.replace(config, slots=slots)))
 
 
 def _nbytes(tree) -> int:
