@@ -92,3 +92,30 @@ def test_programs_compiled_ahead_by_workers_are_loaded_by_the_background_stages(
     assert traced == [] and engine.runner.stored([key for stage in stages(config) for key in stage])
     assert engine.stats().slots == config.slots
     assert all(proc.wait(timeout=60) is not None for proc, _ in ahead.procs)  # done, or stopped by the warm-up
+
+
+def test_only_timings_taken_with_nothing_compiling_are_kept_and_the_last_stage_retimes_every_program(
+        tiny_model, tmp_path, monkeypatch):
+    """Timed beside compiles (on a GPU the workers' autotuning shares the device), a stage's timings serve the loop
+    but are not kept for the next start; once the last stage is made, every program is timed again, the loop's
+    costs become those timings, the first stage's too, and the compilation cache keeps them."""
+    from qtts_jax.engine import compile_cache
+
+    monkeypatch.setattr(compile_cache, "directory", lambda: tmp_path)
+    engine = Engine(tiny_model, dataclasses.replace(SMALL, batch_sizes=(1,), frames_per_step=2,
+                                                    context=SMALL.context + 24))
+    gate, rest = threading.Event(), warming.rest
+    monkeypatch.setattr(engine.runner, "stored", lambda keys: False)  # a cold start, in stages
+    monkeypatch.setattr(warming, "rest", lambda *args: gate.wait() and rest(*args))
+    engine.warmup(background=True)
+    store = engine.runner.store
+    provisional = dict(engine.stats().step_costs)
+    assert store.load_timings() == {} and (1, 1) in provisional  # served on, not kept
+    gate.set()
+    assert warming.wait(engine, 300)
+    kept, st = store.load_timings(), engine.stats()
+    for (rows, frames), cost in st.step_costs.items():
+        chunk = min(s for s in SMALL.codec_sizes if s >= min(max(SMALL.schedule), frames))
+        assert cost == kept["step", rows, frames] + kept["codec", rows, chunk]
+    assert st.step_costs[1, 1] != provisional[1, 1]  # the first stage's timing too, taken again
+    assert st.first_costs == {rows: kept["first", rows, 1] for rows in st.first_costs}

@@ -164,9 +164,9 @@ class ProgramStore:
         os.replace(f.name, path)
 
     def load_timings(self) -> dict:
-        """Idle seconds per call of the programs made here, timed when they were made, by program (with
-        ("first", rung, 1): a first frame). They seed the loop's costs until live measurements replace them."""
-        path = self.root / "timings.pkl"
+        """Idle seconds per call of the programs made here, timed with nothing compiling beside them, by program
+        (with ("first", rung, 1): a first frame). They seed the loop's costs until live measurements replace them."""
+        path = self.root / "settled-timings.pkl"
         try:
             return pickle.loads(path.read_bytes()) if path.exists() else {}
         except Exception as e:
@@ -175,4 +175,4 @@ class ProgramStore:
 
     def save_timings(self, timings: dict) -> None:
         """`timings` (what `load_timings` gave, and more) kept for the next start."""
-        self._write(self.root / "timings.pkl", pickle.dumps(timings))
+        self._write(self.root / "settled-timings.pkl", pickle.dumps(timings))

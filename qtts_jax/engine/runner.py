@@ -113,7 +113,7 @@ class DeviceRunner(Protocol):
 
     def scratch(self): ...
 
-    def calibrate(self, keys: list[Key], on=None) -> Calibration: ...
+    def calibrate(self, keys: list[Key], on=None, settled: bool = True) -> Calibration: ...
 
 
 def _write_into(buffers, values):
@@ -147,6 +147,8 @@ class HeldInputs(NamedTuple):
     buffers: tuple
     values: tuple
 
+
+TIMING_CALLS = 3  # a program's timing is the least of this many calls
 
 # where a program's outcome (what the loop reads) is in its output; the rest is the state it carries on
 _OUTCOME_AT = {"step": 1, "codec": 0}
@@ -449,24 +451,31 @@ class Runner:
         scalar = np.int32(0)
         return (params, state, np.int32(self.config.slots), scalar, np.zeros(b, np.int32), scalar, scalar)
 
-    def calibrate(self, keys: list[Key], on: Scratch | None = None) -> Calibration:
+    def calibrate(self, keys: list[Key], on: Scratch | None = None, settled: bool = True) -> Calibration:
         """Run every compiled program of `keys` once (`idle_call`: its first call loads its kernels), then time some
-        of them on a second call, unless the compilation cache kept their timings from when they were made: a
+        of them, each the least of `TIMING_CALLS` calls, unless the compilation cache kept their settled timings: a
         step's iteration cost is the step plus a codec call of as many rows at the chunk it would feed, a first
         frame is timed on every rung of `first_sizes` whose one-frame step and codec call are compiled, prefill is
         timed at the largest bucket. An executable's first call pays a one-off set-up (loading its kernels; the
         codec's convolution plans): run here, not in the loop's first live call of it, where a fresh server's
-        first iterations under load would pay it."""
+        first iterations under load would pay it.
+
+        `settled`: nothing compiles beside these timings, so the cache keeps them for the next start. Timed beside
+        compile workers, whose autotuning runs on the same device, a 64-row step read three times its cost; such
+        timings serve only until the warm-up's settled ones replace them."""
         c, target, store = self.config, on if on is not None else self, self.store
         kept = store.load_timings() if store is not None else {}
         for key in keys:
             jax.block_until_ready(self.idle_call(key, on))
 
-        def timed(key, call) -> float:  # kept from when the programs were made, on this kind of device, or timed now
+        def timed(key, call) -> float:  # kept from a settled start on this kind of device, or timed now
             if key not in kept:
-                t0 = time.perf_counter()
-                jax.block_until_ready((call(), target.state, target.codec_state))
-                kept[key] = time.perf_counter() - t0
+                seconds = []
+                for _ in range(TIMING_CALLS):  # the least: a live loop's iterations interleave with these calls
+                    t0 = time.perf_counter()
+                    jax.block_until_ready((call(), target.state, target.codec_state))
+                    seconds.append(time.perf_counter() - t0)
+                kept[key] = min(seconds)
             return kept[key]
 
         steps, firsts, prefills = {}, {}, {}
@@ -484,7 +493,7 @@ class Runner:
                 first = partial(self._first, target, padding, none, none, none)
                 jax.block_until_ready(first())  # the first call makes the role's own buffers
                 firsts[a] = timed(("first", a, 1), first)
-        if store is not None:
+        if store is not None and settled:
             store.save_timings(kept)
         return Calibration(steps, firsts, prefills)
 

@@ -42,10 +42,12 @@ def run(engine, background: bool = False) -> None:
     if engine.model.cfg.model_type == "base":
         engine.runner.warm_voices()
     log.info("compiled %d engine programs in %.1f s", len(keys), time.perf_counter() - t0)
-    use(engine, keys, engine.runner.calibrate(keys), left=sum(map(len, later)))
+    # timed beside the later stages' compiles, the first stage's costs serve until the last stage's settled ones
+    use(engine, keys, engine.runner.calibrate(keys, settled=not later), left=sum(map(len, later)))
     log.info("step costs (rows, frames) -> ms: %s", {k: round(v * 1e3, 1) for k, v in engine.step_costs.items()})
     if later:
-        threading.Thread(target=rest, args=(engine, later, t0, workers), name="qtts-warmup", daemon=True).start()
+        threading.Thread(target=rest, args=(engine, keys, later, t0, workers), name="qtts-warmup",
+                         daemon=True).start()
     elif workers is not None:
         workers.stop()
 
@@ -65,10 +67,11 @@ def compile_ahead(source: str, dtype: str, config: EngineConfig):
     return runner.compile_elsewhere([key for stage in stages(config) for key in stage])
 
 
-def rest(engine, later: list[list[Key]], t0: float, workers=None) -> None:
+def rest(engine, first: list[Key], later: list[list[Key]], t0: float, workers=None) -> None:
     """The background half of `run`: stage after stage compiled (by `workers`, when the runner started them, and
     loaded from the compilation cache as they land), timed on a scratch state of its own (the loop owns the live
-    one) and added to what the loop may use."""
+    one) and added to what the loop may use. Once the last stage is made nothing compiles any more, and every
+    program is timed again: the settled timings the loop starts from, and the next start reads."""
     try:
         scratch = engine.runner.scratch()
         for i, keys in enumerate(later):
@@ -77,7 +80,9 @@ def rest(engine, later: list[list[Key]], t0: float, workers=None) -> None:
                 workers.wait(keys, engine.runner.stored)
             engine.runner.compile(keys)
             t2 = time.perf_counter()
-            timed, last = engine.runner.calibrate(keys, on=scratch), i == len(later) - 1
+            last = i == len(later) - 1
+            every = [key for stage in (first, *later) for key in stage] if last else keys
+            timed = engine.runner.calibrate(every, on=scratch, settled=last)
             log.info("warm-up stage %d of %d: %d programs made in %.1f s, timed in %.1f s", i + 2, len(later) + 1,
                      len(keys), t2 - t1, time.perf_counter() - t2)
             if last:
@@ -99,16 +104,16 @@ def rest(engine, later: list[list[Key]], t0: float, workers=None) -> None:
 
 def use(engine, keys: list[Key], timed: Calibration, left: int, settle: bool = False) -> None:
     """Let the loop use the compiled and timed programs `keys` (`left`: programs still to come), their idle costs
-    seeding what it has not measured live. `settle` (the background warm-up's last stage): what the loop measured
-    so far shared the machine with XLA, so it goes back to the idle timings, in the same update that says nothing
-    is left to compile."""
+    seeding what it has not measured live. `settle` (the background warm-up's last stage, `timed` every program
+    with nothing compiling): what the loop measured so far shared the machine with XLA, so it goes back to these
+    timings, in the same update that says nothing is left to compile."""
     e, c = engine, engine.config
     ready = e._ready | set(keys)
     with e._lock:
         e.idle_step_costs.update(timed.steps)
         for costs, new in ((e.step_costs, timed.steps), (e.first_costs, timed.firsts),
-                           (e.prefill_costs, timed.prefills)):
-            costs.update({k: v for k, v in new.items() if k not in costs})  # live measurements stay
+                           (e.prefill_costs, timed.prefills)):  # live measurements stay, until settled ones come
+            costs.update({k: v for k, v in new.items() if settle or k not in costs})
         e._ready = ready
         e.sizes = Sizes(
             ladder=tuple(b for b in c.ladder if {("step", b, 1), ("codec", b, 1)} <= ready),
@@ -117,7 +122,6 @@ def use(engine, keys: list[Key], timed: Calibration, left: int, settle: bool = F
             codec=tuple(n for n in c.codec_sizes if ("codec", c.ladder[0], n) in ready),
             prefill=tuple(r for r in c.prefill_sizes if all(("insert", b, r) in ready for b in c.prompt_buckets)))
         if settle:
-            e.step_costs.update(e.idle_step_costs)
             e._forget_timings()
         e._compiling = left
         e._stats = snapshot(e)
