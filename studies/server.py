@@ -33,11 +33,13 @@ def free_port() -> int:
 @contextlib.contextmanager
 def local_server(model: str = "tiny-random", slots: int | str = 4, context: int = 256, frames_per_step: int = 1,
                  serialised: bool = False, log_path: str | Path | None = None, ready_timeout_s: float = 900.0,
-                 extra_args: tuple[str, ...] = (), engine: dict | None = None, admission: dict | None = None):
+                 extra_args: tuple[str, ...] = (), engine: dict | None = None, admission: dict | None = None,
+                 port: int | None = None):
     """Yields the base URL of a ready server on 127.0.0.1, at its full size (nothing left compiling in the
     background); SIGTERM (then kill) on exit. `slots` may be "auto"; `extra_args` are `serve` flags, `engine` and
-    `admission` fields of EngineConfig and AdmissionConfig over their defaults."""
-    port = free_port()
+    `admission` fields of EngineConfig and AdmissionConfig over their defaults; `port` a free one by default (a
+    client that must reach the server before it is ready takes one from `free_port` first)."""
+    port = port or free_port()
     engine = {"frames_per_step": frames_per_step, **(engine or {})}
     admission = {**({"max_queue": 100000, "starvation_s": 1e9} if serialised else {}), **(admission or {})}
     args = server_command("--model", model, "--host", "127.0.0.1", "--port", str(port),
