@@ -137,7 +137,7 @@ class NumpyRunner:
     def scratch(self) -> None:
         pass
 
-    def calibrate(self, keys, on=None) -> Calibration:
+    def calibrate(self, keys, on=None, settled: bool = True) -> Calibration:
         c, k = self.config, self.scale
         return Calibration(
             steps={(a, n): k * (step_s(a, n) + codec_s(a, min(n, max(c.schedule))))

@@ -461,7 +461,7 @@ class Runner:
         first iterations under load would pay it.
 
         `settled`: nothing compiles beside these timings, so the cache keeps them for the next start. Timed beside
-        compile workers, whose autotuning runs on the same device, a 64-row step read three times its cost; such
+        compile workers, whose autotuning runs on the same device, a step reads several times its cost; such
         timings serve only until the warm-up's settled ones replace them."""
         c, target, store = self.config, on if on is not None else self, self.store
         kept = store.load_timings() if store is not None else {}
