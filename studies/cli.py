@@ -58,7 +58,8 @@ def build_parser(prog: str = "python -m studies") -> argparse.ArgumentParser:
     c.add_argument("--loads", type=float, nargs="+", default=[1, 2, 4], metavar="LOAD",
                    help="loads to sweep: clients (closed) or requests/s (open)")
     c.add_argument("--requests", type=int, default=60,
-                   help="measured requests per load; 59 or more bound a p95 from above, so fewer can never pass")
+                   help="measured requests per load (a closed loop measures one a client at least); 59 or more "
+                        "bound a p95 from above, so fewer can never pass")
     c.add_argument("--warmup", type=int, default=2, help="unmeasured requests at the start of each load")
     c.add_argument("--max-frames", type=int, default=24, help="frames (80 ms) per request")
     c.add_argument("--chunk-schedule", type=int, nargs="*", default=[1, 2, 4], metavar="FRAMES",

@@ -346,13 +346,19 @@ def _check(concurrency, requests, prompts, warmup, protocol="http", options=None
         check_ws_options(options or {})
 
 
+def measured_requests(mode: str, load: float, requests: int) -> int:
+    """The requests a condition measures: `requests`, and in a closed loop at least one for each client. With fewer,
+    fewer clients than the load ever send, and the verdict would name a load that was never in flight."""
+    return max(requests, int(load)) if mode == "closed" else requests
+
+
 async def run_condition(url: str, mode: str, load: float, requests: int, prompts: list[str],
                         options: dict | None = None, warmup: int = 0, seed: int = 0,
                         timeout_s: float = 60.0, protocol: str = "http", on_done=None,
                         sampler=None) -> list[RequestRecord]:
     """One condition after the server has drained the previous one (so conditions do not overlap); `on_done()`
     is called as each request ends (a progress bar). A `sampler` (`studies.scrape.MetricsSampler`) scrapes the
-    server while the load runs, on the records' clock."""
+    server while the load runs, on the records' clock. A closed loop measures `measured_requests`."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
     _check(1, requests, prompts, warmup, protocol, options)
@@ -364,8 +370,8 @@ async def run_condition(url: str, mode: str, load: float, requests: int, prompts
         if sampler:
             scraping.enter_context(sampler.running(t0, condition=condition_name(mode, load), load=load))
         if mode == "closed":
-            return await closed_loop(url, int(load), requests, prompts, options, warmup, timeout_s, protocol,
-                                     on_done, t0, seed)
+            return await closed_loop(url, int(load), measured_requests(mode, load, requests), prompts, options,
+                                     warmup, timeout_s, protocol, on_done, t0, seed)
         return await open_loop(url, load, requests, prompts, mode == "open-poisson", options, warmup, seed,
                                timeout_s, protocol, on_done, t0)
 

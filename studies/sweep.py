@@ -7,7 +7,7 @@ import concurrent.futures
 import json
 from pathlib import Path
 
-from studies.load import run_condition
+from studies.load import measured_requests, run_condition
 from studies.progress import bar
 from studies.records import write_jsonl
 from studies.scrape import MetricsSampler, with_client_view
@@ -33,7 +33,8 @@ def sweep(url: str, mode: str, loads: list[float], requests: int, prompts: list[
     records_path.unlink(missing_ok=True)
     sampler = sampler or MetricsSampler(url)
     summaries, samples = [], []
-    with bar(len(loads) * (warmup + requests), f"sweeping {server or url}", "req") as progress:
+    total = sum(warmup + measured_requests(mode, load, requests) for load in loads)
+    with bar(total, f"sweeping {server or url}", "req") as progress:
         for load in sorted(loads):
             records = run_sync(run_condition(url, mode, load, requests, prompts, options, warmup, seed, timeout_s,
                                              protocol, on_done=progress.update, sampler=sampler))

@@ -608,3 +608,25 @@ def test_an_empty_chunk_schedule_leaves_the_servers_own():
     assert "chunk_schedule" not in request_options(parse(["capacity", "--chunk-schedule"]))
     assert request_options(parse(["capacity", "--chunk-schedule", "1", "4"]))["chunk_schedule"] == [1, 4]
     assert request_options(parse(["capacity"]))["chunk_schedule"] == [1, 2, 4]
+
+
+def test_a_closed_loop_measures_at_least_one_request_for_each_client(monkeypatch):
+    """With fewer requests than clients, fewer clients than the load would ever send: a closed loop of 256 given
+    60 requests had 62 in flight, and its verdict named 256. It measures one request a client at least."""
+    from studies import load
+
+    asked = []
+
+    async def idle(*args, **kwargs):
+        return {}
+
+    async def loop(url, concurrency, requests, *args, **kwargs):
+        asked.append((concurrency, requests))
+        return []
+
+    monkeypatch.setattr(load, "wait_ready", idle)
+    monkeypatch.setattr(load, "closed_loop", loop)
+    for clients in (8, 256):
+        asyncio.run(load.run_condition("http://unused", "closed", clients, 60, ["Hi."]))
+    assert asked == [(8, 60), (256, 256)]
+    assert load.measured_requests("open-poisson", 256.0, 60) == 60
