@@ -21,45 +21,40 @@ import json
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from studies.cli import main as study_main  # noqa: E402
-from studies.load import key_headers, speak  # noqa: E402
+from studies.load import arrival_times, key_headers, speak, wait_ready  # noqa: E402
 from studies.records import RequestRecord, write_jsonl  # noqa: E402
 from studies.server import free_port, local_server  # noqa: E402
 
 AFTER_READY_S = 30.0  # how long the cold load goes on once the server is at full capacity
-
-
-def full(url: str) -> bool:
-    """Whether `/ready` says 200 with nothing left compiling (busy or not: a load may be running)."""
-    try:
-        with urllib.request.urlopen(f"{url}/ready", timeout=2) as r:
-            return r.status == 200 and json.loads(r.read()).get("compiling", 0) == 0
-    except OSError:
-        return False
+READY_TIMEOUT_S = 900.0
 
 
 async def cold_load(url: str, rate: float, t0: float, options: dict) -> tuple[list[RequestRecord], float]:
     """Poisson `rate` requests/s from `t0` (the server's process start) until `AFTER_READY_S` after it is at full
-    capacity; the records, and when it got there (seconds from `t0`)."""
-    rng, tasks, ready_at, i = np.random.default_rng(0), [], None, 0
+    capacity (`/ready` 200: every rung compiled); the records, and when it got there (seconds from `t0`)."""
+    ready_at = []
+    ready = asyncio.create_task(wait_ready(url, READY_TIMEOUT_S))
+    ready.add_done_callback(lambda _: ready_at.append(time.perf_counter() - t0))
+    offsets = arrival_times(rate, int(rate * (READY_TIMEOUT_S + AFTER_READY_S)), poisson=True)
+    tasks = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=key_headers()) as s:
-        while ready_at is None or time.perf_counter() - t0 < ready_at + AFTER_READY_S:
-            if ready_at is None and await asyncio.to_thread(full, url):
-                ready_at = time.perf_counter() - t0
+        for i, at in enumerate(offsets):
+            if ready_at and at > ready_at[0] + AFTER_READY_S:
+                break
+            await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
             record = RequestRecord(f"cold-{i}", f"cold:{rate:g}", "open-poisson", rate, 0,
                                    "Hello there, how can I help you today?", time.perf_counter() - t0)
             tasks.append(asyncio.create_task(speak(s, url, record, options, t0, 60.0)))
-            i += 1
-            await asyncio.sleep(rng.exponential(1 / rate))
-        return list(await asyncio.gather(*tasks)), ready_at
+        records = list(await asyncio.gather(*tasks))
+    await ready  # its error, if it never got there
+    return records, ready_at[0]
 
 
 def served(records: list[RequestRecord], ready_at: float) -> dict:

@@ -56,10 +56,9 @@ out = Path(out_dir)
 if measured:
     summary = json.loads((out / "summary.json").read_text())
 else:
-    options = {"voice": voice, "seed": seed, **({"max_frames": max_frames} if max_frames else {})}
     summary = measure(out, url_a, url_b, label_a, label_b, workloads,
-                      {"plain": plain_corpus, "processed": processed_corpus}, items_per_workload, options,
-                      concurrency, fill_s, window_s, protocol, pause_ms, gpu, gpu_ids or None)
+                      {"plain": plain_corpus, "processed": processed_corpus}, items_per_workload, voice, seed,
+                      max_frames, concurrency, fill_s, window_s, protocol, pause_ms, gpu, gpu_ids or None)
 names = {"A": summary["label_a"], "B": summary["label_b"]}
 results = summary["workloads"]
 protocol, concurrency, fill_s, window_s = (summary[k] for k in ("protocol", "concurrency", "fill_s", "window_s"))

@@ -92,9 +92,10 @@ def study(servers: dict[str, str], out_dir: str | Path, mode: str, loads: list[f
           configs: dict[str, dict] | None = None, contract: Contract = Contract()) -> dict:
     """Sweeps each server (label -> URL) in turn into out_dir/servers/<label>/ and writes out_dir/summary.json
     (provenance, settings, per server: conditions, assessment, fleet, the signal to scale on), out_dir/records.jsonl
-    (every request of every server, labelled) and out_dir/samples.jsonl (their /metrics while each load ran). `configs`: how local servers were started, for provenance. The fleet
-    is sized on the SLO's safe capacity; the zero-underrun contract is reported beside it. Without a
-    `price_per_hour` the fleet is priced at the placeholder default and the summary says so."""
+    (every request of every server, labelled) and out_dir/samples.jsonl (their /metrics while each load ran).
+    `configs`: how local servers were started, for provenance. The fleet is sized on the SLO's safe capacity; the
+    zero-underrun contract is reported beside it. Without a `price_per_hour` the fleet is priced at the placeholder
+    default and the summary says so."""
     price_is_default = price_per_hour is None
     price_per_hour = DEFAULT_PRICE_PER_HOUR if price_is_default else price_per_hour
     out = Path(out_dir)

@@ -76,8 +76,8 @@ def build_parser(prog: str = "python -m studies") -> argparse.ArgumentParser:
     c.add_argument("--no-report", action="store_true",
                    help="measure only (records and summary.json), for a machine without papermill such as a GPU "
                         "host; render the report anywhere with `report RUN_DIR`")
-    r = sub.add_parser("report", help="render report.html from a capacity or sustained run measured with --no-report (or again)",
-                       **defaults)
+    r = sub.add_parser("report", help="render report.html from a capacity or sustained run measured with "
+                                      "--no-report (or again)", **defaults)
     r.add_argument("run_dir", help="the run directory: its summary.json and records")
     s = sub.add_parser("sustained", help="A/B of two builds under sustained load: passes A, B, B, A per workload, "
                                          "golden-checked; runs notebooks/sustained_ab.py -> runs/<id>/report.html",
@@ -267,11 +267,10 @@ def sustained(args) -> int:
         label_b = args.label_b or args.compare_url or (
             f"local {args.model}, serialised" if args.compare_serialised else f"{label_a} (again)")
         print(f"sustained A/B: A = {url_a}, B = {url_b} -> {run_dir}", file=sys.stderr)
-        options = {"voice": args.voice, "seed": args.seed, **({"max_frames": args.max_frames} if args.max_frames else {})}
         summary = measure(run_dir, url_a, url_b, label_a, label_b, args.workload,
-                          {"plain": args.plain_corpus, "processed": args.processed_corpus}, args.items, options,
-                          args.concurrency, args.fill_s, args.window_s, args.protocol, args.pause_ms,
-                          not args.no_gpu, args.gpu_ids or None)
+                          {"plain": args.plain_corpus, "processed": args.processed_corpus}, args.items, args.voice,
+                          args.seed, args.max_frames, args.concurrency, args.fill_s, args.window_s, args.protocol,
+                          args.pause_ms, not args.no_gpu, args.gpu_ids or None)
     report = ("not rendered: python -m studies report " + str(run_dir) if args.no_report
               else run_notebook("sustained_ab", {"measured": True}, run_dir))
     names = {"A": label_a, "B": label_b}

@@ -303,11 +303,14 @@ def compare_builds(passes: list[dict]) -> dict:
 
 
 def measure(out: Path, url_a: str, url_b: str, label_a: str, label_b: str, workloads, corpora: dict,
-            items_per_workload: int, options: dict, concurrency: int, fill_s: float, window_s: float,
-            protocol: str = "http", pause_ms: float = PAUSE_MS, gpu: bool = True, gpu_ids: str | None = None) -> dict:
+            items_per_workload: int, voice: str, seed: int, max_frames: int | None, concurrency: int, fill_s: float,
+            window_s: float, protocol: str = "http", pause_ms: float = PAUSE_MS, gpu: bool = True,
+            gpu_ids: str | None = None) -> dict:
     """The whole A/B, each workload's passes and their comparison, written to `out` as records.jsonl and
-    summary.json (what the report draws), and returned. It runs where the servers are; the report is drawn from
-    those files on any machine."""
+    summary.json (what the report draws), and returned. Every request asks for `voice` with `seed`, capped at
+    `max_frames` (None: the model's own end). It runs where the servers are; the report is drawn from those files on
+    any machine."""
+    options = {"voice": voice, "seed": seed, **({"max_frames": max_frames} if max_frames else {})}
     records, results = [], {}
     for workload in workloads:
         items = workload_items(workload, corpora.get(workload), items_per_workload)

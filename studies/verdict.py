@@ -323,16 +323,16 @@ def scaling_text(server: dict) -> str:
             lines.append(f"**What to scale on ({server['label']}, {on}): undecided**: {choice['reason']}.")
             continue
         r = next(r for r in choice["rows"] if r["signal"] == choice["signal"])
-        lines.append(f"**Scale on `{r['signal']}` ({server['label']}, {on})**: scale out when it is {r['scale_out_when']} "
-                     f"{_num(r['threshold'])}. It reads {_num(r['pass_value'])} at load {choice['last_pass_load']:g}, "
+        lines.append(f"**Scale on `{r['signal']}` ({server['label']}, {on})**: scale out when it is "
+                     f"{r['scale_out_when']} {_num(r['threshold'])}. It reads {_num(r['pass_value'])} at load {choice['last_pass_load']:g}, "
                      f"the last that meets {on}, and {_num(r['fail_value'])} at load {choice['first_fail_load']:g}, "
                      f"the first that breaks it: {_num(r['separation'])} times its spread within a load; "
                      f"{_pct(r['fail_beyond_share'])} of load {choice['first_fail_load']:g}'s samples were beyond it.")
     slo = server["scale_signal"]["slo"]
     if slo["fleet_safe_capacity"] is not None:
         lines.append(f"Ray Serve's autoscaler counts open streams per replica, so the fleet takes this threshold: "
-                     f"`qtts-jax cluster --scale-from summary.json` (= `--safe-capacity {_num(slo['fleet_safe_capacity'])}`, "
-                     f"`FLEET_SAFE_CAPACITY` in deploy/rayservice.yaml).")
+                     f"`qtts-jax cluster --scale-from summary.json` (= `--safe-capacity "
+                     f"{_num(slo['fleet_safe_capacity'])}`, `FLEET_SAFE_CAPACITY` in deploy/rayservice.yaml).")
     else:
         lines.append("Ray Serve's autoscaler counts only open streams per replica, and this choice is not that: "
                      "`qtts-jax cluster --scale-from summary.json` falls back to the closed-loop safe capacity; "
